@@ -1,0 +1,44 @@
+"""Per-step batch metadata shared by the model runner, the layers and the kernels.
+
+It sits below the layers so a layer never imports the engine: the engine fills a ForwardBatch, every attention layer
+reads it. Tokens of all scheduled sequences are flattened into one ragged batch of T tokens from B sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute position of each token (draft trees: context length + depth)
+    slot_mapping: torch.Tensor  # [T] int64, cache slot (block * block_size + offset) each token's K/V is written to
+    query_start_loc: torch.Tensor  # [B + 1] int64, cumulative query lengths
+    seq_lens: torch.Tensor  # [B] int64, context length including this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    logits_indices: torch.Tensor  # [N] int64, rows of the hidden states that become logits
+    max_query_len: int
+    max_seq_len: int
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    tree_mask: torch.Tensor | None = None  # [T, max_query_len] bool: query t may see query j of its own sequence
+    attn_metadata: Any = None  # backend-specific tensors built once per step from the fields above (kernels/)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+    def query_lens(self) -> torch.Tensor:
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]

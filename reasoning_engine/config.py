@@ -1,0 +1,195 @@
+"""Model and engine configuration.
+
+A checkpoint's config.json is normalised into one ModelConfig whatever the family or the transformers version that
+wrote it (`rope_scaling` vs `rope_parameters`, Kimi K2.5's `text_config` wrapper), so model code reads one shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v2", "qwen3", "qwen3_moe", "llama")
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def parse_dtype(value: str | torch.dtype) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if value not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(set(_DTYPES))}, got {value!r}")
+    return _DTYPES[value]
+
+
+@dataclass
+class ModelConfig:
+    """The text model's hyper-parameters, family-independent names; `raw` keeps the whole text config."""
+
+    path: Path
+    model_type: str  # as written in config.json (kimi_k2, kimi_k25, deepseek_v3, ...)
+    family: str  # which implementation runs it: deepseek_v3 | deepseek_v2 | qwen3 | qwen3_moe | llama
+    raw: dict[str, Any]
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    torch_dtype: torch.dtype
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    weight_prefix: str = ""  # prefix of the text model's tensors in the checkpoint ("language_model." for kimi_k25)
+    skipped_prefixes: tuple[str, ...] = ()  # checkpoint tensors that are not the text model (vision tower)
+    quantization: dict[str, Any] | None = None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.raw.get(key, default)
+        return default if value is None and default is not None else value
+
+    @property
+    def is_mla(self) -> bool:
+        return self.family in ("deepseek_v3", "deepseek_v2")
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes one token occupies in the KV cache over all layers: MLA keeps only the latent and the rope key."""
+        size = torch.tensor([], dtype=dtype).element_size()
+        if self.is_mla:
+            per_layer = self.raw["kv_lora_rank"] + self.raw["qk_rope_head_dim"]
+        else:
+            per_layer = 2 * self.num_key_value_heads * self.head_dim
+        return per_layer * size * self.num_hidden_layers
+
+
+def load_model_config(path: str | os.PathLike) -> ModelConfig:
+    model_dir = Path(path)
+    config_file = model_dir / "config.json"
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory not found: {model_dir}")
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {model_dir}: not a Hugging Face checkpoint folder")
+    outer = json.loads(config_file.read_text())
+    model_type = outer.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r} in {config_file}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    raw = outer
+    prefix = ""
+    skipped: tuple[str, ...] = ()
+    if model_type == "kimi_k25":
+        if "text_config" not in outer:
+            raise ValueError(f"kimi_k25 config in {config_file} has no text_config")
+        raw = dict(outer["text_config"])
+        prefix = "language_model."
+        skipped = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+        raw.setdefault("quantization_config", outer.get("quantization_config"))
+        raw.setdefault("torch_dtype", outer.get("torch_dtype") or outer.get("dtype"))
+    family = {"kimi_k2": "deepseek_v3", "kimi_k25": "deepseek_v3"}.get(model_type, model_type)
+    theta, scaling = _rope(raw)
+    num_heads = raw["num_attention_heads"]
+    eos = raw.get("eos_token_id", outer.get("eos_token_id"))
+    dtype_name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    return ModelConfig(
+        path=model_dir,
+        model_type=model_type,
+        family=family,
+        raw=raw,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=num_heads,
+        num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=raw.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", outer.get("tie_word_embeddings", False))),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        torch_dtype=parse_dtype(dtype_name) if isinstance(dtype_name, str) and dtype_name in _DTYPES else torch.float32,
+        eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+        bos_token_id=raw.get("bos_token_id"),
+        weight_prefix=prefix,
+        skipped_prefixes=skipped,
+        quantization=raw.get("quantization_config"),
+    )
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Accept both `rope_theta` + `rope_scaling` (published checkpoints) and `rope_parameters` (new transformers)."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = raw.get("rope_theta", 10000.0)
+        scaling = dict(raw.get("rope_scaling") or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type", "default") == "default":
+        return float(theta), None
+    return float(theta), scaling
+
+
+_MEMORY_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
+                 "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30}
+
+
+def parse_memory(value: str | int) -> int:
+    """'2GiB' / '512MB' / 123456 -> bytes."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _MEMORY_UNITS:
+        raise ValueError(f"kv_cache_memory must look like '2GiB' or '512MB', got {value!r}")
+    return int(float(match.group(1)) * _MEMORY_UNITS[match.group(2).lower()])
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs besides the weights; built from LLM(...) keyword arguments."""
+
+    model: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    block_size: int = 16
+    kv_cache_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    seed: int = 0
+    kernel_backend: str = "torch"
+    speculative_config: dict[str, Any] | None = None
+    tokenizer: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
+            raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
+        if self.kernel_backend not in ("torch", "triton"):
+            raise ValueError(f"kernel_backend must be 'torch' or 'triton', got {self.kernel_backend!r}")

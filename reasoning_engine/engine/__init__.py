@@ -1,0 +1,1 @@
+"""The serving engine: requests, paged KV cache, scheduler, model runner and the step loop."""

@@ -1,0 +1,273 @@
+"""LLMEngine: requests in, outputs out. One step = schedule, run, postprocess."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reasoning_engine.config import EngineConfig
+from reasoning_engine.engine.detokenizer import IncrementalDetokenizer
+from reasoning_engine.engine.kv_cache import BlockManager
+from reasoning_engine.engine.model_runner import ModelRunner, StepResult
+from reasoning_engine.engine.request import Request, RequestStatus
+from reasoning_engine.engine.scheduler import Scheduler
+from reasoning_engine.models.registry import build_model
+from reasoning_engine.outputs import CompletionOutput, RequestOutput
+from reasoning_engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The checkpoint's HF tokenizer, or None for a folder without tokenizer files (token-id prompts only)."""
+    folder = Path(path)
+    if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+@dataclass
+class EngineStats:
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage: float
+    free_blocks: int
+    total_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    spec_decode: dict[str, float] = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = config.model
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model.path)
+        self.model = build_model(config.model, config.dtype, config.device, config.max_model_len)
+        self.runner = ModelRunner(config, self.model)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len)
+        self.groups: dict[str, list[Request]] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.eos_token_ids = frozenset(self._eos_ids())
+        self.think_start_id = self._token_id("<think>")
+        self.think_end_id = self._token_id("</think>")
+        self.num_preemptions = 0
+        self._ids = itertools.count()
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.model_config.eos_token_ids)
+        gen_config = self.model_config.path / "generation_config.json"
+        if gen_config.is_file():
+            import json
+
+            eos = json.loads(gen_config.read_text()).get("eos_token_id")
+            ids |= {eos} if isinstance(eos, int) else set(eos or [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def _token_id(self, token: str) -> int | None:
+        if self.tokenizer is None:
+            return None
+        ids = self.tokenizer.convert_tokens_to_ids([token])
+        return ids[0] if ids and ids[0] != self.tokenizer.unk_token_id and ids[0] is not None else None
+
+    # ---- requests ----
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this checkpoint has no tokenizer; pass {'prompt_token_ids': [...]}")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None, capture_logits: bool = False) -> str:
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self.tokenize(prompt)
+        self._validate(token_ids, params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        thinking = self._starts_in_thinking(token_ids)
+        group = []
+        for index in range(params.n):
+            request = Request(seq_id=f"{request_id}#{index}", group_id=request_id, index=index, prompt=text,
+                              prompt_token_ids=token_ids, params=params, eos_token_ids=self.eos_token_ids,
+                              arrival_time=arrival, thinking=thinking, capture_logits=capture_logits)
+            group.append(request)
+            self.detokenizers[request.seq_id] = IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.skip_special_tokens, params.stop_strings, params.include_stop_str_in_output)
+            self.scheduler.add(request)
+        self.groups[request_id] = group
+        return request_id
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        limit = self.config.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(f"prompt is {len(token_ids)} tokens, the model's context is {limit} (max_model_len)")
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
+            raise ValueError(f"max_tokens: prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"exceeds max_model_len ({limit})")
+
+    def _starts_in_thinking(self, token_ids: list[int]) -> bool:
+        """The prompt opened a <think> section that it did not close (templates with thinking on)."""
+        if self.think_start_id is None:
+            return False
+        for token in reversed(token_ids):
+            if token == self.think_end_id:
+                return False
+            if token == self.think_start_id:
+                return True
+        return False
+
+    def abort_request(self, request_id: str) -> None:
+        for request in self.groups.pop(request_id, []):
+            if not request.is_finished:
+                self.scheduler.finish(request)
+                request.finish_reason = "abort"
+            self.detokenizers.pop(request.seq_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- the step ----
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        self.num_preemptions += len(plan.preempted)
+        if not plan.scheduled:
+            return []
+        now = time.monotonic()
+        forced = {i: self.think_end_id for i, s in enumerate(plan.scheduled) if self._budget_spent(s.request)}
+        results = self.runner.execute(plan.scheduled, forced)
+        touched: dict[str, None] = {}
+        for item, result in zip(plan.scheduled, results):
+            request = item.request
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            self._postprocess(request, item.num_tokens, result)
+            touched[request.group_id] = None
+        return [self._output(group_id) for group_id in touched if group_id in self.groups]
+
+    def _budget_spent(self, request: Request) -> bool:
+        budget = request.params.thinking_token_budget
+        return budget is not None and request.thinking and request.thinking_tokens >= budget and self.think_end_id is not None
+
+    def _postprocess(self, request: Request, num_tokens: int, result: StepResult) -> None:
+        blocks_before = request.num_computed_tokens // self.config.block_size
+        was_prefilling = request.num_computed_tokens < request.num_prompt_tokens
+        request.num_computed_tokens += num_tokens
+        if result.prompt_logprobs is not None:
+            if request.prompt_logprobs is None:
+                request.prompt_logprobs = [None]
+            request.prompt_logprobs.extend(result.prompt_logprobs)
+        if result.token_id is None:
+            self.block_manager.cache_full_blocks(request, blocks_before)
+            return
+        if was_prefilling and request.index == 0:
+            self.scheduler.prompt_done(request)
+        if result.logits is not None:
+            request.captured_logits = result.logits
+        self._append_token(request, result)
+        self.block_manager.cache_full_blocks(request, blocks_before)
+        if request.is_finished:
+            self.scheduler.finish(request)
+
+    def _append_token(self, request: Request, result: StepResult) -> None:
+        token = result.token_id
+        now = time.monotonic()
+        request.output_token_ids.append(token)
+        request.cumulative_logprob += result.logprob
+        if request.logprobs is not None and result.logprobs is not None:
+            request.logprobs.append(result.logprobs)
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        request.metrics.last_token_time = now
+        if request.thinking:
+            if token == self.think_end_id:
+                request.thinking = False
+            else:
+                request.thinking_tokens += 1
+        elif token == self.think_start_id:
+            request.thinking = True
+        stop = self.detokenizers[request.seq_id].append([token])
+        params = request.params
+        if stop is not None:
+            self._finish(request, "stop", stop)
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            self._finish(request, "stop", None)
+        elif token in params.stop_token_ids and len(request.output_token_ids) >= params.min_tokens:
+            self._finish(request, "stop", token)
+        elif params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens:
+            self._finish(request, "length", None)
+        elif request.num_tokens >= self.config.max_model_len:
+            self._finish(request, "length", None)
+
+    def _finish(self, request: Request, reason: str, stop_reason: int | str | None) -> None:
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        request.status = RequestStatus.FINISHED
+        request.metrics.finished_time = time.monotonic()
+
+    def _output(self, group_id: str) -> RequestOutput:
+        group = self.groups[group_id]
+        outputs = []
+        for request in group:
+            detok = self.detokenizers[request.seq_id]
+            outputs.append(CompletionOutput(
+                index=request.index,
+                text=detok.visible_text(request.is_finished),
+                token_ids=list(request.output_token_ids),
+                cumulative_logprob=request.cumulative_logprob if request.params.logprobs is not None else None,
+                logprobs=request.logprobs,
+                finish_reason=request.finish_reason,
+                stop_reason=request.stop_reason,
+            ))
+        first = group[0]
+        finished = all(r.is_finished for r in group)
+        out = RequestOutput(
+            request_id=group_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids, outputs=outputs,
+            finished=finished, num_cached_tokens=first.num_cached_tokens, prompt_logprobs=first.prompt_logprobs,
+            metrics=first.metrics, spec_accepted_tokens=sum(r.spec_accepted_tokens for r in group),
+            spec_draft_tokens=sum(r.spec_draft_tokens for r in group))
+        if first.capture_logits:
+            out.extra["logits"] = first.captured_logits
+        if finished:
+            for request in group:
+                self.detokenizers.pop(request.seq_id, None)
+            del self.groups[group_id]
+        return out
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_requests_running=len(self.scheduler.running), num_requests_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=bm.usage, free_blocks=bm.num_free_blocks, total_blocks=bm.num_blocks,
+            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits, num_preemptions=self.num_preemptions)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

@@ -1,0 +1,124 @@
+"""Paged KV-cache bookkeeping (PagedAttention, Kwon et al., 2023, arXiv:2309.06180) with prefix caching.
+
+Blocks hold `block_size` tokens. A full block is keyed by the hash of its tokens chained to the hash of the block
+before it, so a key names a whole prefix; requests with a common prefix share those blocks (reference counted). A block whose last
+user leaves goes to the back of the free queue but keeps its key, so it can still be hit until it is reused: eviction
+is least-recently-freed first, and only ever of unreferenced blocks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from reasoning_engine.engine.request import Request
+
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_keys: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free_queue) / self.num_blocks
+
+    def blocks_needed(self, request: Request, num_tokens: int) -> int:
+        total = (request.num_computed_tokens + num_tokens + self.block_size - 1) // self.block_size
+        return max(0, total - len(request.block_table))
+
+    def can_allocate(self, request: Request, num_tokens: int) -> bool:
+        return self.blocks_needed(request, num_tokens) <= len(self.free_queue)
+
+    def match_prefix(self, request: Request) -> None:
+        """On first scheduling: take the cached blocks of the longest computed prefix (leaving >= 1 token to run)."""
+        tokens = request.all_token_ids
+        self.prefix_queries += len(tokens)
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return
+        hits: list[int] = []
+        for i in range((len(tokens) - 1) // self.block_size):
+            block = self.cached.get(self._block_hash(request, i, tokens))
+            if block is None:
+                break
+            hits.append(block)
+        for block in hits:
+            self._take(block)
+        request.block_table = hits
+        request.num_computed_tokens = len(hits) * self.block_size
+        request.num_cached_tokens = request.num_computed_tokens
+        self.prefix_hits += request.num_computed_tokens
+
+    def allocate(self, request: Request, num_tokens: int) -> None:
+        """Grow the block table to hold num_computed_tokens + num_tokens tokens (caller checked can_allocate)."""
+        for _ in range(self.blocks_needed(request, num_tokens)):
+            block, _ = self.free_queue.popitem(last=False)
+            key = self.block_keys[block]
+            if key is not None:  # evict: the block is reused for other tokens
+                del self.cached[key]
+                self.block_keys[block] = None
+            self.ref_counts[block] = 1
+            request.block_table.append(block)
+
+    def free(self, request: Request) -> None:
+        """Release all of a request's blocks; the tail is freed first so shared prefixes are evicted last."""
+        for block in reversed(request.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+        request.block_table = []
+        request.num_computed_tokens = 0
+
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Keep only the blocks holding the first num_tokens tokens (drops rejected draft tokens' blocks)."""
+        keep = (num_tokens + self.block_size - 1) // self.block_size
+        for block in reversed(request.block_table[keep:]):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+        del request.block_table[keep:]
+
+    def cache_full_blocks(self, request: Request, start_block: int = 0) -> None:
+        """Register blocks from start_block that are now full of computed tokens, so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        if full <= start_block:
+            return
+        tokens = request.all_token_ids
+        for i in range(start_block, full):
+            key = self._block_hash(request, i, tokens)
+            block = request.block_table[i]
+            if self.block_keys[block] is None and key not in self.cached:
+                self.block_keys[block] = key
+                self.cached[key] = block
+
+    def _block_hash(self, request: Request, index: int, tokens: list[int]) -> int:
+        """Chained hash of block `index` of the request's tokens, memoised on the request (tokens never change)."""
+        hashes = request.block_hashes
+        while len(hashes) <= index:
+            i = len(hashes)
+            hashes.append(hash((hashes[-1] if i else None, tuple(tokens[i * self.block_size : (i + 1) * self.block_size]))))
+        return hashes[index]
+
+    def reset_prefix_cache(self) -> None:
+        for block, key in enumerate(self.block_keys):
+            if key is not None and self.ref_counts[block] == 0:
+                del self.cached[key]
+                self.block_keys[block] = None
+
+    def _take(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free_queue[block]
+        self.ref_counts[block] += 1

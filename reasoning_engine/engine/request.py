@@ -1,0 +1,84 @@
+"""One sequence being generated: its tokens, KV blocks, decoding state and text."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from reasoning_engine.outputs import Logprob, RequestMetrics
+from reasoning_engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """A single sequence. A prompt with n > 1 becomes n Requests sharing `group_id`; sample i has `index` i."""
+
+    seq_id: str
+    group_id: str
+    index: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks seen so far
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first scheduling
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    cumulative_logprob: float = 0.0
+    generator: torch.Generator | None = None
+    thinking: bool = False  # inside a <think> section: counts against thinking_token_budget
+    thinking_tokens: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    capture_logits: bool = False
+    captured_logits: torch.Tensor | None = None
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed + self.index)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1

@@ -1,0 +1,126 @@
+"""Continuous batching (Orca, Yu et al., 2022) with chunked prefill and preemption by recomputation.
+
+Each step first gives every running request its next tokens (a decode token, the rest of a prefill, or a draft to
+verify), then admits waiting requests first-come-first-served while the token budget, the sequence cap and the free
+blocks allow. When blocks run out, the newest running request is preempted: its blocks are freed and it goes back to
+the front of the waiting queue to be recomputed later. Nothing is dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from reasoning_engine.engine.kv_cache import BlockManager
+from reasoning_engine.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens run this step, starting at request.num_computed_tokens (drafts included)
+    num_draft_tokens: int = 0
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.prefilling_groups: set[str] = set()  # n > 1: siblings wait until sample 0 has its prompt cached
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            draft = len(request.draft_token_ids)
+            num_tokens = request.num_tokens - request.num_computed_tokens + draft
+            if num_tokens > budget:
+                num_tokens, draft = (budget, 0) if request.is_prefilling else (1, 0)
+                if num_tokens > budget:
+                    break
+            if not self._reserve(request, num_tokens, out):
+                continue
+            out.scheduled.append(ScheduledRequest(request, num_tokens, draft))
+            budget -= num_tokens
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if request.group_id in self.prefilling_groups and request.index > 0:
+                break  # keep FCFS: the siblings share sample 0's prompt blocks once they are computed
+            if not request.block_table:
+                self.blocks.match_prefix(request)
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.blocks.can_allocate(request, num_tokens):
+                self.blocks.free(request)  # give back prefix-cache hits; matched again next time
+                break
+            self.blocks.allocate(request, num_tokens)
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            if request.params.n > 1 and request.index == 0:
+                self.prefilling_groups.add(request.group_id)
+            out.scheduled.append(ScheduledRequest(request, num_tokens))
+            budget -= num_tokens
+        return out
+
+    def _reserve(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Allocate blocks for a running request, preempting the newest others (or itself) until they fit."""
+        while not self.blocks.can_allocate(request, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        self.blocks.allocate(request, num_tokens)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.blocks.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        request.draft_token_ids = []
+        # back to the waiting queue in arrival order, ahead of everything that arrived later
+        index = 0
+        while index < len(self.waiting) and self.waiting[index].arrival_time <= request.arrival_time:
+            index += 1
+        self.waiting.insert(index, request)
+
+    def prompt_done(self, request: Request) -> None:
+        """Sample 0 of a group finished its prompt: its siblings can now reuse the cached blocks."""
+        self.prefilling_groups.discard(request.group_id)
+
+    def finish(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.blocks.free(request)
+        request.status = RequestStatus.FINISHED
+        self.prefilling_groups.discard(request.group_id)

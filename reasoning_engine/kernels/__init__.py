@@ -1,0 +1,43 @@
+"""Compute kernels. Each family has a plain torch module (the reference, and the path used on CPU) and a Triton module
+whose functions take the same arguments, so a layer picks its implementation once from `kernel_backend`.
+
+| family    | torch reference        | Triton                    |
+|-----------|------------------------|---------------------------|
+| attention | `attention.py`         | `triton_attention.py`     |
+| moe       | `fused_moe.py`         | `triton_moe.py`           |
+| norm      | `norm.py`              | `triton_norm.py`          |
+| rotary    | `rotary.py`            | `triton_rotary.py`        |
+| sampling  | `sampling.py`          | `triton_sampling.py`      |
+
+Triton is imported only by the `triton_*` modules, so the package imports where Triton is absent.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from types import ModuleType
+
+_MODULES = {
+    "attention": ("attention", "triton_attention"),
+    "moe": ("fused_moe", "triton_moe"),
+    "norm": ("norm", "triton_norm"),
+    "rotary": ("rotary", "triton_rotary"),
+    "sampling": ("sampling", "triton_sampling"),
+}
+
+
+def triton_available() -> bool:
+    """True when the `triton` package can be imported (it may still need TRITON_INTERPRET=1 without a GPU)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def kernel_module(family: str, backend: str) -> ModuleType:
+    """The module implementing `family` ("attention", "moe", "norm", "rotary", "sampling") for `backend`
+    ("torch" or "triton"); imported on first use so Triton is loaded only when asked for."""
+    if family not in _MODULES:
+        raise ValueError(f"unknown kernel family {family!r}; expected one of {sorted(_MODULES)}")
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"kernel backend must be 'torch' or 'triton', got {backend!r}")
+    name = _MODULES[family][backend == "triton"]
+    return importlib.import_module(f"{__name__}.{name}")

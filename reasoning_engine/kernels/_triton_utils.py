@@ -1,0 +1,38 @@
+"""Small helpers shared by the Triton wrappers and kernels (imported only by `triton_*` modules)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+
+def pow2(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum): Triton block shapes must be powers of two."""
+    return max(triton.next_power_of_2(max(int(n), 1)), minimum)
+
+
+def dot_mode(dtype: torch.dtype) -> str:
+    """How `mma` multiplies tiles of `dtype`. float32 runs in full precision ("ieee") so the Triton path matches the
+    torch reference; half types use the tensor cores ("tf32" is Triton's default and affects only float32 operands).
+    Triton's CPU interpreter multiplies bfloat16 tiles as their raw 16-bit patterns, so there ("widen") bfloat16
+    operands are converted to float32 first; compiled kernels never take that branch."""
+    if dtype == torch.float32:
+        return "ieee"
+    if dtype == torch.bfloat16 and knobs.runtime.interpret:
+        return "widen"
+    return "tf32"
+
+
+@triton.jit
+def mma(a, b, MODE: tl.constexpr):
+    """a @ b with float32 accumulation, as chosen by `dot_mode`."""
+    if MODE == "widen":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=MODE)
+
+
+def num_warps_for(block_elems: int) -> int:
+    """Warps for a program whose widest tile has `block_elems` elements: enough threads to cover it in a few passes."""
+    return 1 if block_elems <= 256 else 2 if block_elems <= 1024 else 4 if block_elems <= 4096 else 8

@@ -1,0 +1,112 @@
+"""Paged attention in plain torch: the CPU path and the reference the Triton kernels are tested against.
+
+Each step's ragged batch is gathered once into a padded [B, Qmax] x [B, L] problem and handed to
+`scaled_dot_product_attention` with a boolean mask. The mask and gather indices depend only on the batch, so they are
+built once per step (`prepare_torch_attention`) and reused by every layer. Grouped heads are folded into the query
+axis, so K/V are never repeated per head, and MLA's single latent head is the same problem with one KV head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from reasoning_engine.batch import ForwardBatch
+
+
+@dataclass
+class TorchAttentionMetadata:
+    kv_index: torch.Tensor  # [B, L] cache slot of each context position (0 where beyond the sequence)
+    mask: torch.Tensor  # [B, Qmax, L] bool, True where a query may attend
+    query_rows: torch.Tensor  # [T] position of each token in the padded [B * Qmax] query layout
+    padded: bool  # False when every sequence has exactly Qmax query tokens (no scatter needed)
+
+
+def write_kv_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store each token's K/V (or MLA latent) at its slot. cache: [num_blocks, block_size, ...]; values: [T, ...]."""
+    if values.shape[0]:
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, values.to(cache.dtype))
+
+
+def prepare_torch_attention(batch: ForwardBatch, block_size: int) -> TorchAttentionMetadata:
+    """Gather indices and the causal (or draft-tree) mask of one step, shared by all layers."""
+    device = batch.block_tables.device
+    num_seqs, qmax, max_len = batch.num_seqs, batch.max_query_len, batch.max_seq_len
+    positions = torch.arange(max_len, device=device)
+    blocks = batch.block_tables[:, : (max_len + block_size - 1) // block_size].long()
+    kv_index = (blocks.repeat_interleave(block_size, dim=1)[:, :max_len] * block_size) + (positions % block_size)
+    seq_lens = batch.seq_lens.view(-1, 1)
+    query_lens = batch.query_lens().view(-1, 1)
+    context_lens = seq_lens - query_lens
+    kv_index = torch.where(positions.view(1, -1) < seq_lens, kv_index, torch.zeros_like(kv_index))
+    qpos = torch.arange(qmax, device=device).view(1, -1)
+    # query i of sequence b sits at context_lens[b] + i and sees keys up to itself
+    mask = positions.view(1, 1, -1) <= (context_lens + qpos).unsqueeze(-1)
+    mask &= qpos.unsqueeze(-1) < query_lens.unsqueeze(-1)
+    query_rows = torch.cat([torch.arange(n, device=device) + b * qmax for b, n in enumerate(batch.query_lens_cpu)]) if num_seqs else torch.zeros(0, dtype=torch.long, device=device)
+    if batch.tree_mask is not None:
+        mask = _apply_tree_mask(mask, batch, context_lens, query_rows)
+    # padding query rows see key 0 so softmax stays finite; their outputs are dropped
+    mask[:, :, 0] |= ~(qpos < query_lens)
+    padded = any(n != qmax for n in batch.query_lens_cpu)
+    return TorchAttentionMetadata(kv_index=kv_index, mask=mask, query_rows=query_rows, padded=padded)
+
+
+def _apply_tree_mask(mask: torch.Tensor, batch: ForwardBatch, context_lens: torch.Tensor, query_rows: torch.Tensor) -> torch.Tensor:
+    """Within the step's own tokens, allow only draft-tree ancestors (and self) instead of the causal prefix."""
+    num_seqs, qmax, max_len = mask.shape
+    tree = torch.zeros(num_seqs * qmax, qmax, dtype=torch.bool, device=mask.device)
+    tree[query_rows] = batch.tree_mask[:, :qmax]
+    tree = tree.view(num_seqs, qmax, qmax)
+    key_offset = torch.arange(max_len, device=mask.device).view(1, -1) - context_lens  # [B, L] index into the step's tokens
+    in_step = (key_offset >= 0) & (key_offset < qmax)
+    gathered = torch.gather(tree, 2, key_offset.clamp(0, qmax - 1).unsqueeze(1).expand(-1, qmax, -1))
+    return torch.where(in_step.unsqueeze(1), gathered & mask, mask)
+
+
+def _to_padded(x: torch.Tensor, meta: TorchAttentionMetadata, num_seqs: int, qmax: int) -> torch.Tensor:
+    if not meta.padded:
+        return x.view(num_seqs, qmax, *x.shape[1:])
+    out = x.new_zeros(num_seqs * qmax, *x.shape[1:])
+    out[meta.query_rows] = x
+    return out.view(num_seqs, qmax, *x.shape[1:])
+
+
+def _from_padded(x: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
+    flat = x.reshape(-1, *x.shape[2:])
+    return flat[meta.query_rows] if meta.padded else flat
+
+
+def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, Qmax, H, D], k [B, L, KVH, D], v [B, L, KVH, Dv] -> [B, Qmax, H, Dv], heads folded into the query axis."""
+    num_seqs, qmax, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    qg = q.view(num_seqs, qmax, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, qmax * group, head_dim)
+    m = mask.unsqueeze(2).expand(-1, -1, group, -1).reshape(num_seqs, 1, qmax * group, -1)
+    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=m, scale=scale)
+    return out.view(num_seqs, num_kv_heads, qmax, group, -1).permute(0, 2, 1, 3, 4).reshape(num_seqs, qmax, num_heads, -1)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, meta: TorchAttentionMetadata, scale: float
+) -> torch.Tensor:
+    """GQA over the paged cache. q [T, H, D]; caches [num_blocks, block_size, KVH, D]; returns [T, H, Dv]."""
+    num_seqs, qmax = batch.num_seqs, batch.max_query_len
+    k = k_cache.view(-1, *k_cache.shape[2:])[meta.kv_index]
+    v = v_cache.view(-1, *v_cache.shape[2:])[meta.kv_index]
+    out = _grouped_sdpa(_to_padded(q, meta, num_seqs, qmax), k, v, meta.mask, scale)
+    return _from_padded(out, meta)
+
+
+def paged_latent_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, latent_dim: int, batch: ForwardBatch, meta: TorchAttentionMetadata, scale: float
+) -> torch.Tensor:
+    """MLA in absorbed form: one shared latent head. q [T, H, latent + rope]; cache [num_blocks, block_size,
+    latent + rope] whose first `latent_dim` channels are also the values; returns [T, H, latent]."""
+    num_seqs, qmax = batch.num_seqs, batch.max_query_len
+    kv = kv_cache.view(-1, kv_cache.shape[-1])[meta.kv_index].unsqueeze(2)
+    out = _grouped_sdpa(_to_padded(q, meta, num_seqs, qmax), kv, kv[..., :latent_dim], meta.mask, scale)
+    return _from_padded(out, meta)

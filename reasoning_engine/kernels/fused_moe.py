@@ -1,0 +1,143 @@
+"""Mixture-of-experts in plain torch: the DeepSeek-V3 noaux_tc router, the expert MLPs (bf16/fp16/fp32, W4A16 INT4
+pack-quantized, block FP8) and the token-to-expert sort the grouped GEMM consumes. The CPU path and the reference for
+`triton_moe`.
+
+Weight layouts (per expert e, rows are output channels, as in the checkpoints):
+- w13 [E, 2I, H]: gate_proj rows then up_proj rows; w2 [E, H, I]. Expert output = w2 @ (silu(gate) * up).
+- "w4a16" (Kimi K2/K2.5 compressed-tensors pack-quantized, symmetric): w13 int32 [E, 2I, H/8], w2 int32 [E, H, I/8],
+  eight 4-bit values per int32, lowest nibble first, each stored as q + 8; scales [E, out, in/group_size]
+  (group_size 32); weight = (nibble - 8) * scale.
+- "fp8_block" (DeepSeek-V3): float8_e4m3fn weights [E, out, in] with float32 scales [E, ceil(out/bn), ceil(in/bk)]
+  for block_shape (bn, bk) = (128, 128); weight = w_fp8 * scale of its block, edge blocks partial. w13's scales are
+  the gate's rows of blocks followed by the up's ([E, 2 * ceil(I/bn), ceil(H/bk)]), so I need not divide bn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class MoEQuant:
+    """Quantized expert weights' scales and format; `fused_moe(..., quant=None)` means w13/w2 are plain floats."""
+
+    method: str  # "w4a16" or "fp8_block"
+    w13_scale: torch.Tensor
+    w2_scale: torch.Tensor
+    group_size: int = 32  # w4a16: input channels sharing one scale
+    block_shape: tuple[int, int] = (128, 128)  # fp8_block: (output, input) channels sharing one scale
+
+    def __post_init__(self) -> None:
+        if self.method not in ("w4a16", "fp8_block"):
+            raise ValueError(f"MoEQuant.method must be 'w4a16' or 'fp8_block', got {self.method!r}")
+
+
+def noaux_tc_router(
+    router_logits: torch.Tensor,
+    e_score_correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's auxiliary-loss-free routing (DeepSeek-AI, 2024, "DeepSeek-V3 Technical Report", sec. 2.1.2),
+    with the semantics of transformers' DeepseekV3TopkRouter: sigmoid scores; the correction bias only steers the
+    choice; each group is scored by the sum of its two best biased scores and only the best `topk_group` groups stay
+    eligible; the chosen experts are weighted by their unbiased scores, optionally renormalised, then scaled.
+    router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int32), best first."""
+    scores = router_logits.float().sigmoid()
+    biased = scores + e_score_correction_bias.float()
+    tokens, num_experts = biased.shape
+    grouped = biased.view(tokens, n_group, num_experts // n_group)
+    group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+    keep_groups = group_scores.topk(topk_group, dim=-1).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep_groups, True)
+    eligible = group_mask.unsqueeze(-1).expand_as(grouped).reshape(tokens, num_experts)
+    topk_ids = biased.masked_fill(~eligible, float("-inf")).topk(top_k, dim=-1).indices
+    weights = scores.gather(1, topk_ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, topk_ids.to(torch.int32)
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the T*k (token, choice) pairs by expert so a grouped GEMM can take each expert's rows in tiles of
+    block_m. Pair p = t * k + j. Each expert's pairs keep their order and its segment is padded to a multiple of
+    block_m with the sentinel T*k. Sizes are bounds known without reading the ids (no device sync):
+    returns sorted_ids [P] int32 with P = T*k + min(E, T*k) * (block_m - 1), expert_ids [P / block_m] int32
+    (-1 for tiles past the end), num_tokens_post_pad [1] int32 (rows actually used)."""
+    flat = topk_ids.flatten().long()
+    pairs = flat.numel()
+    capacity = pairs + min(num_experts, pairs) * (block_m - 1)
+    capacity = -(-capacity // block_m) * block_m
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = padded.cumsum(0) - padded
+    order = torch.sort(flat, stable=True).indices
+    rank = torch.arange(pairs, device=flat.device) - (counts.cumsum(0) - counts)[flat[order]]
+    sorted_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=flat.device)
+    sorted_ids[starts[flat[order]] + rank] = order.to(torch.int32)
+    expert_ids = torch.full((capacity // block_m,), -1, dtype=torch.int32, device=flat.device)
+    used = torch.repeat_interleave(torch.arange(num_experts, device=flat.device, dtype=torch.int32), padded // block_m)
+    expert_ids[: used.numel()] = used
+    return sorted_ids, expert_ids, padded.sum().to(torch.int32).view(1)
+
+
+def dequantize_int4_packed(packed: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[..., out, in/8] int32 + [..., out, in/group] -> [..., out, in] in scale's dtype (compressed-tensors
+    pack-quantized: lowest nibble first, stored offset by +8)."""
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF
+    q = (nibbles - 8).flatten(-2)
+    return (q.float() * scale.float().repeat_interleave(group_size, dim=-1)[..., : q.shape[-1]]).to(scale.dtype)
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block_shape: tuple[int, int]) -> torch.Tensor:
+    """[..., out, in] float8 + [..., ceil(out/bn), ceil(in/bk)] float32 -> [..., out, in] float32."""
+    out_ch, in_ch = weight.shape[-2:]
+    bn, bk = block_shape
+    full = scale_inv.float().repeat_interleave(bn, dim=-2)[..., :out_ch, :].repeat_interleave(bk, dim=-1)[..., :in_ch]
+    return weight.float() * full
+
+
+def _dense_expert_weights(w13: torch.Tensor, w2: torch.Tensor, quant: MoEQuant | None, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    if quant is None:
+        return w13[expert].to(dtype), w2[expert].to(dtype)
+    if quant.method == "w4a16":
+        return (
+            dequantize_int4_packed(w13[expert], quant.w13_scale[expert], quant.group_size).to(dtype),
+            dequantize_int4_packed(w2[expert], quant.w2_scale[expert], quant.group_size).to(dtype),
+        )
+    inter = w13.shape[1] // 2
+    gate_blocks = -(-inter // quant.block_shape[0])
+    s13 = quant.w13_scale[expert]
+    gate = dequantize_fp8_block(w13[expert, :inter], s13[:gate_blocks], quant.block_shape)
+    up = dequantize_fp8_block(w13[expert, inter:], s13[gate_blocks:], quant.block_shape)
+    return torch.cat([gate, up]).to(dtype), dequantize_fp8_block(w2[expert], quant.w2_scale[expert], quant.block_shape).to(dtype)
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    quant: MoEQuant | None = None,
+) -> torch.Tensor:
+    """Routed experts: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]). hidden [T, H] -> [T, H].
+    Loops over the experts that received tokens, one dense GEMM pair each (weights dequantized per expert)."""
+    tokens, top_k = topk_ids.shape
+    out = torch.zeros(tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    flat = topk_ids.flatten().long()
+    for expert in flat.unique().tolist():
+        pairs = (flat == expert).nonzero().squeeze(1)
+        rows = pairs // top_k
+        g13, g2 = _dense_expert_weights(w13, w2, quant, expert, hidden.dtype)
+        gate, up = F.linear(hidden[rows], g13).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, g2).float() * topk_weights.flatten()[pairs].float().unsqueeze(1)
+        out.index_add_(0, rows, y)
+    return out.to(hidden.dtype)

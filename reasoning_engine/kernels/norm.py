@@ -1,0 +1,24 @@
+"""RMSNorm (Zhang & Sennrich, 2019, "Root Mean Square Layer Normalization") in plain torch, optionally fused with the
+residual add that precedes it in every pre-norm transformer block. The CPU path and the reference for `triton_norm`.
+
+Rounding follows transformers' RMSNorm: the residual sum is rounded to the activation dtype, the statistics are taken in
+float32, the normalised value is rounded to the activation dtype before the weight is applied.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H] (rows may be strided), weight [H] -> [T, H] in x's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.to(x.dtype) * h.to(x.dtype)).to(x.dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual): the new residual stream and the next sublayer's input, in one
+    pass over memory on the Triton path."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed

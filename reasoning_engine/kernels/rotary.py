@@ -1,0 +1,38 @@
+"""Rotary position embedding (Su et al., 2021, "RoFormer") applied to q and k, in plain torch: the CPU path and the
+reference for `triton_rotary`.
+
+Tables: `cos` and `sin` are [max_positions, rot_dim // 2] float32, one angle per rotated pair, with any scaling
+(llama3, yarn, including yarn's attention factor) already folded in by the layer that builds them. The first `rot_dim`
+channels of each head are rotated, the rest pass through unchanged.
+
+Layouts:
+- neox (`interleaved=False`): pair i is (x[i], x[i + rot_dim/2]) ("rotate half"); output keeps that layout.
+- interleaved (`interleaved=True`, DeepSeek/Kimi): pair i is (x[2i], x[2i+1]). The output is written de-interleaved,
+  [rotated evens | rotated odds], exactly as transformers' `apply_rotary_pos_emb_interleave` returns it. Since q and k
+  get the same channel permutation, q·k is unchanged; the permuted k_pe is what goes into the KV cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    half = cos.shape[-1]
+    rot = x[..., : 2 * half].float()
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+    else:
+        x1, x2 = rot[..., :half], rot[..., half:]
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return torch.cat([rotated, x[..., 2 * half :]], dim=-1)
+
+
+def apply_rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T]; q [T, Hq, D], k [T, Hk, D] (may be strided views); cos/sin [max_pos, rot_dim // 2] float32.
+    Returns new contiguous (q, k) with the first rot_dim channels of every head rotated by its token's angle."""
+    c = cos[positions].unsqueeze(1)
+    s = sin[positions].unsqueeze(1)
+    return _rotate(q, c, s, interleaved), _rotate(k, c, s, interleaved)

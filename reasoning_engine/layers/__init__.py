@@ -1,0 +1,1 @@
+"""Building blocks of the models: each layer reads the step's ForwardBatch and never imports the engine."""

@@ -1,0 +1,116 @@
+"""Attention layers over the paged KV cache: grouped-query attention (Llama, Qwen3) and DeepSeek's multi-head latent
+attention (MLA, DeepSeek-AI 2024, arXiv:2405.04434).
+
+MLA caches only the compressed latent c_kv and the shared rotary key k_pe per token. Attention runs in the absorbed
+form: W_UK is folded into the query and W_UV applied after attention, so the cache is never expanded to per-head K/V.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from reasoning_engine.batch import ForwardBatch
+from reasoning_engine.kernels.attention import paged_attention, paged_latent_attention, write_kv_cache
+from reasoning_engine.layers.norm import RMSNorm
+from reasoning_engine.layers.rotary import RotaryEmbedding
+
+
+class GQAttention(nn.Module):
+    """Fused QKV projection, optional per-head q/k RMSNorm (Qwen3), RoPE, paged attention, output projection."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding,
+                 bias: bool = False, qk_norm_eps: float | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.qkv_proj = nn.Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.rotary = rotary
+        self.scale = head_dim**-0.5
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return [shape, shape]
+
+    def bind_cache(self, caches: list[torch.Tensor]) -> None:
+        self.k_cache, self.v_cache = caches
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(
+            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        write_kv_cache(self.k_cache, k, batch.slot_mapping)
+        write_kv_cache(self.v_cache, v, batch.slot_mapping)
+        out = paged_attention(q, self.k_cache, self.v_cache, batch, batch.attn_metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention with an optional low-rank query (q_lora_rank) and the absorbed decode form."""
+
+    def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rotary: RotaryEmbedding,
+                 eps: float, softmax_scale: float, bias: bool = False) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        qk_dim = qk_nope_head_dim + qk_rope_head_dim
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden_size, num_heads * qk_dim, bias=False)
+            self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
+        else:
+            # q_a_proj and kv_a_proj_with_mqa read the same input: one fused matmul
+            self.fused_qkv_a_proj = nn.Linear(hidden_size, q_lora_rank + kv_lora_rank + qk_rope_head_dim, bias=bias)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps)
+            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * qk_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+        self.rotary = rotary
+        self.scale = softmax_scale
+        self.w_uk: torch.Tensor | None = None  # [H, nope, latent]
+        self.w_uv: torch.Tensor | None = None  # [H, latent, v]
+        self.kv_cache: torch.Tensor | None = None
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        return [(num_blocks, block_size, self.kv_lora_rank + self.rope_dim)]
+
+    def bind_cache(self, caches: list[torch.Tensor]) -> None:
+        (self.kv_cache,) = caches
+
+    def process_weights_after_loading(self) -> None:
+        """Split kv_b_proj into the per-head up-projections the absorbed form multiplies by."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        self.w_uk = w[:, : self.nope_dim, :].contiguous()
+        self.w_uv = w[:, self.nope_dim :, :].transpose(1, 2).contiguous()
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+            kv_a = self.kv_a_proj_with_mqa(x)
+        else:
+            q_a, kv_a = self.fused_qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
+        q = q.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
+        write_kv_cache(self.kv_cache, torch.cat([c_kv, k_pe.squeeze(1)], dim=-1), batch.slot_mapping)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, latent]
+        out_latent = paged_latent_attention(torch.cat([q_latent, q_pe], dim=-1), self.kv_cache, self.kv_lora_rank,
+                                            batch, batch.attn_metadata, self.scale)
+        out = torch.bmm(out_latent.transpose(0, 1), self.w_uv).transpose(0, 1)  # [T, H, v]
+        return self.o_proj(out.reshape(num_tokens, -1))

@@ -1,0 +1,120 @@
+"""Mixture-of-Experts: routers of the supported families and stacked experts.
+
+Routing follows each family's published definition:
+- DeepSeek-V3 / Kimi K2 `noaux_tc` (arXiv:2412.19437): sigmoid scores; a per-expert correction bias is added for the
+  choice only; experts are chosen inside the `topk_group` best groups (group score = sum of its top-2 biased scores);
+  weights are the unbiased scores, optionally renormalised, times `routed_scaling_factor`.
+- DeepSeek-V2 (arXiv:2405.04434): softmax scores, greedy or group-limited greedy top-k, times the scaling factor.
+- Qwen3-MoE: softmax top-k, optionally renormalised.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from reasoning_engine.layers.activation import silu_and_mul
+
+
+class GatedMLP(nn.Module):
+    """Dense SwiGLU MLP with gate and up fused into one projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class Router(nn.Module):
+    """Expert choice for each token; returns (weights [T, k] float32, expert ids [T, k])."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, scoring: str, *, norm_topk_prob: bool,
+                 routed_scaling_factor: float = 1.0, n_group: int = 1, topk_group: int = 1,
+                 topk_method: str = "greedy", correction_bias: bool = False) -> None:
+        super().__init__()
+        if scoring not in ("sigmoid", "softmax"):
+            raise ValueError(f"scoring_func must be 'sigmoid' or 'softmax', got {scoring!r}")
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts)) if correction_bias else None
+        self.num_experts, self.top_k, self.scoring = num_experts, top_k, scoring
+        self.norm_topk_prob, self.scaling = norm_topk_prob, routed_scaling_factor
+        self.n_group, self.topk_group, self.topk_method = n_group or 1, topk_group or 1, topk_method
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())
+        if self.scoring == "sigmoid":
+            return self._noaux_tc(logits.sigmoid())
+        scores = logits.softmax(dim=-1)
+        if self.topk_method == "group_limited_greedy":
+            group_scores = scores.view(-1, self.n_group, self.num_experts // self.n_group).amax(dim=-1)
+            scores = scores.masked_fill(~self._group_mask(group_scores), 0.0)
+        weights, ids = torch.topk(scores, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.scaling, ids
+
+    def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
+        chosen = torch.topk(group_scores, self.topk_group, dim=-1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+        return mask.repeat_interleave(self.num_experts // self.n_group, dim=1)
+
+    def _noaux_tc(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        biased = scores + self.e_score_correction_bias.float() if self.e_score_correction_bias is not None else scores
+        if self.n_group > 1:
+            group_scores = biased.view(-1, self.n_group, self.num_experts // self.n_group).topk(2, dim=-1).values.sum(-1)
+            biased = biased.masked_fill(~self._group_mask(group_scores), float("-inf"))
+        ids = torch.topk(biased, self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+
+class Experts(nn.Module):
+    """Routed experts stacked as w13 [E, 2I, H] (gate then up) and w2 [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Group the (token, slot) pairs by expert and run each active expert once on its tokens."""
+        num_tokens, top_k = ids.shape
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.w13.shape[0]).tolist()
+        token_of = order // top_k
+        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = token_of[start : start + count]
+            slots = order[start : start + count]
+            start += count
+            h = silu_and_mul(F.linear(x[rows], self.w13[expert]))
+            y = F.linear(h, self.w2[expert]).float() * weights.reshape(-1)[slots].unsqueeze(1)
+            out.index_add_(0, rows, y)
+        return out.to(x.dtype)
+
+
+class SparseMoE(nn.Module):
+    """Router + routed experts + optional always-on shared experts."""
+
+    def __init__(self, router: Router, experts: Experts, shared: GatedMLP | None) -> None:
+        super().__init__()
+        self.gate = router
+        self.experts = experts
+        self.shared_experts = shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

@@ -1,0 +1,134 @@
+"""Batched sampling: every row of the logits is one sampling decision with its own settings.
+
+Order of operations (as vLLM applies them): penalties, min_tokens masking, then greedy argmax or temperature,
+top-k, top-p, min-p and a draw. Logprobs are reported from the model's raw distribution. A draw uses the
+exponential-race form of Gumbel-max (argmax p_i / E_i with E_i ~ Exp(1)), which lets each seeded request draw its
+noise from its own generator, so its samples do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from reasoning_engine.outputs import Logprob
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row settings, built by the engine each step; tensors are [N] on the logits' device."""
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor  # 0 = off
+    min_p: torch.Tensor
+    greedy: list[bool]
+    generators: list[torch.Generator | None]
+    num_logprobs: list[int | None]
+    all_greedy: bool
+    needs_filters: bool
+    # penalties (None when no row uses them)
+    presence: torch.Tensor | None = None
+    frequency: torch.Tensor | None = None
+    repetition: torch.Tensor | None = None
+    prompt_ids: list[list[int]] | None = None
+    output_ids: list[list[int]] | None = None
+    banned: list[list[int]] | None = None  # tokens masked this step (EOS / stop ids before min_tokens)
+    forced: list[int | None] | None = None  # token that must be emitted (end of thinking when the budget is spent)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None]
+    sampled_logprobs: list[float]
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    num_rows, vocab = logits.shape
+    device = logits.device
+    counts = torch.zeros(num_rows, vocab, device=device)
+    seen = torch.zeros(num_rows, vocab, dtype=torch.bool, device=device)
+    for row in range(num_rows):
+        out_ids = torch.tensor(meta.output_ids[row], dtype=torch.long, device=device)
+        counts[row].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
+        seen[row, torch.tensor(meta.prompt_ids[row], dtype=torch.long, device=device)] = True
+    seen |= counts > 0
+    rep = meta.repetition.unsqueeze(1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - meta.frequency.unsqueeze(1) * counts
+    return logits - meta.presence.unsqueeze(1) * (counts > 0).to(logits.dtype)
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside top-k, outside the top-p nucleus (Holtzman et al., 2019) or below min_p * p_max."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)
+    drop = ranks >= k
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+    drop |= (before >= top_p.unsqueeze(1)) & (top_p.unsqueeze(1) < 1)
+    drop |= probs < (min_p.unsqueeze(1) * probs[:, :1])
+    drop[:, 0] = False
+    return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_logprobs: list[int | None]) -> list[dict[int, Logprob] | None]:
+    """For rows that asked: the chosen token and the top-N alternatives, with 1-based ranks."""
+    wanted = [i for i, n in enumerate(num_logprobs) if n is not None]
+    if not wanted:
+        return [None] * len(token_ids)
+    result: list[dict[int, Logprob] | None] = [None] * len(token_ids)
+    width = max(num_logprobs[i] for i in wanted)
+    top_values, top_ids = logprobs[wanted].topk(max(width, 1), dim=-1)
+    chosen = torch.tensor([token_ids[i] for i in wanted], device=logprobs.device)
+    chosen_lp = logprobs[wanted].gather(1, chosen.unsqueeze(1)).squeeze(1)
+    chosen_rank = (logprobs[wanted] > chosen_lp.unsqueeze(1)).sum(dim=-1) + 1
+    for j, row in enumerate(wanted):
+        entry = {token_ids[row]: Logprob(float(chosen_lp[j]), int(chosen_rank[j]))}
+        for rank in range(num_logprobs[row]):
+            tok = int(top_ids[j, rank])
+            entry.setdefault(tok, Logprob(float(top_values[j, rank]), rank + 1))
+        result[row] = entry
+    return result
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        raw_logprobs = logits.log_softmax(dim=-1)
+        if meta.presence is not None:
+            logits = apply_penalties(logits, meta)
+        if meta.banned is not None:
+            logits = logits.clone()
+            for row, banned in enumerate(meta.banned):
+                if banned:
+                    logits[row, banned] = float("-inf")
+        if meta.all_greedy:
+            token_ids = logits.argmax(dim=-1).tolist()
+        else:
+            token_ids = self._draw(logits, meta)
+        if meta.forced is not None:
+            token_ids = [f if f is not None else t for t, f in zip(token_ids, meta.forced)]
+        index = torch.tensor(token_ids, device=logits.device).unsqueeze(1)
+        sampled = raw_logprobs.gather(1, index).squeeze(1).tolist()
+        return SamplerOutput(token_ids, top_logprobs(raw_logprobs, token_ids, meta.num_logprobs), sampled)
+
+    def _draw(self, logits: torch.Tensor, meta: SamplingMetadata) -> list[int]:
+        greedy_ids = logits.argmax(dim=-1)
+        scaled = logits / meta.temperature.clamp_min(1e-5).unsqueeze(1)
+        if meta.needs_filters:
+            scaled = filter_logits(scaled, meta.top_k, meta.top_p, meta.min_p)
+        probs = scaled.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator) if probs.device.type == "cpu" else torch.empty_like(probs).exponential_()
+        for row, generator in enumerate(meta.generators):
+            if generator is not None and not meta.greedy[row]:
+                noise[row] = torch.empty(probs.shape[1]).exponential_(generator=generator).to(probs.device)
+        drawn = (probs / noise).argmax(dim=-1)
+        greedy = torch.tensor(meta.greedy, device=logits.device)
+        return torch.where(greedy, greedy_ids, drawn).tolist()

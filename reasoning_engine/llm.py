@@ -1,0 +1,133 @@
+"""The offline API, shaped like vLLM's `LLM` so users can switch engines without rewriting their scripts."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from reasoning_engine.config import EngineConfig, load_model_config, parse_dtype, parse_memory
+from reasoning_engine.engine.engine import LLMEngine, PromptType, default_device
+from reasoning_engine.outputs import RequestOutput
+from reasoning_engine.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+def bundled_model_dir() -> str:
+    """The tiny reasoning model shipped inside the package: the default when no model is given."""
+    from reasoning_engine.tiny import BUNDLED_MODEL_DIR
+
+    if not (BUNDLED_MODEL_DIR / "config.json").is_file():
+        raise FileNotFoundError(f"the bundled tiny model is missing from {BUNDLED_MODEL_DIR}; "
+                                "regenerate it with `python -m reasoning_engine.tiny.train` or pass a model path")
+    return str(BUNDLED_MODEL_DIR)
+
+
+def build_engine_config(model: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None,
+                        device: str | torch.device | None = None, max_model_len: int | None = None,
+                        block_size: int = 16, kv_cache_blocks: int | None = None, kv_cache_memory: str | int | None = None,
+                        enable_prefix_caching: bool = True, max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
+                        seed: int = 0, kernel_backend: str | None = None, speculative_config: dict[str, Any] | None = None,
+                        tokenizer: str | None = None) -> EngineConfig:
+    """Resolve LLM(...) keyword arguments into an EngineConfig; defaults come from the checkpoint and the machine."""
+    model_config = load_model_config(model if model is not None else bundled_model_dir())
+    resolved_device = torch.device(device) if device is not None else default_device()
+    if dtype is None or dtype == "auto":
+        resolved_dtype = model_config.torch_dtype
+        if resolved_device.type == "cpu" and resolved_dtype == torch.float16:
+            resolved_dtype = torch.float32
+    else:
+        resolved_dtype = parse_dtype(dtype)
+    limit = model_config.max_position_embeddings
+    if max_model_len is not None:
+        if max_model_len < 2 or max_model_len > limit:
+            raise ValueError(f"max_model_len must be in [2, {limit}] for this model, got {max_model_len}")
+        limit = max_model_len
+    return EngineConfig(
+        model=model_config, dtype=resolved_dtype, device=resolved_device, max_model_len=limit, block_size=block_size,
+        kv_cache_blocks=kv_cache_blocks, kv_cache_memory=parse_memory(kv_cache_memory) if kv_cache_memory is not None else None,
+        enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens or max(2048, min(limit, 8192)), seed=seed,
+        kernel_backend=kernel_backend or ("triton" if resolved_device.type == "cuda" else "torch"),
+        speculative_config=speculative_config, tokenizer=tokenizer)
+
+
+class LLM:
+    """Generate from a checkpoint folder in-process: `LLM(path).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str | os.PathLike | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine(build_engine_config(model, **kwargs))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion, batched; outputs come back in prompt order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        return self._run(prompts, params, use_tqdm)
+
+    def chat(self, messages: Conversation | Sequence[Conversation], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
+             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Render each conversation with the checkpoint's chat template, then generate."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template; this checkpoint has none")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            ids = self.tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=True, return_dict=False, **(chat_template_kwargs or {}))
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def compute_logits(self, prompt_token_ids: list[list[int]]) -> list[torch.Tensor]:
+        """Last-position logits (float32) of each prompt: the engine's full forward path, for parity checks."""
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        ids = [self.engine.add_request(None, {"prompt_token_ids": p}, params, capture_logits=True) for p in prompt_token_ids]
+        results = self._drain(set(ids), use_tqdm=False)
+        return [results[i].extra["logits"] for i in ids]
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(None, prompt, p))
+            results = self._drain(set(ids), use_tqdm)
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        return [results[i] for i in ids]
+
+    def _drain(self, pending: set[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(pending), desc="generating", disable=not use_tqdm)
+        while pending:
+            for out in self.engine.step():
+                if out.finished and out.request_id in pending:
+                    results[out.request_id] = out
+                    pending.discard(out.request_id)
+                    bar.update(1)
+        bar.close()
+        return results
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)

@@ -1,0 +1,154 @@
+"""What every decoder-only model shares: embedding, a stack of pre-norm decoder layers, final norm, LM head, and the
+mapping of checkpoint tensors into our fused layouts (QKV, gate-up, stacked experts).
+
+A family module builds its layers and names, for each checkpoint tensor, the parameter and the slice of it the tensor
+fills (`WeightTarget`); loading then checks every shape and that every parameter was filled.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from reasoning_engine.batch import ForwardBatch
+from reasoning_engine.config import ModelConfig
+from reasoning_engine.layers.norm import RMSNorm
+
+Slicer = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class WeightTarget:
+    param: str
+    slicer: Slicer | None = None  # view of the parameter this tensor fills; None = the whole parameter
+
+
+def rows(start: int, stop: int) -> Slicer:
+    return lambda t: t[start:stop]
+
+
+def half(which: str) -> Slicer:
+    """Gate (first) or up (second) half of a fused gate_up projection, whatever its size."""
+    return (lambda t: t[: t.shape[0] // 2]) if which == "gate" else (lambda t: t[t.shape[0] // 2 :])
+
+
+def expert_half(expert: int, which: str) -> Slicer:
+    return (lambda t: t[expert, : t.shape[1] // 2]) if which == "gate" else (lambda t: t[expert, t.shape[1] // 2 :])
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.mlp = mlp
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Embedding -> decoder layers -> norm -> LM head. Families subclass to build layers and map tensor names."""
+
+    # checkpoint tensors that are not part of the model and are ignored (buffers some exporters save)
+    ignored = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.|\.attn\.bias$|\.masked_bias$)")
+
+    def __init__(self, config: ModelConfig, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def attention_layers(self) -> list[nn.Module]:
+        return [layer.self_attn for layer in self.layers]
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for every token of the step."""
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(batch.positions, x, batch)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # ---- weights ----
+    def map_weight(self, name: str) -> WeightTarget | None:
+        """Family-specific: where a checkpoint tensor (name without the 'model.' prefix) goes; None to skip it."""
+        return WeightTarget(name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        filled: dict[str, int] = {}
+        prefix, skipped = self.config.weight_prefix, self.config.skipped_prefixes
+        for name, tensor in weights:
+            if skipped and name.startswith(skipped):
+                continue
+            if prefix:
+                if not name.startswith(prefix):
+                    raise ValueError(f"unexpected tensor {name!r}: text model tensors are expected under {prefix!r}")
+                name = name[len(prefix):]
+            if self.ignored.search(name):
+                continue
+            local = name[len("model."):] if name.startswith("model.") else name
+            target = self.map_weight(local)
+            if target is None:
+                continue
+            if target.param not in params:
+                raise ValueError(f"unexpected tensor {name!r} in the checkpoint: the model has no parameter {target.param!r}")
+            param = params[target.param]
+            dest = target.slicer(param.data) if target.slicer else param.data
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            filled[target.param] = filled.get(target.param, 0) + tensor.numel()
+        tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        missing = [p for p, t in params.items() if p not in tied and filled.get(p, 0) < t.numel()]
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint {self.config.path} is missing tensors for: {shown}")
+        for module in self.modules():
+            if hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
+
+
+def gqa_target(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> WeightTarget:
+    """Map a Llama/Qwen-style tensor into fused qkv_proj and gate_up_proj; other names map to themselves."""
+    q, kv = num_heads * head_dim, num_kv_heads * head_dim
+    match = re.fullmatch(r"(layers\.\d+\.self_attn)\.([qkv])_proj\.(weight|bias)", name)
+    if match:
+        start = {"q": 0, "k": q, "v": q + kv}[match.group(2)]
+        size = q if match.group(2) == "q" else kv
+        return WeightTarget(f"{match.group(1)}.qkv_proj.{match.group(3)}", rows(start, start + size))
+    return mlp_target(name)
+
+
+def mlp_target(name: str) -> WeightTarget:
+    """Dense and shared-expert gate/up into gate_up_proj; routed experts into the stacked w13 / w2."""
+    match = re.fullmatch(r"(layers\.\d+\.mlp(?:\.shared_experts)?)\.(gate|up)_proj\.(weight|bias)", name)
+    if match:
+        return WeightTarget(f"{match.group(1)}.gate_up_proj.{match.group(3)}", half(match.group(2)))
+    return expert_target(name) or WeightTarget(name)
+
+
+def expert_target(name: str) -> WeightTarget | None:
+    """`layers.N.mlp.experts.E.{gate,up,down}_proj.weight` -> a slice of the stacked w13 / w2."""
+    match = re.fullmatch(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name)
+    if not match:
+        return None
+    expert, kind = int(match.group(2)), match.group(3)
+    if kind == "down":
+        return WeightTarget(f"{match.group(1)}.w2", lambda t: t[expert])
+    return WeightTarget(f"{match.group(1)}.w13", expert_half(expert, kind))

@@ -1,0 +1,80 @@
+"""DeepSeek-V3 / Kimi K2 / Kimi K2.5 (and DeepSeek-V2): MLA attention over a latent cache, dense first layers, then
+MoE layers with shared experts. The routing differs by family (noaux_tc sigmoid for V3/K2, softmax greedy for V2).
+
+Tensors of the multi-token-prediction layers (index >= num_hidden_layers) are skipped here; the speculative decoder
+loads them on its own.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from reasoning_engine.config import ModelConfig
+from reasoning_engine.layers.attention import MLAttention
+from reasoning_engine.layers.moe import Experts, GatedMLP, Router, SparseMoE
+from reasoning_engine.layers.rotary import RotaryEmbedding, yarn_softmax_scale
+from reasoning_engine.models.base import CausalLM, DecoderLayer, WeightTarget, mlp_target, rows
+
+
+def _is_moe_layer(config: ModelConfig, index: int) -> bool:
+    if not config.get("n_routed_experts"):
+        return False
+    freq = config.get("moe_layer_freq", 1) or 1
+    return index >= (config.get("first_k_dense_replace", 0) or 0) and index % freq == 0
+
+
+def _mlp(config: ModelConfig, index: int) -> nn.Module:
+    if not _is_moe_layer(config, index):
+        return GatedMLP(config.hidden_size, config.raw["intermediate_size"])
+    num_experts = config.raw["n_routed_experts"]
+    v3 = config.family == "deepseek_v3"
+    scoring = config.get("scoring_func", "sigmoid" if v3 else "softmax")
+    router = Router(
+        config.hidden_size, num_experts, config.raw["num_experts_per_tok"], scoring,
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+        n_group=config.get("n_group", 1) or 1, topk_group=config.get("topk_group", 1) or 1,
+        topk_method=config.get("topk_method", "noaux_tc" if v3 else "greedy"),
+        correction_bias=v3 and config.get("topk_method", "noaux_tc") == "noaux_tc",
+    )
+    experts = Experts(num_experts, config.hidden_size, config.raw["moe_intermediate_size"])
+    n_shared = config.get("n_shared_experts", 0) or 0
+    shared = GatedMLP(config.hidden_size, config.raw["moe_intermediate_size"] * n_shared) if n_shared else None
+    return SparseMoE(router, experts, shared)
+
+
+class DeepseekV3ForCausalLM(CausalLM):
+    """Also runs deepseek_v2, kimi_k2 and kimi_k25 (their text model)."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        raw = config.raw
+        rope_dim, nope_dim = raw["qk_rope_head_dim"], raw["qk_nope_head_dim"]
+        interleaved = config.family == "deepseek_v2" or bool(raw.get("rope_interleave", True))
+        rotary = RotaryEmbedding(rope_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings,
+                                 max_positions, interleaved=interleaved)
+        scale = (rope_dim + nope_dim) ** -0.5 * yarn_softmax_scale(config.rope_scaling)
+        layers = [
+            DecoderLayer(
+                MLAttention(config.hidden_size, config.num_attention_heads, raw.get("q_lora_rank"), raw["kv_lora_rank"],
+                            nope_dim, rope_dim, raw["v_head_dim"], rotary, config.rms_norm_eps, scale,
+                            bias=bool(raw.get("attention_bias", False))),
+                _mlp(config, i), config.hidden_size, config.rms_norm_eps)
+            for i in range(config.num_hidden_layers)
+        ]
+        super().__init__(config, layers)
+        self.q_lora_rank = raw.get("q_lora_rank")
+
+    def map_weight(self, name: str) -> WeightTarget | None:
+        match = re.match(r"layers\.(\d+)\.", name)
+        if match and int(match.group(1)) >= self.config.num_hidden_layers:
+            return None  # MTP layers
+        if self.q_lora_rank is not None:
+            attn = re.fullmatch(r"(layers\.\d+\.self_attn)\.(q_a_proj|kv_a_proj_with_mqa)\.(weight|bias)", name)
+            if attn:
+                fused = f"{attn.group(1)}.fused_qkv_a_proj.{attn.group(3)}"
+                if attn.group(2) == "q_a_proj":
+                    return WeightTarget(fused, rows(0, self.q_lora_rank))
+                return WeightTarget(fused, lambda t: t[self.q_lora_rank:])
+        return mlp_target(name)

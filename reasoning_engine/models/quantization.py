@@ -1,0 +1,184 @@
+"""Quantized checkpoint formats: which layers a checkpoint quantizes and how to turn them back into dense weights.
+
+Two published formats are read:
+
+- compressed-tensors ``pack-quantized`` INT4 (Kimi K2 Thinking / K2.5 routed experts): per linear layer
+  ``weight_packed`` int32 ``[out, ceil(in / 8)]`` holding eight 4-bit values per int32, lowest nibble first, each value
+  stored as ``q + 8`` (unsigned) for a symmetric ``q`` in ``[-8, 7]``; ``weight_scale`` ``[out, ceil(in / group)]``
+  (bf16 in the published models); ``weight_shape`` ``[2]`` the logical ``[out, in]``. Dense weight = ``q * scale`` of
+  the value's group.
+- DeepSeek / Kimi K2 block FP8 (``quant_method: fp8``): ``weight`` float8_e4m3fn ``[out, in]`` and ``weight_scale_inv``
+  float32 ``[ceil(out / bo), ceil(in / bi)]`` for ``weight_block_size: [bo, bi]``; dense weight = ``fp8 * scale`` of
+  its block, edge blocks partial.
+
+The CPU path dequantizes to the compute dtype at load (see `weights.iter_checkpoint_weights`); the GPU path can keep the
+packed tensors and use `QuantConfig.is_quantized` to know which layers to allocate packed. The inverse writers
+(quantizing dense weights into these formats) live with the tests in ``tests/models/quant_writer.py``: the engine only
+reads published checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_QUANT_METHODS = ("compressed-tensors", "fp8")
+INT4_PACK_FACTOR = 8  # 4-bit values per int32
+INT4_OFFSET = 8  # stored nibble = q + 8
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """A checkpoint's weight quantization, reduced to what loading needs.
+
+    ``method`` is ``"compressed-tensors"`` (INT4 pack-quantized, ``group_size``) or ``"fp8"`` (``block``).
+    ``targets`` and ``ignore`` use the compressed-tensors conventions: ``"Linear"`` (any linear layer),
+    ``"re:<regex>"`` (matched from the start of the module name) or an exact module name.
+    """
+
+    method: str
+    group_size: int = 32
+    block: tuple[int, int] = (128, 128)
+    targets: tuple[str, ...] = ("Linear",)
+    ignore: tuple[str, ...] = ()
+
+    def is_quantized(self, module_name: str) -> bool:
+        """Whether the linear layer ``module_name`` (e.g. ``model.layers.3.mlp.experts.7.up_proj``) is stored
+        quantized. Callers ask only about linear layers; for FP8 the MoE router (``mlp.gate``) and ``lm_head`` are
+        never quantized, as in the DeepSeek checkpoints."""
+        if any(_matches(module_name, pattern) for pattern in self.ignore):
+            return False
+        if self.method == "fp8":
+            return not (module_name.endswith("lm_head") or module_name.endswith("mlp.gate"))
+        return any(_matches(module_name, pattern) for pattern in self.targets)
+
+
+def _matches(module_name: str, pattern: str) -> bool:
+    """compressed-tensors matching; an exact name also matches under a wrapper prefix ("lm_head" matches
+    "language_model.lm_head") because the published ignore lists name modules of the text model."""
+    if pattern == "Linear":
+        return True
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], module_name) is not None
+    return module_name == pattern or module_name.endswith("." + pattern)
+
+
+def parse_quant_config(hf_config: dict[str, Any]) -> QuantConfig | None:
+    """Read ``quantization_config`` from a config.json dict (or from its ``text_config``, where Kimi K2.5 keeps it).
+
+    Returns None for unquantized checkpoints; raises ValueError naming anything this engine cannot load exactly.
+    """
+    raw = hf_config.get("quantization_config")
+    if raw is None and isinstance(hf_config.get("text_config"), dict):
+        raw = hf_config["text_config"].get("quantization_config")
+    if raw is None:
+        return None
+    method = raw.get("quant_method")
+    if method == "compressed-tensors":
+        return _parse_compressed_tensors(raw)
+    if method == "fp8":
+        return _parse_fp8(raw)
+    raise ValueError(
+        f"unsupported quantization method {method!r} in quantization_config; supported: {', '.join(SUPPORTED_QUANT_METHODS)}"
+    )
+
+
+def _parse_compressed_tensors(raw: dict[str, Any]) -> QuantConfig:
+    groups = raw.get("config_groups") or {}
+    if not groups:
+        raise ValueError("compressed-tensors quantization_config has no config_groups")
+    targets: list[str] = []
+    weight_args: dict[str, Any] | None = None
+    for name, group in groups.items():
+        fmt = group.get("format") or raw.get("format")
+        if fmt != "pack-quantized":
+            raise ValueError(f"unsupported compressed-tensors format {fmt!r} (config group {name!r}); supported: 'pack-quantized'")
+        if group.get("input_activations") or group.get("output_activations"):
+            raise ValueError(f"compressed-tensors config group {name!r} quantizes activations; only weight-only INT4 is supported")
+        args = group.get("weights") or {}
+        wanted = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}
+        wrong = {k: args.get(k) for k, v in wanted.items() if args.get(k) != v}
+        if wrong or not isinstance(args.get("group_size"), int):
+            raise ValueError(
+                f"unsupported compressed-tensors weights {wrong or {'group_size': args.get('group_size')}} in config group "
+                f"{name!r}; supported: 4-bit symmetric int with strategy 'group' and an integer group_size"
+            )
+        if weight_args is not None and args.get("group_size") != weight_args.get("group_size"):
+            raise ValueError("compressed-tensors config groups with different group sizes are not supported")
+        weight_args = args
+        targets.extend(group.get("targets") or ["Linear"])
+    if raw.get("kv_cache_scheme"):
+        raise ValueError("compressed-tensors kv_cache_scheme (quantized KV cache in the checkpoint) is not supported")
+    assert weight_args is not None
+    return QuantConfig(
+        method="compressed-tensors",
+        group_size=int(weight_args["group_size"]),
+        targets=tuple(targets),
+        ignore=tuple(raw.get("ignore") or ()),
+    )
+
+
+def _parse_fp8(raw: dict[str, Any]) -> QuantConfig:
+    fmt = raw.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"unsupported fp8 format {fmt!r}; supported: 'e4m3' (float8_e4m3fn)")
+    if raw.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"unsupported fp8 activation_scheme {raw.get('activation_scheme')!r}; supported: 'dynamic'")
+    block = raw.get("weight_block_size")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"fp8 quantization_config needs weight_block_size [rows, cols] (block FP8), got {block!r}")
+    ignore = tuple(raw.get("modules_to_not_convert") or raw.get("ignored_layers") or ())
+    return QuantConfig(method="fp8", block=(block[0], block[1]), ignore=ignore)
+
+
+def dequantize_int4_pack(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    shape: torch.Tensor | tuple[int, int] | list[int],
+    group_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Dense ``[out, in]`` weight from pack-quantized INT4 (``weight_packed``, ``weight_scale``, ``weight_shape``).
+
+    The product ``q * scale`` is formed in float32 (exact for bf16 scales) and rounded once to ``dtype``.
+    """
+    rows, cols = (int(v) for v in (shape.tolist() if isinstance(shape, torch.Tensor) else shape))
+    groups = math.ceil(cols / group_size)
+    if packed.dtype != torch.int32 or tuple(packed.shape) != (rows, math.ceil(cols / INT4_PACK_FACTOR)):
+        raise ValueError(
+            f"weight_packed must be int32 of shape {(rows, math.ceil(cols / INT4_PACK_FACTOR))} for weight_shape "
+            f"{[rows, cols]}, got {packed.dtype} {tuple(packed.shape)}"
+        )
+    if tuple(scale.shape) != (rows, groups):
+        raise ValueError(f"weight_scale must have shape {(rows, groups)} for weight_shape {[rows, cols]} and group size {group_size}, got {tuple(scale.shape)}")
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # arithmetic shift, then the mask keeps one nibble
+    q = nibbles.reshape(rows, -1)[:, :cols].to(torch.float32) - INT4_OFFSET
+    q = F.pad(q, (0, groups * group_size - cols)).view(rows, groups, group_size)
+    dense = (q * scale.to(torch.float32).unsqueeze(-1)).view(rows, groups * group_size)[:, :cols]
+    return dense.to(dtype).contiguous()
+
+
+def dequantize_fp8_block(
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] | list[int] = (128, 128),
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Dense ``[out, in]`` weight from block FP8: each ``block`` tile of ``weight`` times its ``scale_inv`` entry;
+    tiles on the right and bottom edges are partial when the dims are not multiples of the block."""
+    rows, cols = weight.shape
+    br, bc = int(block[0]), int(block[1])
+    nr, nc = math.ceil(rows / br), math.ceil(cols / bc)
+    if tuple(scale_inv.shape) != (nr, nc):
+        raise ValueError(
+            f"weight_scale_inv must have shape {(nr, nc)} for a {rows}x{cols} weight in {br}x{bc} blocks, got {tuple(scale_inv.shape)}"
+        )
+    w = F.pad(weight.to(torch.float32), (0, nc * bc - cols, 0, nr * br - rows)).view(nr, br, nc, bc)
+    dense = (w * scale_inv.to(torch.float32).view(nr, 1, nc, 1)).view(nr * br, nc * bc)[:rows, :cols]
+    return dense.to(dtype).contiguous()

@@ -1,0 +1,40 @@
+"""model_type -> implementation, and building a model with its weights loaded."""
+
+from __future__ import annotations
+
+import torch
+
+from reasoning_engine.config import ModelConfig
+from reasoning_engine.layers.moe import Router
+from reasoning_engine.layers.rotary import RotaryEmbedding
+from reasoning_engine.models.base import CausalLM
+from reasoning_engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from reasoning_engine.models.llama import LlamaForCausalLM
+from reasoning_engine.models.qwen3 import Qwen3ForCausalLM
+
+FAMILIES: dict[str, type[CausalLM]] = {
+    "deepseek_v3": DeepseekV3ForCausalLM,
+    "deepseek_v2": DeepseekV3ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "qwen3_moe": Qwen3ForCausalLM,
+    "llama": LlamaForCausalLM,
+}
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int) -> CausalLM:
+    """Instantiate the family's module (no random init: every parameter is then filled from the checkpoint)."""
+    from reasoning_engine.models.weights import iter_checkpoint_weights
+    from reasoning_engine.models.quantization import parse_quant_config
+
+    cls = FAMILIES[config.family]
+    with torch.device("meta"):
+        model = cls(config, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    for module in model.modules():
+        if isinstance(module, Router):  # routing stays float32, as the published models compute it
+            module.float()
+        elif isinstance(module, RotaryEmbedding):
+            module.to_device(device)
+    quant = parse_quant_config(config.raw)
+    model.load_weights(iter_checkpoint_weights(config.path, quant, dtype))
+    return model.eval()

@@ -1,0 +1,223 @@
+"""Reading a Hugging Face checkpoint folder tensor by tensor.
+
+Tensors come from the memory-mapped safetensors files one at a time, so loading never holds a second copy of the
+model. A touched page of a mapping stays resident (and counts in RSS) for as long as the file is open, so each file is
+reopened after a bounded number of bytes has been read from it: resident file pages stay under that bound and peak
+RSS stays near the size of the loaded weights. Every yielded tensor owns its memory (never a view of the mapping).
+
+Quantized layers are dequantized on the fly (see `quantization`): the consumer sees the logical ``X.weight`` as a
+dense tensor and never the ``weight_packed`` / ``weight_scale`` / ``weight_scale_inv`` companions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from reasoning_engine.models.quantization import QuantConfig, dequantize_fp8_block, dequantize_int4_pack
+
+logger = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+MAX_RESIDENT_BYTES = 256 << 20  # reopen a file after reading this much from it (or 5% of the checkpoint if less)
+MIN_RESIDENT_BYTES = 8 << 20
+
+_INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape")
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    """One logical tensor: its name as the model sees it, and the stored tensors it is read from."""
+
+    name: str
+    kind: str  # "plain", "int4" (pack-quantized) or "fp8" (block FP8)
+    parts: tuple[str, ...]  # stored tensor names: the tensor itself, or the quantized parts in _INT4_PARTS / weight order
+
+
+def check_shape(name: str, expected: Sequence[int], actual: Sequence[int]) -> None:
+    """Raise ValueError naming the tensor and both shapes when a checkpoint tensor does not fit the model."""
+    if tuple(expected) != tuple(actual):
+        raise ValueError(f"tensor {name!r} has shape {list(actual)} in the checkpoint, the model expects {list(expected)}")
+
+
+def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
+    """Map every stored tensor name to the safetensors file that holds it, checking that the folder is a checkpoint.
+
+    Uses model.safetensors.index.json when present (and checks every shard it names exists), else model.safetensors,
+    else every ``*.safetensors`` in the folder.
+    """
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"checkpoint folder {root} does not exist")
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"{root} has no config.json: not a Hugging Face checkpoint folder")
+    index = root / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index} is not a safetensors index (needs a 'weight_map' object): {exc}") from exc
+        locations = {name: root / shard for name, shard in weight_map.items()}
+        for name, path in locations.items():
+            if not path.is_file():
+                raise FileNotFoundError(f"{index.name} maps {name!r} to shard {path.name}, which is missing from {root}")
+        return locations
+    files = [root / SINGLE_FILE] if (root / SINGLE_FILE).is_file() else sorted(root.glob("*.safetensors"))
+    if not files:
+        other = sorted(p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
+        hint = f" (found {', '.join(other)}: only safetensors checkpoints are supported)" if other else ""
+        raise FileNotFoundError(f"no weights in {root}: expected {SINGLE_FILE} or {INDEX_FILE} with its shards{hint}")
+    locations = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if name in locations:
+                    raise ValueError(f"tensor {name!r} is stored twice, in {locations[name].name} and {path.name}")
+                locations[name] = path
+    return locations
+
+
+def plan_checkpoint(locations: dict[str, Path], quant: QuantConfig | None) -> list[CheckpointTensor]:
+    """Group stored tensors into logical ones: quantized parts become one ``X.weight``; order follows the files."""
+    names = set(locations)
+    consumed: set[str] = set()
+    plan: list[CheckpointTensor] = []
+    for stored in sorted(names, key=lambda n: (str(locations[n]), n)):
+        if stored in consumed:
+            continue
+        if stored.endswith(".weight_packed"):
+            base = stored[: -len(".weight_packed")]
+            _require_quant(quant, "compressed-tensors", stored)
+            parts = tuple(f"{base}.{part}" for part in _INT4_PARTS)
+            missing = [p for p in parts if p not in names]
+            if missing:
+                raise ValueError(f"pack-quantized tensor {stored!r} has no {', '.join(repr(m) for m in missing)} in the checkpoint")
+            if f"{base}.weight_zero_point" in names:
+                raise ValueError(f"{base!r} has a weight_zero_point: asymmetric INT4 is not supported")
+            plan.append(CheckpointTensor(f"{base}.weight", "int4", parts))
+            consumed.update(parts)
+        elif stored.endswith(".weight_scale_inv"):
+            base = stored[: -len(".weight_scale_inv")]
+            if f"{base}.weight" not in names:
+                raise ValueError(f"{stored!r} has no {base + '.weight'!r} to scale in the checkpoint")
+            _require_quant(quant, "fp8", stored)
+            plan.append(CheckpointTensor(f"{base}.weight", "fp8", (f"{base}.weight", stored)))
+            consumed.update((f"{base}.weight", stored))
+        elif not (stored.endswith(".weight") and f"{stored}_scale_inv" in names) and not _is_int4_part(stored, names):
+            plan.append(CheckpointTensor(stored, "plain", (stored,)))
+            consumed.add(stored)
+    return plan
+
+
+def _is_int4_part(stored: str, names: set[str]) -> bool:
+    """weight_scale / weight_shape of a pack-quantized layer are read with its weight_packed."""
+    for part in _INT4_PARTS[1:]:
+        if stored.endswith("." + part):
+            return stored[: -len(part)] + "weight_packed" in names
+    return False
+
+
+def _require_quant(quant: QuantConfig | None, method: str, stored: str) -> None:
+    if quant is None or quant.method != method:
+        found = "no quantization_config" if quant is None else f"quant_method {quant.method!r}"
+        raise ValueError(f"checkpoint tensor {stored!r} is stored in {method} format but config.json has {found}")
+
+
+def count_checkpoint_tensors(model_dir: str | Path, quant: QuantConfig | None = None, prefix_strip: str | None = None) -> int:
+    """How many (name, tensor) pairs `iter_checkpoint_weights` yields for this folder."""
+    plan = plan_checkpoint(checkpoint_files(model_dir), quant)
+    return sum(1 for t in plan if prefix_strip is None or t.name.startswith(prefix_strip))
+
+
+class _MappedFiles:
+    """Open safetensors files, each reopened once `budget` bytes have been read from it (see the module docstring)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.handles: dict[Path, object] = {}
+        self.read_bytes: dict[Path, int] = {}
+
+    def get(self, path: Path, name: str) -> torch.Tensor:
+        handle = self.handles.get(path)
+        if handle is None:
+            handle = self.handles[path] = safe_open(path, framework="pt")
+            self.read_bytes[path] = 0
+        try:
+            tensor = handle.get_tensor(name)
+        except Exception as exc:  # safetensors raises its own error type for a name the file lacks
+            raise ValueError(f"tensor {name!r} is listed for {path.name} but cannot be read from it: {exc}") from exc
+        self.read_bytes[path] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def release_full(self) -> None:
+        """Close files whose resident pages reached the budget; the mapping goes once no tensor views it."""
+        for path in [p for p, n in self.read_bytes.items() if n >= self.budget and p in self.handles]:
+            del self.handles[path]
+
+
+def iter_checkpoint_weights(
+    model_dir: str | Path,
+    quant: QuantConfig | None,
+    dtype: torch.dtype,
+    prefix_strip: str | None = None,
+    progress: bool = True,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every logical tensor of the checkpoint in ``model_dir``.
+
+    Floating-point tensors (and dequantized ones) come in ``dtype``; integer tensors keep theirs. With
+    ``prefix_strip`` (e.g. ``"language_model."``) only tensors under that prefix are yielded, without it; the others
+    (a vision tower) are skipped and counted in one log line.
+    """
+    locations = checkpoint_files(model_dir)
+    plan = plan_checkpoint(locations, quant)
+    if prefix_strip is not None:
+        outside = [t.name for t in plan if not t.name.startswith(prefix_strip)]
+        if outside:
+            groups = sorted({name.split(".", 1)[0] for name in outside})
+            logger.info("skipping %d checkpoint tensors outside %r (%s)", len(outside), prefix_strip, ", ".join(groups))
+        plan = [t for t in plan if t.name.startswith(prefix_strip)]
+    total = sum(p.stat().st_size for p in set(locations.values()))
+    files = _MappedFiles(max(MIN_RESIDENT_BYTES, min(MAX_RESIDENT_BYTES, total // 20)))
+    for entry in tqdm(plan, desc="Loading weights", unit="tensor", disable=not progress):
+        tensor = _read(entry, locations, files, quant, dtype)
+        files.release_full()
+        name = entry.name[len(prefix_strip):] if prefix_strip else entry.name
+        yield name, tensor
+
+
+def _read(
+    entry: CheckpointTensor, locations: dict[str, Path], files: _MappedFiles, quant: QuantConfig | None, dtype: torch.dtype
+) -> torch.Tensor:
+    parts = [files.get(locations[p], p) for p in entry.parts]
+    if entry.kind == "int4":
+        assert quant is not None
+        packed, scale, shape = parts
+        if shape.numel() != 2:
+            raise ValueError(f"{entry.parts[2]!r} must hold [out, in], got {shape.tolist()}")
+        try:
+            return dequantize_int4_pack(packed, scale, shape, quant.group_size, dtype)
+        except ValueError as exc:
+            raise ValueError(f"cannot dequantize {entry.name!r}: {exc}") from exc
+    if entry.kind == "fp8":
+        assert quant is not None
+        weight, scale_inv = parts
+        if weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{entry.parts[0]!r} has a weight_scale_inv but is stored as {weight.dtype}, not float8_e4m3fn")
+        try:
+            return dequantize_fp8_block(weight, scale_inv, quant.block, dtype)
+        except ValueError as exc:
+            raise ValueError(f"cannot dequantize {entry.name!r}: {exc}") from exc
+    (tensor,) = parts
+    if tensor.dtype == torch.float8_e4m3fn:
+        raise ValueError(f"{entry.name!r} is stored as float8_e4m3fn without a weight_scale_inv")
+    if tensor.is_floating_point():
+        return tensor.to(dtype=dtype, copy=True)
+    return tensor.clone()

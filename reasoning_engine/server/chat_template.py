@@ -1,0 +1,106 @@
+"""Rendering OpenAI messages through the checkpoint's own chat template.
+
+transformers renders templates in jinja2's ImmutableSandboxedEnvironment, so a template cannot reach Python
+internals. We also render with `sanitize_control_tokens=True`: control tokens typed inside user text (`<|im_end|>`,
+`<|tool_call_begin|>`) are encoded as plain text, so a message cannot forge a turn boundary or a tool call.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from reasoning_engine.server.errors import bad_request
+from reasoning_engine.server.protocol import ChatMessage, ToolDef
+
+# Keyword names of apply_chat_template itself: a request's chat_template_kwargs must not override how we render
+# (a client-supplied `chat_template` or `tokenize=False`), only feed template variables.
+_RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                              "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+                              "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                              "tokenizer_kwargs"})
+_THINKING_SWITCHES = ("thinking", "enable_thinking")
+_TAIL_TOKENS = 16
+
+
+@dataclass
+class RenderedChat:
+    token_ids: list[int]
+    tail: str  # the prompt's last few tokens as text, to tell whether it ends inside an open `<think>`
+    thinking_requested: bool | None  # the request's explicit thinking switch, None when it did not set one
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI messages -> the dicts chat templates read (text parts joined, earlier thinking passed back)."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        item: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
+                                "content": message.text()}
+        if message.name is not None:
+            item["name"] = message.name
+        if message.role == "assistant":
+            if message.reasoning_content is not None:
+                item["reasoning_content"] = message.reasoning_content
+            if message.tool_calls:
+                item["tool_calls"] = [{"id": call.id, "type": "function",
+                                       "function": {"name": call.function.name, "arguments": call.function.arguments}}
+                                      for call in message.tool_calls]
+        if message.role == "tool" and message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
+        out.append(item)
+    return out
+
+
+def thinking_switch(kwargs: dict[str, Any]) -> bool | None:
+    """The request's explicit thinking on/off (Kimi and DeepSeek say `thinking`, Qwen3 `enable_thinking`)."""
+    for key in _THINKING_SWITCHES:
+        if isinstance(kwargs.get(key), bool):
+            return kwargs[key]
+    return None
+
+
+def disable_thinking(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {**kwargs, **{key: False for key in _THINKING_SWITCHES}}
+
+
+def check_template_kwargs(kwargs: dict[str, Any], param: str = "chat_template_kwargs") -> dict[str, Any]:
+    reserved = sorted(_RESERVED_KWARGS & kwargs.keys())
+    if reserved:
+        raise bad_request(f"{param} may not set {', '.join(reserved)}", param=param)
+    return kwargs
+
+
+def render_chat(tokenizer: Any, messages: list[ChatMessage], *, tools: list[ToolDef] | None,
+                template_kwargs: dict[str, Any], add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> RenderedChat:
+    """Token ids of the conversation as the model was trained to see it; template failures are the request's fault
+    (a role order the template refuses, a missing field), so they become 400s naming `messages`."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise bad_request("this model has no chat template; use /v1/completions with a raw prompt", param="messages")
+    if continue_final_message and messages[-1].role != "assistant":
+        raise bad_request("continue_final_message needs a final assistant message", param="continue_final_message")
+    try:
+        ids = tokenizer.apply_chat_template(
+            template_messages(messages),
+            tools=[tool.model_dump(exclude_none=True) for tool in tools] if tools else None,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+            tokenize=True,
+            return_dict=False,
+            **({"sanitize_control_tokens": True} if supports_sanitizing(tokenizer) else {}),
+            **template_kwargs,
+        )
+    except Exception as exc:  # noqa: BLE001 - any template failure comes from what the request put in it
+        raise bad_request(f"the chat template could not render these messages: {exc}", param="messages") from exc
+    ids = list(ids)
+    if not ids:
+        raise bad_request("the rendered prompt is empty", param="messages")
+    tail = tokenizer.decode(ids[-_TAIL_TOKENS:], skip_special_tokens=False)
+    return RenderedChat(token_ids=ids, tail=tail, thinking_requested=thinking_switch(template_kwargs))
+
+
+def supports_sanitizing(tokenizer: Any) -> bool:
+    """Whether this transformers version can encode user-typed control tokens as text (5.x can; 4.x renders
+    without it)."""
+    return "sanitize_control_tokens" in inspect.signature(tokenizer.apply_chat_template).parameters

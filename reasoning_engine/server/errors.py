@@ -1,0 +1,61 @@
+"""OpenAI-style error objects: `{"error": {"message", "type", "param", "code"}}`, so clients raise their usual
+exception classes (openai.BadRequestError, AuthenticationError, NotFoundError) with a useful message."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.responses import JSONResponse
+
+_FIELD = re.compile(r"[a-z_][a-z0-9_]*")
+
+
+class APIError(Exception):
+    """An error the client caused (4xx) or that the server reports cleanly (5xx), with the parameter at fault."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def param_from_loc(loc: tuple[int | str, ...]) -> str | None:
+    """pydantic's error location -> `messages[0].content`. Union members appear in locations as type tags
+    ("str", "list[TextPart]", "NamedToolChoice"); the path stops at the first one, since fields are snake_case."""
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif _FIELD.fullmatch(item) and item not in ("str", "int", "float", "bool", "list", "dict", "none"):
+            parts.append(("." if parts else "") + item)
+        else:
+            break
+    return "".join(parts) or None
+
+
+def from_validation_error(exc: ValidationError) -> APIError:
+    """The first error, as a 400 naming its field."""
+    first = exc.errors(include_url=False)[0]
+    param = param_from_loc(tuple(first["loc"]))
+    message = str(first["msg"]).removeprefix("Value error, ")
+    return bad_request(f"{param}: {message}" if param else message, param=param, code="invalid_value")

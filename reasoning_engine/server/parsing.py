@@ -1,0 +1,120 @@
+"""The per-choice output pipeline: reasoning splitter, then tool-call extraction on the answer part; and the
+`auto` choice of parsers from the model.
+
+Text flows: engine text delta -> ReasoningParser -> (thinking, answer text) -> ToolParser -> (answer, call deltas).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Iterable
+from dataclasses import dataclass, field
+
+from reasoning_engine.server.reasoning_parsers import REASONING_FORMATS, ReasoningParser, initial_mode
+from reasoning_engine.server.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallDelta, ToolParser
+
+_KIMI_VOCAB_MARKERS = ("<|tool_calls_section_begin|>", "<|im_middle|>")
+
+
+@dataclass
+class ParsedDelta:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+
+def resolve_reasoning_parser(name: str, model_type: str, vocab: Container[str]) -> str | None:
+    """`auto`: Kimi's chat tokens mean kimi_k2; otherwise any model with `</think>` in its vocabulary gets the
+    DeepSeek-R1 parser for DeepSeek families and the Qwen3 one (which detects an opening `<think>`) for the rest."""
+    if name != "auto":
+        return None if name == "none" else name
+    if model_type.startswith("kimi") or any(m in vocab for m in _KIMI_VOCAB_MARKERS):
+        return "kimi_k2"
+    if "</think>" not in vocab:
+        return None
+    return "deepseek_r1" if model_type.startswith("deepseek") else "qwen3"
+
+
+def resolve_tool_parser(name: str, model_type: str, vocab: Container[str], chat_template: str | None) -> str | None:
+    """`auto`: Kimi's call tokens mean kimi_k2, a `<tool_call>` token or template mention means hermes."""
+    if name != "auto":
+        return None if name == "none" else name
+    if model_type.startswith("kimi") or "<|tool_call_begin|>" in vocab:
+        return "kimi_k2"
+    if "<tool_call>" in vocab or "<tool_call>" in (chat_template or ""):
+        return "hermes"
+    return None
+
+
+class ChatOutputParser:
+    """One choice's parser chain. Leading whitespace of the thinking and of the answer is dropped (templates put
+    newlines after `<think>` and `</think>`); tool calls found when tools are not offered are removed, not emitted."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, emit_tool_calls: bool) -> None:
+        self.reasoning = reasoning
+        self.tools = tools
+        self.emit_tool_calls = emit_tool_calls
+        self._reasoning_started = False
+        self._content_started = False
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self.reasoning is not None and self.reasoning.in_reasoning
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self.tools.calls if self.tools is not None and self.emit_tool_calls else []
+
+    def feed(self, text: str) -> ParsedDelta:
+        if self.reasoning is None:
+            return self._answer(text, final=False)
+        thinking, answer = self.reasoning.feed(text)
+        delta = self._answer(answer, final=False)
+        delta.reasoning = self._lead_reasoning(thinking)
+        return delta
+
+    def finish(self) -> ParsedDelta:
+        if self.reasoning is None:
+            return self._answer("", final=True)
+        thinking, answer = self.reasoning.finish()
+        delta = self._answer(answer, final=True)
+        delta.reasoning = self._lead_reasoning(thinking)
+        return delta
+
+    def _answer(self, text: str, final: bool) -> ParsedDelta:
+        if self.tools is None:
+            content, calls = text, []
+        elif final:
+            content, calls = self.tools.feed(text)
+            more, more_calls = self.tools.finish()
+            content, calls = content + more, calls + more_calls
+        else:
+            content, calls = self.tools.feed(text)
+        if not self._content_started:
+            content = content.lstrip()
+            self._content_started = bool(content)
+        return ParsedDelta(content=content, tool_calls=calls if self.emit_tool_calls else [])
+
+    def _lead_reasoning(self, text: str) -> str:
+        if not self._reasoning_started:
+            text = text.lstrip()
+            self._reasoning_started = bool(text)
+        return text
+
+
+def build_output_parser(reasoning_name: str | None, tool_name: str | None, *, prompt_tail: str,
+                        thinking_requested: bool | None, tools_active: bool, drop: Iterable[str]) -> ChatOutputParser:
+    """A fresh parser chain for one choice of one request; `drop` are special-token strings to keep out of the text
+    (the thinking markers are also kept out of the answer)."""
+    fmt = REASONING_FORMATS[reasoning_name] if reasoning_name else None
+    content_drop = (*drop, fmt.start, fmt.end) if fmt else tuple(drop)
+    tool_cls = TOOL_PARSERS[tool_name] if tool_name else ToolParser
+    tools = tool_cls(drop=content_drop) if tool_name or content_drop else None
+    reasoning = None
+    if fmt is not None:
+        extra_ends = tool_cls.start_markers if tools_active else ()
+        reasoning = ReasoningParser(fmt, initial_mode(fmt, prompt_tail, thinking_requested), extra_ends=extra_ends,
+                                    drop=drop)
+    return ChatOutputParser(reasoning, tools, emit_tool_calls=tools_active and tool_name is not None)

@@ -1,0 +1,170 @@
+"""Request bodies of the OpenAI-compatible API, validated by pydantic.
+
+Unknown fields are ignored (clients and agent frameworks send many: user, metadata, store, ...), known fields are
+typed so a wrong type becomes a 400 naming the field. Sampling ranges are left to SamplingParams, whose ValueError
+already names the field, so there is one source of truth for them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
+TOOL_CHOICE_MODES = ("none", "auto", "required")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Body):
+    """Only text content parts are supported; an image part fails validation on `type`."""
+
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str = "{}"
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def _arguments_as_json_text(cls, value: Any) -> Any:
+        """Some clients send the arguments as an object; templates expect OpenAI's JSON string."""
+        return json.dumps(value) if isinstance(value, dict) else value
+
+
+class ToolCallIn(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    # Earlier turns' thinking, passed back for interleaved thinking; `reasoning` is the newer spelling of the field.
+    reasoning_content: str | None = Field(default=None, validation_alias=AliasChoices("reasoning_content", "reasoning"))
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.reasoning_content)):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class FunctionDef(_Body):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    """Fields shared by chat and completions; None means the SamplingParams default."""
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=128)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=UINT64_MAX)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, gt=0)
+    max_completion_tokens: int | None = Field(default=None, gt=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    thinking_token_budget: int | None = Field(
+        default=None, ge=0, validation_alias=AliasChoices("thinking_token_budget", "max_thinking_tokens"))
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _known_tool_choice(cls, value: Any) -> Any:
+        if isinstance(value, str) and value not in TOOL_CHOICE_MODES:
+            raise ValueError(f"unknown tool_choice {value!r}; use 'none', 'auto', 'required' or "
+                             '{"type": "function", "function": {"name": ...}}')
+        return value
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, gt=0)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    skip_special_tokens: bool = True
+
+
+class TokenizeRequest(_Body):
+    """Either a raw `prompt` or chat `messages` (rendered through the chat template, as the chat endpoint would)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    tools: list[ToolDef] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]

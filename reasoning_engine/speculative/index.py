@@ -1,0 +1,213 @@
+"""Hashed n-gram occurrence index: the shared core of the n-gram, lookup and suffix proposers.
+
+Token sequences are stored as segments (a request's growing context, or one finished output). For each configured order
+n, a table maps the hash of an n-gram to the positions that immediately follow its occurrences, oldest first. Asking
+"where did the last n tokens occur before, and what came next?" is then one dict lookup, and the continuation is read
+straight from the segment. This answers the same queries as a depth-limited suffix tree (a tree node is a pattern, its
+count the number of occurrences, its children the tokens that follow them) in pure Python at a few microseconds per
+appended token, without building one node object per substring.
+
+Hashes are polynomial over 64-bit integers and kept as prefix hashes per open segment, so the key of any window is
+O(1); they are deterministic across processes (state on disk is tokens only and is re-indexed on load).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+MASK = (1 << 64) - 1
+BASE = 0x9E3779B97F4A7C15
+SEGMENT_SHIFT = 32
+OFFSET_MASK = (1 << SEGMENT_SHIFT) - 1
+
+
+def power(n: int) -> int:
+    """BASE ** n modulo 2 ** 64, the factor that removes the tokens before an n-token window."""
+    return pow(BASE, n, 1 << 64)
+
+
+def prefix_hashes(tokens: Iterable[int], start: int = 0) -> list[int]:
+    """[h_0, h_1, ...] with h_i the hash of the first i tokens (h_0 = `start`)."""
+    prefix = [start]
+    h = start
+    for token in tokens:
+        h = (h * BASE + token + 1) & MASK
+        prefix.append(h)
+    return prefix
+
+
+def window_key(prefix: Sequence[int], end: int, n: int, n_power: int) -> int:
+    """Hash of tokens[end - n:end] from the prefix hashes of `tokens` (`n_power` = power(n))."""
+    return (prefix[end] - prefix[end - n] * n_power) & MASK
+
+
+class NgramIndex:
+    """Segments of tokens and, per order, hash(n-gram) -> packed positions that follow it (oldest first).
+
+    A packed position is `segment << 32 | offset`: the continuation is segments[segment][offset:]. N-grams never span
+    two segments. Values are a bare int while an n-gram has one occurrence (most of them), a list after that.
+    """
+
+    def __init__(self, orders: Sequence[int]) -> None:
+        if not orders or min(orders) < 1:
+            raise ValueError(f"orders must be positive n-gram lengths, got {orders!r}")
+        self.orders: tuple[int, ...] = tuple(sorted(set(orders)))
+        self.powers: tuple[int, ...] = tuple(power(n) for n in self.orders)
+        self.tables: list[dict[int, int | list[int]]] = [{} for _ in self.orders]
+        self.segments: dict[int, list[int]] = {}
+        self.prefixes: dict[int, list[int]] = {}
+        self.num_tokens = 0
+        self._next_segment = 0
+
+    def open_segment(self, tokens: Iterable[int] = ()) -> int:
+        """Start a segment that `append` can keep growing (its prefix hashes are kept until `close_segment`)."""
+        segment = self._next_segment
+        self._next_segment += 1
+        self.segments[segment] = []
+        self.prefixes[segment] = [0]
+        self.append(segment, tokens)
+        return segment
+
+    def add_segment(self, tokens: Iterable[int]) -> int:
+        """A finished sequence: indexed once, then read-only."""
+        segment = self.open_segment(tokens)
+        self.close_segment(segment)
+        return segment
+
+    def close_segment(self, segment: int) -> None:
+        self.prefixes.pop(segment, None)
+
+    def append(self, segment: int, tokens: Iterable[int]) -> None:
+        seg = self.segments[segment]
+        prefix = self.prefixes[segment]
+        base = segment << SEGMENT_SHIFT
+        columns = list(zip(self.orders, self.powers, self.tables))
+        h = prefix[-1]
+        before = len(seg)
+        for token in tokens:
+            h = (h * BASE + token + 1) & MASK
+            seg.append(token)
+            prefix.append(h)
+            end = len(seg)
+            pos = base | end
+            for n, n_power, table in columns:
+                if n > end:
+                    break
+                key = (h - prefix[end - n] * n_power) & MASK
+                found = table.get(key)
+                if found is None:
+                    table[key] = pos
+                elif found.__class__ is int:
+                    table[key] = [found, pos]
+                else:
+                    found.append(pos)
+        self.num_tokens += len(seg) - before
+
+    def drop_segment(self, segment: int) -> None:
+        """Forget a segment and every position in it (eviction of the oldest outputs)."""
+        seg = self.segments.pop(segment)
+        self.prefixes.pop(segment, None)
+        prefix = prefix_hashes(seg)
+        base = segment << SEGMENT_SHIFT
+        for n, n_power, table in zip(self.orders, self.powers, self.tables):
+            for end in range(n, len(seg) + 1):
+                key = window_key(prefix, end, n, n_power)
+                found = table[key]
+                if found.__class__ is int:
+                    del table[key]
+                else:
+                    found.remove(base | end)
+                    if not found:
+                        del table[key]
+        self.num_tokens -= len(seg)
+
+    def token_at(self, pos: int) -> int | None:
+        """The token at a packed position, None past the end of its segment."""
+        seg = self.segments[pos >> SEGMENT_SHIFT]
+        offset = pos & OFFSET_MASK
+        return seg[offset] if offset < len(seg) else None
+
+
+def latest_before(found: int | list[int] | None, end: int) -> int | None:
+    """The most recent position in a table value that lies before `end` (skips the window that ends right now)."""
+    if found is None:
+        return None
+    if found.__class__ is int:
+        return found if found < end else None
+    return found[-1] if found[-1] < end else found[-2]
+
+
+class RequestContext:
+    """One request's sequence (prompt then accepted output) as a single open segment of its own index."""
+
+    __slots__ = ("index", "prompt_len")
+
+    def __init__(self, orders: Sequence[int], prompt: Sequence[int]) -> None:
+        self.index = NgramIndex(orders)
+        self.index.open_segment(prompt)
+        self.prompt_len = len(prompt)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.index.segments[0]
+
+    @property
+    def prefix(self) -> list[int]:
+        return self.index.prefixes[0]
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        self.index.append(0, tokens)
+
+
+class ContextStore:
+    """Per-request contexts, plus the last few finished ones.
+
+    An agent's next turn is a new request whose prompt is the previous request's prompt and output plus a little more;
+    reusing the finished context turns a rebuild of the whole conversation's index into an append of the new tokens.
+    """
+
+    def __init__(self, orders: Sequence[int], reuse_capacity: int = 8) -> None:
+        self.orders = tuple(orders)
+        self.reuse_capacity = reuse_capacity
+        self.active: dict[str, RequestContext] = {}
+        self._finished: list[RequestContext] = []
+
+    def start(self, request_id: str, prompt: Sequence[int]) -> RequestContext:
+        prompt = list(prompt)
+        context = self._take_reusable(prompt)
+        if context is None:
+            context = RequestContext(self.orders, prompt)
+        else:
+            context.extend(prompt[len(context.tokens):])
+            context.prompt_len = len(prompt)
+        self.active[request_id] = context
+        return context
+
+    def _take_reusable(self, prompt: list[int]) -> RequestContext | None:
+        for i in range(len(self._finished) - 1, -1, -1):
+            tokens = self._finished[i].tokens
+            size = len(tokens)
+            if 0 < size <= len(prompt) and tokens[-1] == prompt[size - 1] and tokens == prompt[:size]:
+                return self._finished.pop(i)
+        return None
+
+    def get(self, request_id: str) -> RequestContext:
+        return self.active[request_id]
+
+    def sync(self, request_id: str, token_ids: Sequence[int]) -> RequestContext:
+        """Append whatever part of the request's full sequence the index has not seen yet."""
+        context = self.active[request_id]
+        known = len(context.tokens)
+        if len(token_ids) < known:
+            raise ValueError(f"request {request_id}: sequence of {len(token_ids)} tokens is shorter than the {known} already seen")
+        if len(token_ids) > known:
+            context.extend(token_ids[known:])
+        return context
+
+    def finish(self, request_id: str) -> RequestContext:
+        context = self.active.pop(request_id)
+        if self.reuse_capacity > 0:
+            self._finished.append(context)
+            if len(self._finished) > self.reuse_capacity:
+                self._finished.pop(0)
+        return context

@@ -1,0 +1,220 @@
+"""Triton paged attention against the torch reference (`kernels/attention.py`) and a dense per-sequence reference."""
+
+import math
+
+import pytest
+import torch
+from kernel_asserts import assert_close
+
+from reasoning_engine.batch import ForwardBatch
+from reasoning_engine.kernels import attention, triton_attention
+
+
+def make_batch(context_lens, query_lens, block_size, device, tree=False, num_blocks=None):
+    """A ragged step over randomly placed cache blocks; sequence b has context_lens[b] cached tokens and
+    query_lens[b] new ones. With `tree`, each step gets a random draft tree (every token's parent precedes it)."""
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    need = [math.ceil(s / block_size) for s in seq_lens]
+    total = sum(need)
+    num_blocks = num_blocks or total + 3
+    perm = torch.randperm(num_blocks)[:total].tolist()
+    max_blocks = max(need, default=1) or 1
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    slots, positions = [], []
+    cursor = 0
+    for b, (ctx, q) in enumerate(zip(context_lens, query_lens)):
+        blocks = perm[cursor : cursor + need[b]]
+        cursor += need[b]
+        tables[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        for pos in range(ctx, ctx + q):
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+            positions.append(pos)
+    tokens = len(slots)
+    qsl = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0).tolist()) if query_lens else [0], dtype=torch.int64)
+    max_q = max(query_lens, default=0)
+    tree_mask = None
+    if tree:
+        tree_mask = torch.zeros(tokens, max_q, dtype=torch.bool)
+        for b, q in enumerate(query_lens):
+            parent = [-1] + [int(torch.randint(-1, i, ()).item()) for i in range(1, q)]
+            for i in range(q):
+                node = i
+                while node >= 0:
+                    tree_mask[qsl[b] + i, node] = True
+                    node = parent[node]
+    batch = ForwardBatch(
+        input_ids=torch.zeros(tokens, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=qsl.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        block_tables=tables.to(device),
+        logits_indices=(qsl[1:] - 1).to(device),
+        max_query_len=max_q,
+        max_seq_len=max(seq_lens, default=0),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=seq_lens,
+        tree_mask=None if tree_mask is None else tree_mask.to(device),
+    )
+    return batch, num_blocks
+
+
+def dense_reference(q, cache_rows, batch, block_size, scale, v_dim):
+    """Per-sequence float64 attention over the gathered cache: q [T, H, Dk]; cache_rows(slots) -> (k [L, KVH, Dk],
+    v [L, KVH, Dv]). Visibility: all cached context, and the step's tokens by causal order (and the tree mask)."""
+    out = torch.zeros(q.shape[0], q.shape[1], v_dim, dtype=torch.float64)
+    qsl = batch.query_start_loc.tolist()
+    for b, seq_len in enumerate(batch.seq_lens_cpu):
+        q_len = qsl[b + 1] - qsl[b]
+        ctx = seq_len - q_len
+        pos = torch.arange(seq_len)
+        slots = batch.block_tables[b].long().cpu()[pos // block_size] * block_size + pos % block_size
+        k, v = cache_rows(slots)
+        group = q.shape[1] // k.shape[1]
+        k = k.double().repeat_interleave(group, dim=1)
+        v = v.double().repeat_interleave(group, dim=1)
+        for i in range(q_len):
+            t = qsl[b] + i
+            visible = pos <= ctx + i
+            if batch.tree_mask is not None:
+                step = torch.zeros(seq_len, dtype=torch.bool)
+                step[ctx:] = batch.tree_mask[t, :q_len].cpu()
+                visible &= (pos < ctx) | step
+            s = torch.einsum("hd,lhd->hl", q[t].double().cpu(), k) * scale
+            s[:, ~visible] = float("-inf")
+            out[t] = torch.einsum("hl,lhd->hd", s.softmax(-1), v)
+    return out
+
+
+def gqa_case(context_lens, query_lens, block_size, heads, kv_heads, head_dim, dtype, device, tree=False):
+    batch, num_blocks = make_batch(context_lens, query_lens, block_size, device, tree=tree)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device).to(dtype)
+    tokens = batch.num_tokens
+    triton_attention.write_kv_cache(k_cache, torch.randn(tokens, kv_heads, head_dim, device=device).to(dtype), batch.slot_mapping)
+    triton_attention.write_kv_cache(v_cache, torch.randn(tokens, kv_heads, head_dim, device=device).to(dtype), batch.slot_mapping)
+    q = torch.randn(tokens, heads, head_dim, device=device).to(dtype)
+    return batch, q, k_cache, v_cache
+
+
+DECODE_CASES = [
+    ([0], [1]),  # a single token: the whole context is the query itself
+    ([4, 0, 37], [1, 1, 1]),
+    ([150, 2], [1, 1]),  # long enough for several non-empty splits, short enough for empty ones
+]
+PREFILL_CASES = [
+    ([0], [1]),
+    ([0, 5, 0], [7, 3, 1]),  # fresh prefill, chunked-prefill continuation, single token
+    ([33, 0], [20, 70]),  # more queries than one tile of the kernel
+]
+
+
+DTYPE_BLOCKS = [(torch.float32, 1), (torch.float32, 3), (torch.float32, 16), (torch.bfloat16, 1), (torch.bfloat16, 16), (torch.float16, 5)]
+
+
+@pytest.mark.parametrize("dtype,block_size", DTYPE_BLOCKS)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (3, 1, 24)])
+@pytest.mark.parametrize("lens", DECODE_CASES + PREFILL_CASES)
+def test_paged_attention(device, dtype, block_size, heads, kv_heads, head_dim, lens):
+    batch, q, k_cache, v_cache = gqa_case(*lens, block_size, heads, kv_heads, head_dim, dtype, device)
+    scale = head_dim**-0.5
+    meta = triton_attention.prepare_triton_attention(batch, block_size, num_splits=3)
+    out = triton_attention.paged_attention(q, k_cache, v_cache, batch, meta, scale)
+    ref = attention.paged_attention(q, k_cache, v_cache, batch, attention.prepare_torch_attention(batch, block_size), scale)
+    assert_close(out, ref, scale=2.0)
+
+
+def test_paged_attention_matches_dense_float64(device):
+    """The reference itself, against an independent per-sequence computation, with a draft tree."""
+    batch, q, k_cache, v_cache = gqa_case([6, 0], [5, 4], 4, 4, 2, 8, torch.float32, device, tree=True)
+    meta = triton_attention.prepare_triton_attention(batch, 4)
+    out = triton_attention.paged_attention(q, k_cache, v_cache, batch, meta, 0.3)
+    rows = lambda slots: (k_cache.view(-1, 2, 8)[slots.to(device)].cpu(), v_cache.view(-1, 2, 8)[slots.to(device)].cpu())
+    dense = dense_reference(q, rows, batch, 4, 0.3, 8)
+    ref = attention.paged_attention(q, k_cache, v_cache, batch, attention.prepare_torch_attention(batch, 4), 0.3)
+    assert_close(out.cpu(), dense.float())
+    assert_close(ref.cpu(), dense.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("lens", [([0], [5]), ([9, 0, 3], [4, 1, 6])])
+def test_tree_masked_attention(device, dtype, block_size, lens):
+    batch, q, k_cache, v_cache = gqa_case(*lens, block_size, 4, 2, 16, dtype, device, tree=True)
+    meta = triton_attention.prepare_triton_attention(batch, block_size)
+    out = triton_attention.paged_attention(q, k_cache, v_cache, batch, meta, 0.25)
+    ref = attention.paged_attention(q, k_cache, v_cache, batch, attention.prepare_torch_attention(batch, block_size), 0.25)
+    assert_close(out, ref, scale=2.0)
+
+
+def test_decode_split_count_does_not_change_result(device):
+    batch, q, k_cache, v_cache = gqa_case([200, 9], [1, 1], 16, 4, 2, 16, torch.float32, device)
+    outs = [
+        triton_attention.paged_attention(q, k_cache, v_cache, batch, triton_attention.prepare_triton_attention(batch, 16, num_splits=n), 0.25)
+        for n in (1, 2, 7)
+    ]
+    assert_close(outs[1], outs[0])
+    assert_close(outs[2], outs[0])
+
+
+def test_empty_batch(device):
+    batch, q, k_cache, v_cache = gqa_case([], [], 16, 4, 2, 16, torch.float32, device)
+    meta = triton_attention.prepare_triton_attention(batch, 16)
+    assert triton_attention.paged_attention(q, k_cache, v_cache, batch, meta, 1.0).shape == (0, 4, 16)
+
+
+def mla_case(context_lens, query_lens, block_size, heads, latent, rope, dtype, device, tree=False):
+    batch, num_blocks = make_batch(context_lens, query_lens, block_size, device, tree=tree)
+    kv_cache = torch.randn(num_blocks, block_size, latent + rope, device=device).to(dtype)
+    triton_attention.write_kv_cache(kv_cache, torch.randn(batch.num_tokens, latent + rope, device=device).to(dtype), batch.slot_mapping)
+    q = torch.randn(batch.num_tokens, heads, latent + rope, device=device).to(dtype)
+    return batch, q, kv_cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("heads,latent,rope", [(4, 32, 16), (3, 40, 8)])
+@pytest.mark.parametrize("lens", DECODE_CASES + PREFILL_CASES[1:])
+def test_paged_latent_attention(device, dtype, block_size, heads, latent, rope, lens):
+    batch, q, kv_cache = mla_case(*lens, block_size, heads, latent, rope, dtype, device)
+    scale = (latent + rope) ** -0.5
+    meta = triton_attention.prepare_triton_attention(batch, block_size, num_splits=2)
+    out = triton_attention.paged_latent_attention(q, kv_cache, latent, batch, meta, scale)
+    ref = attention.paged_latent_attention(q, kv_cache, latent, batch, attention.prepare_torch_attention(batch, block_size), scale)
+    assert_close(out, ref, scale=2.0)
+
+
+def test_latent_attention_matches_dense_float64_with_tree(device):
+    batch, q, kv_cache = mla_case([5, 0], [4, 3], 2, 3, 24, 8, torch.float32, device, tree=True)
+    meta = triton_attention.prepare_triton_attention(batch, 2)
+    out = triton_attention.paged_latent_attention(q, kv_cache, 24, batch, meta, 0.2)
+
+    def rows(slots):
+        kv = kv_cache.view(-1, 32)[slots.to(device)].cpu().unsqueeze(1)
+        return kv, kv[..., :24]
+
+    assert_close(out.cpu(), dense_reference(q, rows, batch, 2, 0.2, 24).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(5, 2, 3), (4, 7), (1, 1, 1)])
+def test_write_kv_cache(device, dtype, shape):
+    block_size = shape[0]
+    cache = torch.randn(6, *shape, device=device).to(dtype)
+    ref_cache = cache.clone()
+    slots = torch.randperm(6 * block_size, device=device)[:5]
+    values = torch.randn(5, *shape[1:], device=device)
+    triton_attention.write_kv_cache(cache, values, slots)
+    attention.write_kv_cache(ref_cache, values, slots)
+    if dtype == torch.bfloat16:  # the interpreter truncates float32 -> bfloat16 where torch rounds
+        assert_close(cache, ref_cache)
+    else:
+        assert torch.equal(cache, ref_cache)
+
+
+def test_write_kv_cache_strided_values_and_empty(device):
+    cache = torch.zeros(2, 4, 2, 3, device=device)
+    kv = torch.randn(3, 2, 6, device=device)
+    triton_attention.write_kv_cache(cache, kv[..., 3:], torch.tensor([7, 0, 2], device=device))
+    assert torch.equal(cache.view(-1, 2, 3)[torch.tensor([7, 0, 2], device=device)], kv[..., 3:])
+    triton_attention.write_kv_cache(cache, kv[:0, :, 3:], torch.zeros(0, dtype=torch.int64, device=device))

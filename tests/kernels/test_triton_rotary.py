@@ -1,0 +1,59 @@
+import pytest
+import torch
+from kernel_asserts import assert_close
+
+from reasoning_engine.kernels import rotary, triton_rotary
+
+
+def _tables(max_pos: int, half: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
+    angles = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return angles.cos().to(device), angles.sin().to(device)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tokens,hq,hk,head_dim,rot_dim", [(0, 4, 2, 16, 16), (1, 1, 1, 8, 8), (5, 6, 2, 24, 16), (3, 3, 1, 64, 64)])
+def test_rotary_matches_reference(device, interleaved, dtype, tokens, hq, hk, head_dim, rot_dim):
+    cos, sin = _tables(64, rot_dim // 2, device)
+    positions = torch.randint(0, 64, (tokens,), device=device)
+    q = torch.randn(tokens, hq, head_dim, device=device).to(dtype)
+    k = torch.randn(tokens, hk, head_dim, device=device).to(dtype)
+    out_q, out_k = triton_rotary.apply_rotary(positions, q, k, cos, sin, interleaved)
+    ref_q, ref_k = rotary.apply_rotary(positions, q, k, cos, sin, interleaved)
+    assert_close(out_q, ref_q)
+    assert_close(out_k, ref_k)
+
+
+def test_rotary_strided_views(device):
+    """DeepSeek's q_pe is the tail slice of each head's query: a strided view."""
+    cos, sin = _tables(32, 8, device)
+    positions = torch.tensor([3, 0, 31], device=device)
+    q_full = torch.randn(3, 4, 40, device=device)
+    k = torch.randn(3, 1, 16, device=device)
+    out_q, out_k = triton_rotary.apply_rotary(positions, q_full[..., 24:], k, cos, sin, True)
+    ref_q, ref_k = rotary.apply_rotary(positions, q_full[..., 24:], k, cos, sin, True)
+    assert_close(out_q, ref_q)
+    assert_close(out_k, ref_k)
+
+
+def test_reference_matches_transformers_layouts():
+    """neox equals transformers' rotate_half form; interleaved equals apply_rotary_pos_emb_interleave (de-interleaved
+    output), and both preserve q·k for a relative shift of positions."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb, apply_rotary_pos_emb_interleave
+
+    cos, sin = _tables(16, 8, "cpu")
+    positions = torch.tensor([0, 5, 9])
+    q, k = torch.randn(3, 2, 16), torch.randn(3, 1, 16)
+    full_cos = torch.cat([cos, cos], -1)[positions]
+    full_sin = torch.cat([sin, sin], -1)[positions]
+    for interleaved, fn in ((False, apply_rotary_pos_emb), (True, apply_rotary_pos_emb_interleave)):
+        exp_q, exp_k = fn(q.transpose(0, 1), k.transpose(0, 1), full_cos, full_sin, unsqueeze_dim=0)
+        out_q, out_k = rotary.apply_rotary(positions, q, k, cos, sin, interleaved)
+        assert_close(out_q, exp_q.transpose(0, 1).contiguous())
+        assert_close(out_k, exp_k.transpose(0, 1).contiguous())
+        a_q, _ = rotary.apply_rotary(torch.tensor([7]), q[:1], k[:1], cos, sin, interleaved)
+        _, a_k = rotary.apply_rotary(torch.tensor([3]), q[:1], k[:1], cos, sin, interleaved)
+        b_q, _ = rotary.apply_rotary(torch.tensor([12]), q[:1], k[:1], cos, sin, interleaved)
+        _, b_k = rotary.apply_rotary(torch.tensor([8]), q[:1], k[:1], cos, sin, interleaved)
+        torch.testing.assert_close((a_q[0, 0] * a_k[0, 0]).sum(), (b_q[0, 0] * b_k[0, 0]).sum(), atol=1e-4, rtol=1e-4)

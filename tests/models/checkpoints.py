@@ -1,0 +1,262 @@
+"""Tiny random checkpoints of every supported family and config variant, written by transformers' own model classes
+(`save_pretrained` writes the real per-expert tensor names), float32, without tokenizer files (prompts are token ids).
+
+Each variant is a few layers of width 64 (192 for block FP8, so blocks of 128 have partial edges) and builds in well
+under a second. Configs are written either as transformers writes them (`rope_parameters`) or as the published
+checkpoints do (`rope_theta` + `rope_scaling`, DeepSeek's `topk_method`/`scoring_func`, Qwen3-MoE's `num_experts`).
+`TinyCheckpoint.reference()` loads the transformers model the engine must match: from the same files, or for quantized
+checkpoints from a sibling folder holding exactly the dequantized weights.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .quant_writer import quantize_checkpoint
+from .st_files import read_tensors, write_tensors
+
+VOCAB = 256
+PROMPT_LENGTHS = (4, 9, 16, 23)
+
+_DEEPSEEK_BASE: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+    kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1,
+    n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=512,
+    num_nextn_predict_layers=0, bos_token_id=0, eos_token_id=1, initializer_range=0.1,
+    rope_parameters=dict(rope_type="yarn", type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
+                         beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+)
+_KIMI_ROPE = dict(rope_type="yarn", type="yarn", rope_theta=50000.0, factor=32.0, original_max_position_embeddings=128,
+                  beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+_KIMI: dict[str, Any] = dict(n_group=1, topk_group=1, routed_scaling_factor=2.827, rope_parameters=_KIMI_ROPE)
+_GQA_BASE: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=0, eos_token_id=1, initializer_range=0.1,
+)
+_BASES: dict[str, dict[str, Any]] = {
+    "deepseek_v3": _DEEPSEEK_BASE,
+    "deepseek_v2": dict(
+        _DEEPSEEK_BASE, q_lora_rank=None, n_shared_experts=2, n_group=None, topk_group=None, topk_method="greedy",
+        norm_topk_prob=False, routed_scaling_factor=1.0,
+        rope_parameters=dict(_DEEPSEEK_BASE["rope_parameters"], mscale=0.707, mscale_all_dim=0.707),
+    ),
+    "qwen3": dict(_GQA_BASE, tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+    "qwen3_moe": dict(_GQA_BASE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+    "llama": dict(_GQA_BASE, rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                                                  high_freq_factor=4.0, original_max_position_embeddings=64)),
+}
+# keys transformers adds that the published configs do not have
+_NOT_PUBLISHED = ("head_dim", "qk_head_dim", "transformers_version", "output_router_logits", "pretraining_tp")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One checkpoint shape: a family, config overrides and how the folder is laid out."""
+
+    family: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+    published: bool = True  # config.json as the published checkpoints write it, else as transformers 5 writes it
+    layout: str = "plain"  # "plain", "kimi_k2" (model_type kimi_k2) or "kimi_k25" (wrapper, language_model. prefix)
+    mtp: bool = False  # add DeepSeek's MTP layer at index num_hidden_layers
+    shards: int = 1
+    quant: str | None = None  # "int4" (routed experts, compressed-tensors) or "fp8" (block FP8)
+
+
+VARIANTS: dict[str, Variant] = {
+    # q_lora_rank, yarn with mscale == mscale_all_dim, group-limited routing, first dense layer, norm_topk_prob
+    "deepseek_v3": Variant("deepseek_v3"),
+    # plain q_proj, rope_parameters form, mscale != mscale_all_dim (cos/sin scaled), no groups, no dense layer,
+    # unnormalised top-k weights, routed_scaling_factor 1
+    "deepseek_v3_plain_q": Variant("deepseek_v3", dict(
+        q_lora_rank=None, n_group=1, topk_group=1, first_k_dense_replace=0, norm_topk_prob=False, routed_scaling_factor=1.0,
+        rope_parameters=dict(_DEEPSEEK_BASE["rope_parameters"], mscale=0.9, mscale_all_dim=0.7)), published=False),
+    "deepseek_v3_mtp": Variant("deepseek_v3", dict(num_nextn_predict_layers=1), mtp=True),
+    "deepseek_v3_sharded": Variant("deepseek_v3", shards=4),
+    "kimi_k2": Variant("deepseek_v3", _KIMI, layout="kimi_k2"),
+    "kimi_k25": Variant("deepseek_v3", _KIMI, layout="kimi_k25", shards=3),
+    "qwen3": Variant("qwen3"),
+    "qwen3_moe": Variant("qwen3_moe"),
+    "llama": Variant("llama"),
+    "deepseek_v2": Variant("deepseek_v2"),
+    # quantized: every linear but router / embeddings / head in block FP8 with partial edge blocks (192 = 128 + 64)
+    "deepseek_v3_fp8": Variant("deepseek_v3", dict(
+        hidden_size=192, intermediate_size=320, moe_intermediate_size=160, num_hidden_layers=2, kv_lora_rank=64,
+        q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32), quant="fp8", shards=2),
+    "kimi_k2_int4": Variant("deepseek_v3", _KIMI, layout="kimi_k2", quant="int4"),
+    "kimi_k25_int4": Variant("deepseek_v3", _KIMI, layout="kimi_k25", quant="int4", shards=3),
+}
+
+
+@dataclass(frozen=True)
+class TinyCheckpoint:
+    """A built checkpoint folder and how to load the transformers model it must match."""
+
+    name: str
+    path: Path
+    reference_path: Path
+    layout: str
+    vocab_size: int
+
+    def reference(self) -> torch.nn.Module:
+        """The transformers model (float32, eval) on the same weights, checked to have loaded every parameter."""
+        from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+        if self.layout == "plain":
+            model, info = AutoModelForCausalLM.from_pretrained(self.reference_path, dtype=torch.float32, output_loading_info=True)
+        else:
+            raw = json.loads((self.reference_path / "config.json").read_text())
+            text = raw["text_config"] if self.layout == "kimi_k25" else raw
+            text = {k: v for k, v in text.items() if k not in ("model_type", "auto_map", "quantization_config")}
+            config = DeepseekV3Config.from_dict(text)
+            mapping = {r"^language_model\.": ""} if self.layout == "kimi_k25" else None
+            model, info = DeepseekV3ForCausalLM.from_pretrained(
+                self.reference_path, config=config, dtype=torch.float32, key_mapping=mapping, output_loading_info=True
+            )
+        if info["missing_keys"] or info["mismatched_keys"]:
+            raise AssertionError(f"reference for {self.name} did not load: {info}")
+        return model.eval()
+
+
+def prompts(vocab_size: int = VOCAB, seed: int = 0) -> list[list[int]]:
+    """Token-id prompts of different lengths (ids >= 2 so none is bos/eos)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def build_checkpoint(name: str, root: Path, seed: int = 0) -> TinyCheckpoint:
+    """Write variant `name` under `root/name` (and `root/name-dense` for quantized ones)."""
+    variant = VARIANTS[name]
+    path = root / name
+    if path.exists():
+        shutil.rmtree(path)
+    model = _random_model(variant, seed)
+    model.save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    if variant.published:
+        config = _published(config)
+    tensors = read_tensors(path)
+    if variant.mtp:
+        tensors.update(_mtp_tensors(tensors, config, seed))
+    if variant.layout != "plain":
+        config["model_type"] = "kimi_k2"
+        config["auto_map"] = {
+            "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+            "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+        }
+    if variant.layout == "kimi_k25":
+        tensors = {f"language_model.{k}": v for k, v in tensors.items()} | _vision_tensors(config["hidden_size"], seed)
+        config = _kimi_k25_wrapper(config)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    write_tensors(path, tensors, variant.shards)
+    reference_path = path
+    if variant.quant:
+        dense = quantize_checkpoint(path, variant.quant, variant.shards)
+        reference_path = root / f"{name}-dense"
+        if reference_path.exists():
+            shutil.rmtree(reference_path)
+        reference_path.mkdir()
+        (reference_path / "config.json").write_text(json.dumps(config, indent=2))
+        write_tensors(reference_path, dense, variant.shards)
+    return TinyCheckpoint(name, path, reference_path, variant.layout, VOCAB)
+
+
+def _random_model(variant: Variant, seed: int) -> torch.nn.Module:
+    """The transformers model with random weights, non-trivial norms and a non-zero routing bias."""
+    import transformers
+
+    config_cls, model_cls = {
+        "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+        "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    }[variant.family]
+    kwargs = {**_BASES[variant.family], **variant.overrides}
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**kwargs)
+    model = getattr(transformers, model_cls)(config).float().eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.05 * torch.randn(buf.shape, generator=gen))
+    return model
+
+
+def _published(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json as the published checkpoints write it: rope_theta + rope_scaling, torch_dtype, family keys."""
+    config = {k: v for k, v in config.items() if k not in _NOT_PUBLISHED}
+    rope = dict(config.pop("rope_parameters") or {})
+    config["rope_theta"] = rope.pop("rope_theta", 10000.0)
+    rope_type = rope.pop("rope_type", "default")
+    if "type" not in rope and rope_type != "default":
+        rope["rope_type"] = rope_type
+    config["rope_scaling"] = rope or None
+    config["torch_dtype"] = config.pop("dtype", "float32")
+    if config["model_type"] == "deepseek_v3":
+        config.update(topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1)
+    elif config["model_type"] == "deepseek_v2":
+        config.update(scoring_func="softmax", moe_layer_freq=1)
+    elif config["model_type"] == "qwen3_moe":
+        config["num_experts"] = config.pop("num_local_experts")
+    return config
+
+
+def _mtp_tensors(tensors: dict[str, torch.Tensor], config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's multi-token-prediction layer at index num_hidden_layers: its own embedding, enorm/hnorm, eh_proj,
+    shared_head and a full decoder block shaped like the last layer. Random: the engine must skip all of it."""
+    last, mtp = config["num_hidden_layers"] - 1, config["num_hidden_layers"]
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    gen = torch.Generator().manual_seed(seed + 2)
+    shapes = {k.replace(f"model.layers.{last}.", f"model.layers.{mtp}."): v.shape
+              for k, v in tensors.items() if k.startswith(f"model.layers.{last}.")}
+    shapes.update({
+        f"model.layers.{mtp}.embed_tokens.weight": (vocab, hidden),
+        f"model.layers.{mtp}.enorm.weight": (hidden,),
+        f"model.layers.{mtp}.hnorm.weight": (hidden,),
+        f"model.layers.{mtp}.eh_proj.weight": (hidden, 2 * hidden),
+        f"model.layers.{mtp}.shared_head.norm.weight": (hidden,),
+        f"model.layers.{mtp}.shared_head.head.weight": (vocab, hidden),
+    })
+    return {k: 0.1 * torch.randn(s, generator=gen) for k, s in shapes.items()}
+
+
+def _vision_tensors(text_hidden: int, seed: int) -> dict[str, torch.Tensor]:
+    """A few bf16 tensors named like Kimi K2.5's vision tower and projector, which the text engine skips."""
+    gen = torch.Generator().manual_seed(seed + 3)
+    shapes = {
+        "vision_tower.patch_embed.proj.weight": (32, 3, 2, 2),
+        "vision_tower.encoder.blocks.0.wqkv.weight": (96, 32),
+        "vision_tower.encoder.blocks.0.norm0.weight": (32,),
+        "mm_projector.pre_norm.weight": (32,),
+        "mm_projector.proj.0.weight": (128, 128),
+        "mm_projector.proj.2.weight": (text_hidden, 128),
+    }
+    return {k: torch.randn(s, generator=gen).to(torch.bfloat16) for k, s in shapes.items()}
+
+
+def _kimi_k25_wrapper(text: dict[str, Any]) -> dict[str, Any]:
+    """Kimi K2.5's multimodal config.json: the DeepSeek-V3-shaped text model under text_config."""
+    return {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": {**text, "architectures": ["DeepseekV3ForCausalLM"]},
+        "vision_config": {"patch_size": 2, "hidden_size": 32, "num_hidden_layers": 1, "mm_hidden_size": 32,
+                          "text_hidden_size": text["hidden_size"], "merge_kernel_size": [2, 2]},
+        "media_placeholder_token_id": VOCAB - 1,
+        "bos_token_id": text["bos_token_id"],
+        "eos_token_id": text["eos_token_id"],
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }

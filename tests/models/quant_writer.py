@@ -1,0 +1,144 @@
+"""Writes checkpoints in the published quantized formats, for tests only (the engine only reads them).
+
+- INT4 compressed-tensors ``pack-quantized`` as Kimi K2 Thinking / K2.5 ship their routed experts: symmetric, group 32,
+  ``weight_packed`` int32 ``[out, in/8]`` (stored value ``q + 8``, lowest nibble first), ``weight_scale`` bf16
+  ``[out, in/32]``, ``weight_shape`` int64 ``[2]``.
+- Block FP8 as DeepSeek-V3 / Kimi K2 ship every linear layer but the router, embeddings and LM head: float8_e4m3fn
+  ``weight`` and float32 ``weight_scale_inv`` per 128x128 block (edge blocks partial).
+
+Each writer also gives the dense weight the stored one stands for, computed here independently of the engine's
+dequantization, so the transformers reference can run on exactly those weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .st_files import read_tensors, write_tensors
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+KIMI_INT4_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]
+KIMI_K25_EXTRA_IGNORE = ["re:vision_tower.*", "re:mm_projector.*"]
+ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+NOT_FP8 = re.compile(r"(embed_tokens|lm_head|norm|\.mlp\.gate\.|shared_head\.head)")
+
+
+def int4_quantization_config(ignore: list[str]) -> dict:
+    """The quantization_config Kimi K2 Thinking / K2.5 publish."""
+    return {
+        "config_groups": {
+            "group_0": {
+                "input_activations": None,
+                "output_activations": None,
+                "targets": ["Linear"],
+                "weights": {
+                    "actorder": None,
+                    "block_structure": None,
+                    "dynamic": False,
+                    "group_size": 32,
+                    "num_bits": 4,
+                    "observer": "minmax",
+                    "observer_kwargs": {},
+                    "strategy": "group",
+                    "symmetric": True,
+                    "type": "int",
+                },
+            }
+        },
+        "format": "pack-quantized",
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+    }
+
+
+FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-group INT4: values q in [-8, 7] (int8) and bf16 scales [out, ceil(in / group_size)]."""
+    rows, cols = weight.shape
+    groups = math.ceil(cols / group_size)
+    w = F.pad(weight.float(), (0, groups * group_size - cols)).view(rows, groups, group_size)
+    scale = (w.abs().amax(-1) / 7.5).clamp(min=1e-8).to(torch.bfloat16)
+    q = torch.round(w / scale.float().unsqueeze(-1)).clamp(-8, 7).view(rows, -1)[:, :cols]
+    return q.to(torch.int8), scale
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Pack int8 values in [-8, 7] eight to an int32: stored as q + 8, value i of each eight in bits 4i..4i+3."""
+    rows, cols = q.shape
+    stored = F.pad(q.to(torch.int64) + 8, (0, -cols % 8)).view(rows, -1, 8)
+    packed = (stored << torch.arange(0, 32, 4, dtype=torch.int64)).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def int4_dense(q: torch.Tensor, scale: torch.Tensor, group_size: int = 32) -> torch.Tensor:
+    """The float32 weight INT4 values stand for: q times the scale of its group."""
+    cols = q.shape[1]
+    return q.float() * scale.float().repeat_interleave(group_size, dim=1)[:, :cols]
+
+
+def pack_int4(weight: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`weight` as compressed-tensors pack-quantized parts: (weight_packed, weight_scale, weight_shape)."""
+    q, scale = quantize_int4(weight, group_size)
+    return pack_nibbles(q), scale, torch.tensor(list(weight.shape), dtype=torch.int64)
+
+
+def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek block FP8: float8_e4m3fn weight and float32 weight_scale_inv (block amax / 448) per block."""
+    rows, cols = weight.shape
+    br, bc = block
+    nr, nc = math.ceil(rows / br), math.ceil(cols / bc)
+    w = F.pad(weight.float(), (0, nc * bc - cols, 0, nr * br - rows)).view(nr, br, nc, bc)
+    scale_inv = (w.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+    fp8 = (w / scale_inv.view(nr, 1, nc, 1)).clamp(-FP8_MAX, FP8_MAX).view(nr * br, nc * bc)[:rows, :cols]
+    return fp8.to(torch.float8_e4m3fn).contiguous(), scale_inv
+
+
+def fp8_dense(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """The float32 weight a block-FP8 tensor stands for, block by block."""
+    dense = weight.float()
+    br, bc = block
+    for i in range(scale_inv.shape[0]):
+        for j in range(scale_inv.shape[1]):
+            dense[i * br : (i + 1) * br, j * bc : (j + 1) * bc] *= scale_inv[i, j]
+    return dense
+
+
+def quantize_checkpoint(folder: Path, scheme: str, shards: int = 1) -> dict[str, torch.Tensor]:
+    """Rewrite the checkpoint in `folder` in place: routed experts to INT4 (`scheme="int4"`) or every linear weight
+    but router / embeddings / LM head to block FP8 (`scheme="fp8"`), with the matching quantization_config (inside
+    text_config for a Kimi K2.5 wrapper, as published). Returns the dense float32 state it stands for, by stored name."""
+    config = json.loads((folder / "config.json").read_text())
+    stored: dict[str, torch.Tensor] = {}
+    dense: dict[str, torch.Tensor] = {}
+    for name, tensor in read_tensors(folder).items():
+        base = name[: -len(".weight")]
+        if scheme == "int4" and ROUTED_EXPERT.search(name):
+            q, scale = quantize_int4(tensor)
+            stored.update({f"{base}.weight_packed": pack_nibbles(q), f"{base}.weight_scale": scale,
+                           f"{base}.weight_shape": torch.tensor(list(tensor.shape), dtype=torch.int64)})
+            dense[name] = int4_dense(q, scale)
+        elif scheme == "fp8" and name.endswith(".weight") and tensor.dim() == 2 and not NOT_FP8.search(name):
+            fp8, scale_inv = quantize_fp8_block(tensor)
+            stored.update({name: fp8, f"{base}.weight_scale_inv": scale_inv})
+            dense[name] = fp8_dense(fp8, scale_inv)
+        else:
+            stored[name] = dense[name] = tensor
+    if scheme == "int4":
+        wrapper = "text_config" in config
+        qc = int4_quantization_config(KIMI_INT4_IGNORE + (KIMI_K25_EXTRA_IGNORE if wrapper else []))
+    else:
+        qc = dict(FP8_QUANTIZATION_CONFIG)
+    (config["text_config"] if "text_config" in config else config)["quantization_config"] = qc
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    write_tensors(folder, stored, shards)
+    return dense

@@ -57,6 +57,10 @@ class ModelConfig:
     weight_prefix: str = ""  # prefix of the text model's tensors in the checkpoint ("language_model." for kimi_k25)
     skipped_prefixes: tuple[str, ...] = ()  # checkpoint tensors that are not the text model (vision tower)
     quantization: dict[str, Any] | None = None
+    # filled by the engine once the tokenizer and the context limit are known
+    max_model_len: int = 0
+    think_start_token_id: int | None = None
+    think_end_token_id: int | None = None
 
     def get(self, key: str, default: Any = None) -> Any:
         value = self.raw.get(key, default)

@@ -63,6 +63,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self._eos_ids())
         self.think_start_id = self._token_id("<think>")
         self.think_end_id = self._token_id("</think>")
+        self.model_config.max_model_len = config.max_model_len
+        self.model_config.think_start_token_id = self.think_start_id
+        self.model_config.think_end_token_id = self.think_end_id
         self.num_preemptions = 0
         self._ids = itertools.count()
 
@@ -104,7 +107,7 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
-        self._validate(token_ids, params)
+        self.validate(token_ids, params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         thinking = self._starts_in_thinking(token_ids)
         group = []
@@ -119,7 +122,8 @@ class LLMEngine:
         self.groups[request_id] = group
         return request_id
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field when a request cannot run on this model."""
         if not token_ids:
             raise ValueError("prompt must not be empty")
         vocab = self.model_config.vocab_size

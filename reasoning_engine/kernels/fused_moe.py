@@ -88,12 +88,12 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
 
 
 def dequantize_int4_packed(packed: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[..., out, in/8] int32 + [..., out, in/group] -> [..., out, in] in scale's dtype (compressed-tensors
-    pack-quantized: lowest nibble first, stored offset by +8)."""
+    """[..., out, in/8] int32 + [..., out, in/group] -> [..., out, in] float32 (compressed-tensors pack-quantized:
+    lowest nibble first, stored offset by +8)."""
     shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
     nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF
     q = (nibbles - 8).flatten(-2)
-    return (q.float() * scale.float().repeat_interleave(group_size, dim=-1)[..., : q.shape[-1]]).to(scale.dtype)
+    return q.float() * scale.float().repeat_interleave(group_size, dim=-1)[..., : q.shape[-1]]
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block_shape: tuple[int, int]) -> torch.Tensor:

@@ -48,6 +48,10 @@ class SuffixConfig:
     global_max_tokens: int = 1_000_000
     prompt_tail: int = 8
     reuse_capacity: int = 8
+    mixed: bool = False
+    levels: int = 3
+    weight_exp: float = 2.0
+    global_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.orders or min(self.orders) < 1:
@@ -100,6 +104,8 @@ class SuffixProposer:
         if max_draft_tokens <= 0:
             return Draft.empty()
         end = len(context.tokens)
+        if self.config.mixed:
+            return self._propose_mixed(context, end, max_draft_tokens)
         best = Draft.empty()
         for index, local in ((context.index, True), (self.global_index, False)):
             order, occurrences = self._match(index, context.prefix, end, local)
@@ -158,6 +164,92 @@ class SuffixProposer:
                 heap.clear()
             if depth < max_depth:
                 expand(len(tokens) - 1, group, depth, -neg_prob)
+        return Draft(tokens, parents, score)
+
+    def _propose_mixed(self, context, end, budget):
+        cfg = self.config
+        P, W, L = [], [], []
+        for index, local, sw in ((context.index, True, 1.0), (self.global_index, False, cfg.global_weight)):
+            seen = set()
+            levels = 0
+            for i in range(len(index.orders) - 1, -1, -1):
+                n = index.orders[i]
+                if n > end:
+                    continue
+                found = index.tables[i].get(window_key(context.prefix, end, n, index.powers[i]))
+                if found is None:
+                    continue
+                occ = [found] if found.__class__ is int else found[-cfg.max_occurrences - 1:]
+                if local and occ[-1] >= end:
+                    occ.pop()
+                occ = occ[-cfg.max_occurrences:]
+                if not occ:
+                    continue
+                w = sw * n ** cfg.weight_exp
+                lim = max(1, int(cfg.depth_per_match * n))
+                for q in occ:
+                    if q not in seen:
+                        seen.add(q)
+                        P.append(q if not local else q | (1 << 62))
+                        W.append(w)
+                        L.append(lim)
+                levels += 1
+                if levels >= cfg.levels:
+                    break
+        if not P:
+            return Draft.empty()
+        local_seg = context.tokens
+        gsegs = self.global_index.segments
+        min_prob = cfg.min_token_prob
+        tree = cfg.tree
+        tokens, parents = [], []
+        score = 0.0
+        heap = []
+        order = itertools.count()
+        FLAG = 1 << 62
+
+        def expand(node, P, W, L, depth, prob):
+            groups = {}
+            total = 0.0
+            for q, w, lim in zip(P, W, L):
+                total += w
+                if lim <= depth:
+                    continue
+                if q & FLAG:
+                    off = q & OFFSET_MASK
+                    if off >= len(local_seg):
+                        continue
+                    t = local_seg[off]
+                else:
+                    seg = gsegs[q >> SEGMENT_SHIFT]
+                    off = q & OFFSET_MASK
+                    if off >= len(seg):
+                        continue
+                    t = seg[off]
+                g = groups.get(t)
+                if g is None:
+                    groups[t] = g = [0.0, [], [], []]
+                g[0] += w
+                g[1].append(q + 1)
+                g[2].append(w)
+                g[3].append(lim)
+            children = sorted(groups.items(), key=lambda item: -item[1][0])
+            for t, g in children if tree else children[:1]:
+                ratio = g[0] / total
+                if ratio < min_prob:
+                    break
+                heapq.heappush(heap, (-prob * ratio, next(order), node, t, g, depth + 1))
+
+        expand(-1, P, W, L, 0, 1.0)
+        while heap and len(tokens) < budget:
+            neg, _, parent, t, g, depth = heapq.heappop(heap)
+            tokens.append(t)
+            parents.append(parent)
+            score -= neg
+            if not tree:
+                heap.clear()
+            if depth < budget:
+                expand(len(tokens) - 1, g[1], g[2], g[3], depth, -neg)
         return Draft(tokens, parents, score)
 
     # -- persistence -------------------------------------------------------------------------------------------------

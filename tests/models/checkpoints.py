@@ -54,7 +54,7 @@ _BASES: dict[str, dict[str, Any]] = {
                                                   high_freq_factor=4.0, original_max_position_embeddings=64)),
 }
 # keys transformers adds that the published configs do not have
-_NOT_PUBLISHED = ("head_dim", "qk_head_dim", "transformers_version", "output_router_logits", "pretraining_tp")
+_NOT_PUBLISHED = ("qk_head_dim", "transformers_version", "output_router_logits", "pretraining_tp")
 
 
 @dataclass(frozen=True)
@@ -204,6 +204,8 @@ def _published(config: dict[str, Any]) -> dict[str, Any]:
         rope["rope_type"] = rope_type
     config["rope_scaling"] = rope or None
     config["torch_dtype"] = config.pop("dtype", "float32")
+    if config["model_type"].startswith("deepseek"):
+        del config["head_dim"]  # transformers' alias for qk_rope_head_dim
     if config["model_type"] == "deepseek_v3":
         config.update(topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1)
     elif config["model_type"] == "deepseek_v2":

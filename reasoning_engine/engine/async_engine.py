@@ -1,0 +1,148 @@
+"""AsyncLLM: the engine behind the server. One background thread drives every request through LLMEngine.step();
+coroutines submit requests and receive their outputs through asyncio queues.
+
+The model's forward pass releases the GIL inside torch, so the server's event loop keeps answering while a step runs.
+Requests are validated in the caller (so bad input fails at once with ValueError) and handed to the engine thread,
+which alone touches the scheduler and the KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from reasoning_engine.engine.engine import EngineStats, LLMEngine, PromptType
+from reasoning_engine.llm import build_engine_config
+from reasoning_engine.outputs import RequestOutput
+from reasoning_engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; requests in flight were ended."""
+
+
+class AsyncLLM:
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        self.engine = LLMEngine(build_engine_config(model, **engine_kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self.model_config = self.engine.model_config
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="reasoning-engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- client side ----
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs as tokens arrive; the last one has finished=True. Cancelling aborts the request."""
+        if self._stopped:
+            raise EngineDeadError("the engine is shut down")
+        request_id = request_id or uuid.uuid4().hex
+        _, token_ids = self.engine.tokenize(prompt)
+        self.engine.validate(token_ids, params)
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._streams[request_id] = (loop, outputs)
+        self._send("add", (request_id, {"prompt_token_ids": token_ids, "prompt": prompt if isinstance(prompt, str) else None}, params))
+        finished = False
+        try:
+            while not finished:
+                item = await outputs.get()
+                while isinstance(item, RequestOutput) and not item.finished and not outputs.empty():
+                    item = outputs.get_nowait()  # outputs are cumulative: only the newest matters
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self._send("abort", request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._send("abort", request_id)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def shutdown(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.shutdown_sync)
+
+    def shutdown_sync(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self._send("stop", None)
+        self._thread.join(timeout=30)
+
+    # ---- engine thread ----
+    def _send(self, kind: str, payload: Any) -> None:
+        self._commands.put((kind, payload))
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while True:
+            if not self._apply_commands():
+                break
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - the thread must survive to end every request cleanly
+                logger.exception("engine step failed")
+                self._fail_all(EngineDeadError(f"engine step failed: {exc}"))
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+        self._fail_all(EngineDeadError("the engine is shut down"))
+
+    def _apply_commands(self) -> bool:
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            if kind == "stop":
+                return False
+            if kind == "abort":
+                self.engine.abort_request(payload)
+                continue
+            request_id, prompt, params = payload
+            try:
+                self.engine.add_request(request_id, prompt, params)
+            except ValueError as exc:
+                self._deliver(request_id, exc)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        loop, outputs = stream
+        try:
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+        except RuntimeError:  # the client's loop is closed: nobody is listening
+            self.engine.abort_request(request_id)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id in list(self.engine.groups):
+            self.engine.abort_request(request_id)
+        with self._lock:
+            streams = list(self._streams.items())
+        for request_id, _ in streams:
+            self._deliver(request_id, error)

@@ -1,0 +1,287 @@
+"""The OpenAI-compatible HTTP app: `build_app(engine, ServerConfig)`.
+
+Every route parses its JSON itself (so broken JSON and wrong types are 400s naming the parameter, never FastAPI's
+422), every error is an OpenAI error object, and every engine request is aborted when its client goes away.
+Authentication and the body-size limit are plain ASGI middleware, so they guard every route, unknown ones included.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from reasoning_engine.server.chat_template import check_template_kwargs, render_chat
+from reasoning_engine.server.errors import APIError, bad_request, error_body, from_validation_error
+from reasoning_engine.server.metrics import ServerMetrics
+from reasoning_engine.server.parsing import resolve_reasoning_parser, resolve_tool_parser
+from reasoning_engine.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from reasoning_engine.server.reasoning_parsers import REASONING_PARSER_CHOICES
+from reasoning_engine.server.serving import (ClientGone, EngineRequests, EngineStreamResponse, OpenAIServing,
+                                             new_request_id, shielded, unless_disconnected)
+from reasoning_engine.server.tool_parsers import TOOL_PARSER_CHOICES
+
+logger = logging.getLogger(__name__)
+B = TypeVar("B", bound=BaseModel)
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+@dataclass
+class ServerConfig:
+    """Server-side settings (engine settings go to the engine)."""
+
+    served_model_names: list[str] | None = None  # None: the checkpoint folder's name
+    api_key: str | None = None
+    reasoning_parser: str = "auto"
+    tool_call_parser: str = "auto"
+    max_thinking_tokens: int | None = None  # default thinking budget for requests that set none
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    public_paths: tuple[str, ...] = ("/health",)  # reachable without the API key
+    shutdown_engine: bool = True  # shut the engine down when the app stops (False when apps share an engine)
+
+
+class _AuthMiddleware:
+    """`Authorization: Bearer KEY` on every path but the public ones; the compare takes constant time."""
+
+    def __init__(self, app: ASGIApp, api_key: str, public_paths: tuple[str, ...]) -> None:
+        self.app = app
+        self._key = api_key.encode()
+        self._public = public_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self._public:
+            return await self.app(scope, receive, send)
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key):
+            return await self.app(scope, receive, send)
+        response = JSONResponse(error_body("Incorrect API key provided. Send it as `Authorization: Bearer KEY`.",
+                                           "invalid_request_error", None, "invalid_api_key"), status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+class _BodyLimitMiddleware:
+    """Reads the request body up front and refuses it with 413 past `limit` bytes.
+
+    An oversized body is drained (up to a cap) before answering, so a client still writing gets the 413 rather
+    than a reset connection. The app then reads the buffered body, and later receive() calls (disconnects) go
+    to the server as usual."""
+
+    _DRAIN_CAP = 64 * 1024 * 1024
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self._limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self._limit + self._DRAIN_CAP):
+            return await self._refuse(scope, receive, send, declared.isdigit())
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size <= self._limit:
+                chunks.append(body)
+            elif size > self._limit + self._DRAIN_CAP:
+                break
+            if not message.get("more_body", False):
+                break
+        if size > self._limit:
+            return await self._refuse(scope, receive, send, True)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, too_large: bool) -> None:
+        if too_large:
+            error = APIError(413, f"Request body too large; the limit is {self._limit} bytes.",
+                             code="request_too_large")
+        else:
+            error = bad_request("Invalid Content-Length header.")
+        await error.response()(scope, receive, send)
+
+
+async def _json_body(request: Request, model: type[B]) -> B:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from exc
+
+
+def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
+    """An app serving `engine`; several apps may share one engine (set `shutdown_engine=False` on all but one)."""
+    config = config or ServerConfig()
+    if config.reasoning_parser not in REASONING_PARSER_CHOICES:
+        raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSER_CHOICES)}")
+    if config.tool_call_parser not in TOOL_PARSER_CHOICES:
+        raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSER_CHOICES)}")
+    model_config = engine.model_config
+    tokenizer = engine.tokenizer
+    vocab = set(tokenizer.get_vocab()) if tokenizer is not None else set()
+    names = list(config.served_model_names or [model_config.name])
+    metrics = ServerMetrics(engine.stats, names[0])
+    serving = OpenAIServing(
+        engine, metrics, model_names=names,
+        reasoning_parser=resolve_reasoning_parser(config.reasoning_parser, model_config.model_type, vocab),
+        tool_parser=resolve_tool_parser(config.tool_call_parser, model_config.model_type, vocab,
+                                        getattr(tokenizer, "chat_template", None)),
+        max_thinking_tokens=config.max_thinking_tokens)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if config.shutdown_engine:
+            await engine.shutdown()
+
+    app = FastAPI(title="Reasoning Engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serving = serving
+    app.state.metrics = metrics
+    app.add_middleware(_BodyLimitMiddleware, limit=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(_AuthMiddleware, api_key=config.api_key, public_paths=config.public_paths)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None).response()
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error")
+        return APIError(500, f"Internal server error: {type(exc).__name__}").response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        created = int(time.time())
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "reasoning-engine",
+             "root": str(getattr(model_config, "path", name)), "max_model_len": serving.max_model_len}
+            for name in names]})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        req = await _json_body(request, ChatCompletionRequest)
+        model = serving.check_model(req.model)
+        prompt, params, new_parser = serving.prepare_chat(req)
+        engine_requests = EngineRequests(engine, [prompt], params, new_request_id("chatcmpl"))
+        if req.stream:
+            await _start_or_close(request, engine_requests)
+            return EngineStreamResponse(
+                serving.chat_stream(req, model, prompt, params, new_parser, engine_requests, arrival),
+                on_close=engine_requests.close)
+        try:
+            await unless_disconnected(request, engine_requests.start())
+            body = await unless_disconnected(
+                request, serving.chat_full(req, model, prompt, params, new_parser, engine_requests, arrival))
+        finally:
+            await shielded(engine_requests.close())
+        return JSONResponse(body)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        req = await _json_body(request, CompletionRequest)
+        model = serving.check_model(req.model)
+        prompts, params = serving.prepare_completion(req)
+        engine_requests = EngineRequests(engine, prompts, params, new_request_id("cmpl"))
+        if req.stream:
+            await _start_or_close(request, engine_requests)
+            return EngineStreamResponse(
+                serving.completion_stream(req, model, prompts, params, engine_requests, arrival),
+                on_close=engine_requests.close)
+        try:
+            await unless_disconnected(request, engine_requests.start())
+            body = await unless_disconnected(
+                request, serving.completion_full(req, model, prompts, params, engine_requests, arrival))
+        finally:
+            await shielded(engine_requests.close())
+        return JSONResponse(body)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req = await _json_body(request, TokenizeRequest)
+        serving.check_model(req.model)
+        if tokenizer is None:
+            raise bad_request("this model has no tokenizer")
+        if req.messages is not None:
+            rendered = render_chat(tokenizer, req.messages, tools=req.tools,
+                                   template_kwargs=check_template_kwargs(dict(req.chat_template_kwargs or {})),
+                                   add_generation_prompt=req.add_generation_prompt)
+            ids = rendered.token_ids
+        else:
+            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+        return JSONResponse(body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        req = await _json_body(request, DetokenizeRequest)
+        serving.check_model(req.model)
+        if tokenizer is None:
+            raise bad_request("this model has no tokenizer")
+        if any(t < 0 or t >= serving.vocab_size for t in req.tokens):
+            raise bad_request(f"token ids must be in [0, {serving.vocab_size})", param="tokens")
+        return JSONResponse({"prompt": tokenizer.decode(req.tokens)})
+
+    return app
+
+
+async def _start_or_close(request: Request, engine_requests: EngineRequests) -> None:
+    """Submit a streaming request; if the engine refuses it or the client leaves first, abort and re-raise."""
+    try:
+        await unless_disconnected(request, engine_requests.start())
+    except BaseException:
+        await shielded(engine_requests.close())
+        raise

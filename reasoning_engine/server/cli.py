@@ -1,0 +1,157 @@
+"""`reasoning-engine serve` and `reasoning-engine chat`. Heavy imports (torch, fastapi, uvicorn) happen inside the
+command functions so `reasoning-engine --help` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+API_KEY_ENV = "REASONING_ENGINE_API_KEY"
+_REASONING_PARSERS = ("kimi_k2", "deepseek_r1", "qwen3", "auto", "none")
+_TOOL_PARSERS = ("kimi_k2", "hermes", "auto", "none")
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.",
+                                  description="Serve MODEL (a checkpoint folder; default: the bundled tiny reasoning "
+                                              "model) over an OpenAI-compatible API.")
+    serve.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the bundled tiny model)")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1, local only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                       help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV})")
+    serve.add_argument("--served-model-name", nargs="+", default=None, help="model name(s) clients use")
+    serve.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output)")
+    serve.add_argument("--reasoning-parser", choices=_REASONING_PARSERS, default="auto")
+    serve.add_argument("--tool-call-parser", choices=_TOOL_PARSERS, default="auto")
+    serve.add_argument("--max-thinking-tokens", type=int, default=None,
+                       help="default thinking budget for requests that set none")
+    serve.add_argument("--speculative-config", default=None,
+                       help='speculative decoding as JSON, e.g. \'{"method": "suffix", "num_speculative_tokens": 4}\'')
+    serve.add_argument("--speculative-state-dir", default=None,
+                       help="folder where the speculative proposer keeps its state across restarts")
+    engine = serve.add_argument_group("engine")
+    engine.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    engine.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
+    engine.add_argument("--kv-cache-blocks", type=int, default=None)
+    engine.add_argument("--block-size", type=int, default=None)
+    engine.add_argument("--max-num-seqs", type=int, default=None)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
+    engine.add_argument("--no-enable-prefix-caching", action="store_true", help="turn the prefix cache off")
+    http = serve.add_argument_group("http")
+    http.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get 413")
+    http.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
+                      help="seconds in-flight requests may finish after SIGTERM before they are aborted")
+    http.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    serve.set_defaults(func=serve_command)
+
+    chat = subparsers.add_parser("chat", help="Chat with a running server in the terminal.",
+                                 description="A terminal client: the thinking streams dimmed, the answer plain.")
+    chat.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    chat.add_argument("--api-key", default=os.environ.get(API_KEY_ENV))
+    chat.add_argument("--model", default=None, help="default: the first model the server lists")
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--no-thinking", action="store_true", help="ask the model to answer without thinking")
+    chat.add_argument("--max-thinking-tokens", type=int, default=None)
+    chat.add_argument("--max-tokens", type=int, default=None)
+    chat.add_argument("--temperature", type=float, default=None)
+    chat.add_argument("--hide-thinking", action="store_true", help="do not print the thinking")
+    chat.add_argument("-m", "--message", action="append", default=None,
+                      help="send this message and exit (repeat for several turns)")
+    chat.set_defaults(func=chat_command)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Only what the user set, so the engine's own defaults apply otherwise."""
+    kwargs: dict[str, Any] = {
+        "dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
+        "kv_cache_blocks": args.kv_cache_blocks, "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    if args.no_enable_prefix_caching:
+        kwargs["enable_prefix_caching"] = False
+    if args.speculative_config:
+        spec = json.loads(args.speculative_config)
+        if not isinstance(spec, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        kwargs["speculative_config"] = spec
+    if args.speculative_state_dir:
+        if not args.speculative_config:
+            raise ValueError("--speculative-state-dir needs --speculative-config")
+        kwargs["speculative_state_dir"] = args.speculative_state_dir
+    return kwargs
+
+
+def _bundled_model_missing() -> str | None:
+    """The message to print when no MODEL was given and the bundled model's files are absent."""
+    try:
+        from reasoning_engine.tiny import BUNDLED_MODEL_DIR
+    except ImportError:
+        return "the bundled tiny model is not part of this installation; pass a checkpoint folder: serve MODEL"
+    if not (Path(BUNDLED_MODEL_DIR) / "config.json").is_file():
+        return (f"the bundled tiny model's files are missing from {BUNDLED_MODEL_DIR}; regenerate them with "
+                "`python -m reasoning_engine.tiny.train`, or pass a checkpoint folder: serve MODEL")
+    return None
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    if args.model is None:
+        missing = _bundled_model_missing()
+        if missing:
+            print(f"error: {missing}", file=sys.stderr)
+            return 2
+    elif not Path(args.model).is_dir():
+        print(f"error: model folder not found: {args.model}", file=sys.stderr)
+        return 2
+    try:
+        engine_kwargs = _engine_kwargs(args)
+    except (ValueError, json.JSONDecodeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    from reasoning_engine.engine.async_engine import AsyncLLM
+    from reasoning_engine.server.app import ServerConfig, build_app
+
+    try:
+        engine = AsyncLLM(model=args.model, **engine_kwargs)
+    except (ValueError, FileNotFoundError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    app = build_app(engine, ServerConfig(
+        served_model_names=args.served_model_name, api_key=args.api_key, reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser, max_thinking_tokens=args.max_thinking_tokens,
+        max_body_bytes=args.max_body_bytes))
+    serving = app.state.serving
+    print(f"Serving {', '.join(serving.model_names)} at http://{args.host}:{args.port}/v1 "
+          f"(context {serving.max_model_len}, reasoning parser {serving.reasoning_parser or 'none'}, "
+          f"tool-call parser {serving.tool_parser or 'none'}, API key {'required' if args.api_key else 'off'})",
+          flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
+                            timeout_graceful_shutdown=args.graceful_shutdown_timeout)
+    uvicorn.Server(config).run()
+    return 0
+
+
+def chat_command(args: argparse.Namespace) -> int:
+    from reasoning_engine.server.chat_client import run_chat
+
+    return run_chat(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m reasoning_engine.server.cli serve|chat ...`, the same commands without the top-level CLI."""
+    parser = argparse.ArgumentParser(prog="reasoning-engine")
+    register_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,651 @@
+"""Chat and completion requests against the engine: validation, sampling settings, the engine request's life
+(submitted, streamed, aborted whatever happens to the client), and the OpenAI response shapes.
+
+Streaming and non-streaming share one loop over the engine's cumulative outputs; the non-streaming path simply
+gathers the pieces the streaming path would send, so both report the same text, calls and usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from reasoning_engine.engine.async_engine import EngineDeadError
+from reasoning_engine.outputs import CompletionOutput, Logprob, RequestOutput
+from reasoning_engine.sampling_params import SamplingParams
+from reasoning_engine.server.chat_template import check_template_kwargs, disable_thinking, render_chat, thinking_switch
+from reasoning_engine.server.errors import APIError, bad_request, error_body
+from reasoning_engine.server.metrics import RequestTimer, ServerMetrics
+from reasoning_engine.server.parsing import ChatOutputParser, ParsedDelta, build_output_parser
+from reasoning_engine.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from reasoning_engine.server.reasoning_parsers import REASONING_FORMATS, initial_mode
+from reasoning_engine.server.tool_parsers import TOOL_PARSERS
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "min_tokens")
+
+
+async def shielded(awaitable: Awaitable[Any]) -> None:
+    """Run cleanup to completion even while the calling task is being cancelled (a client that left, a
+    graceful-shutdown timeout): anyio's shield covers Starlette's cancel scopes, asyncio.shield a bare cancel."""
+    with anyio.CancelScope(shield=True):
+        await asyncio.shield(awaitable)
+
+
+class ClientGone(Exception):
+    """The client disconnected before a non-streaming response was ready."""
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (so its cleanup aborts the engine request) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, watcher):
+            pending.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled() or not task.done():
+        raise ClientGone()
+    return task.result()
+
+
+class EngineStreamResponse(StreamingResponse):
+    """A streaming response whose `on_close` runs however the stream ends: finished, client gone, or cancelled."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await shielded(self._on_close())
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class EngineRequests:
+    """The engine requests behind one HTTP request (one per prompt), merged into one output stream; `close`
+    aborts whichever did not finish, which frees their KV blocks."""
+
+    def __init__(self, engine: Any, prompts: list[list[int]], params: SamplingParams, base_id: str) -> None:
+        self._engine = engine
+        self.ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+        self._gens = [engine.generate(p, params, rid) for p, rid in zip(prompts, self.ids)]
+        self._first: list[RequestOutput | None] = [None] * len(prompts)
+        self._finished = [False] * len(prompts)
+        self._tasks: list[asyncio.Future[None]] = []
+
+    async def start(self) -> None:
+        """Submit every request and wait for its first output, so a request the engine refuses (ValueError) is a
+        clean 400 before any byte of a stream is sent."""
+        try:
+            self._first = list(await asyncio.gather(*(anext(g) for g in self._gens)))
+        except ValueError as exc:
+            raise bad_request(str(exc), param=_param_of(str(exc))) from exc
+        except EngineDeadError as exc:
+            raise APIError(503, f"the engine is not running: {exc}", code="engine_unavailable") from exc
+        except StopAsyncIteration as exc:
+            raise APIError(500, "the engine ended a request without output") from exc
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        if len(self._gens) == 1:
+            out: RequestOutput | None = self._first[0]
+            while out is not None:
+                self._finished[0] = out.finished
+                yield 0, out
+                out = None if out.finished else await anext(self._gens[0], None)
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                await queue.put((i, self._first[i]))
+                if not self._first[i].finished:
+                    async for item in self._gens[i]:
+                        await queue.put((i, item))
+                        if item.finished:
+                            break
+                await queue.put((i, None))
+            except Exception as exc:  # noqa: BLE001 - handed to the consumer, which reports it
+                await queue.put((i, exc))
+
+        tasks = self._tasks = [asyncio.ensure_future(pump(i)) for i in range(len(self._gens))]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    self._finished[i] = item.finished
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Stop the merge tasks, close the engine streams and abort what is unfinished; one failure does not stop
+        the rest, since every unfinished request holds KV blocks."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for gen, rid, finished in zip(self._gens, self.ids, self._finished):
+            try:
+                if hasattr(gen, "aclose"):
+                    await gen.aclose()
+                if not finished:
+                    await self._engine.abort(rid)
+            except Exception:  # noqa: BLE001 - cleanup goes on for the other requests
+                logger.exception("aborting request %s failed", rid)
+
+
+def _param_of(message: str) -> str | None:
+    """SamplingParams and the engine start their ValueError messages with the field at fault."""
+    word = message.split(" ", 1)[0].strip(":,")
+    return word if word.isidentifier() else None
+
+
+@dataclass
+class _Choice:
+    """One choice's progress through the cumulative outputs."""
+
+    index: int
+    parser: ChatOutputParser | None = None
+    text_len: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    pending_logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Update:
+    choice: _Choice
+    text: str  # raw new text
+    parsed: ParsedDelta | None
+    finished: bool
+
+
+class OpenAIServing:
+    """Request handling shared by the HTTP routes; holds what is resolved once per server (parsers, limits)."""
+
+    def __init__(self, engine: Any, metrics: ServerMetrics, *, model_names: list[str], reasoning_parser: str | None,
+                 tool_parser: str | None, max_thinking_tokens: int | None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.model_names = model_names
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int = engine.model_config.max_model_len
+        self.vocab_size: int = engine.model_config.vocab_size
+        self.reasoning_parser = reasoning_parser
+        self.tool_parser = tool_parser
+        self.max_thinking_tokens = max_thinking_tokens
+        self.special_tokens = _special_token_strings(self.tokenizer)
+        self._reasoning_end_ids, self._think_end_id = self._marker_ids()
+
+    # ---- shared validation -------------------------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> str:
+        if name is None:
+            return self.model_names[0]
+        if name not in self.model_names:
+            raise APIError(404, f"The model `{name}` does not exist. Available: {', '.join(self.model_names)}.",
+                           param="model", code="model_not_found")
+        return name
+
+    def _max_tokens(self, requested: int | None, prompt_len: int, param: str, prompt_param: str) -> int:
+        if prompt_len >= self.max_model_len:
+            raise bad_request(f"The prompt has {prompt_len} tokens, which leaves no room to generate within the "
+                              f"model's maximum context length of {self.max_model_len} tokens.",
+                              param=prompt_param, code="context_length_exceeded")
+        room = self.max_model_len - prompt_len
+        if requested is None:
+            return room
+        if requested > room:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                              f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
+                              f"in the completion). Reduce the prompt or {param}.",
+                              param=param, code="context_length_exceeded")
+        return requested
+
+    def _sampling_params(self, req: ChatCompletionRequest | CompletionRequest, *, max_tokens: int,
+                         max_tokens_param: str, logprobs: int | None, logprobs_param: str, skip_special_tokens: bool,
+                         thinking_token_budget: int | None) -> SamplingParams:
+        overrides = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
+        try:
+            return SamplingParams(n=req.n, stop=req.stop, stop_token_ids=req.stop_token_ids, max_tokens=max_tokens,
+                                  ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=skip_special_tokens,
+                                  include_stop_str_in_output=req.include_stop_str_in_output,
+                                  thinking_token_budget=thinking_token_budget, **overrides)
+        except ValueError as exc:
+            param = _param_of(str(exc))
+            param = {"max_tokens": max_tokens_param, "logprobs": logprobs_param,
+                     "thinking_token_budget": "thinking_token_budget"}.get(param or "", param)
+            raise bad_request(str(exc), param=param, code="invalid_value") from exc
+
+    # ---- chat -------------------------------------------------------------------------------------------
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams, Callable[[], ChatOutputParser | None]]:
+        """Render the prompt and build the sampling settings and a per-choice parser factory; every user error
+        surfaces here as an APIError, before the engine sees the request."""
+        tools_active = self._check_tools(req)
+        if req.response_format is not None and req.response_format.get("type", "text") != "text":
+            raise bad_request("only response_format {\"type\": \"text\"} is supported", param="response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+        kwargs = check_template_kwargs(dict(req.chat_template_kwargs or {}))
+        budget = req.thinking_token_budget if req.thinking_token_budget is not None else self.max_thinking_tokens
+        if budget == 0 and thinking_switch(kwargs) is not False:
+            kwargs = disable_thinking(kwargs)  # a zero budget means no thinking: render the prompt that way
+        rendered = render_chat(self.tokenizer, req.messages, tools=req.tools if tools_active or req.tool_choice == "none" else None,
+                               template_kwargs=kwargs, add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message)
+        thinking_on = False
+        if self.reasoning_parser:
+            mode = initial_mode(REASONING_FORMATS[self.reasoning_parser], rendered.tail, rendered.thinking_requested)
+            thinking_on = mode != "content"
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self._max_tokens(requested, len(rendered.token_ids), max_param, "messages")
+        parsing = bool(self.reasoning_parser or self.tool_parser)
+        params = self._sampling_params(
+            req, max_tokens=max_tokens, max_tokens_param=max_param,
+            logprobs=(req.top_logprobs or 0) if req.logprobs else None, logprobs_param="top_logprobs",
+            skip_special_tokens=not parsing, thinking_token_budget=budget if thinking_on else None)
+
+        def new_parser() -> ChatOutputParser | None:
+            if not parsing:
+                return None
+            return build_output_parser(self.reasoning_parser, self.tool_parser, prompt_tail=rendered.tail,
+                                       thinking_requested=rendered.thinking_requested, tools_active=tools_active,
+                                       drop=self.special_tokens)
+
+        return rendered.token_ids, params, new_parser
+
+    def _check_tools(self, req: ChatCompletionRequest) -> bool:
+        """Whether calls are parsed into `tool_calls` for this request."""
+        choice = req.tool_choice
+        if not req.tools:
+            if choice in ("required",) or isinstance(choice, NamedToolChoice):
+                raise bad_request("tool_choice needs tools", param="tool_choice")
+            return False
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in req.tools}:
+            raise bad_request(f"tool_choice names `{choice.function.name}`, which is not among the tools",
+                              param="tool_choice")
+        if choice != "none" and self.tool_parser is None:
+            raise bad_request("this server has no tool-call parser; start it with --tool-call-parser",
+                              param="tools")
+        return choice != "none"
+
+    async def chat_stream(self, req: ChatCompletionRequest, model: str, prompt: list[int], params: SamplingParams,
+                          new_parser: Callable[[], ChatOutputParser | None], engine_requests: EngineRequests,
+                          arrival: float) -> AsyncIterator[str]:
+        run = _Run(self, engine_requests, [prompt], params, new_parser, arrival)
+        base = {"id": engine_requests.ids[0], "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": model}
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        top_n = req.top_logprobs or 0
+
+        def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: list | None = None) -> str:
+            choice = {"index": index, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
+                      "finish_reason": finish}
+            return sse({**base, "choices": [choice]})
+
+        for i in range(len(run.choices)):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        try:
+            async for update in run.updates(chat_logprobs=req.logprobs, top_n=top_n):
+                choice, parsed = update.choice, update.parsed
+                logprobs, choice.pending_logprobs = choice.pending_logprobs, []
+                if parsed is None:
+                    parsed = ParsedDelta(content=update.text)
+                if parsed.reasoning:
+                    yield chunk(choice.index, {"reasoning_content": parsed.reasoning}, logprobs=logprobs)
+                    logprobs = []
+                answer: dict[str, Any] = {}
+                if parsed.content:
+                    answer["content"] = parsed.content
+                if parsed.tool_calls:
+                    answer["tool_calls"] = _tool_call_deltas(parsed.tool_calls)
+                if answer or (logprobs and not update.finished):
+                    yield chunk(choice.index, answer, logprobs=logprobs)
+                    logprobs = []
+                if update.finished:
+                    yield chunk(choice.index, {}, self._finish_reason(choice), logprobs=logprobs)
+            if include_usage:
+                yield sse({**base, "choices": [], "usage": run.usage()})
+        except APIError as exc:
+            yield sse(exc.body())
+        except Exception as exc:  # noqa: BLE001 - the stream has started; report in-band, never hang the client
+            yield sse(error_body(f"generation failed: {exc}", "server_error"))
+        yield SSE_DONE
+
+    async def chat_full(self, req: ChatCompletionRequest, model: str, prompt: list[int], params: SamplingParams,
+                        new_parser: Callable[[], ChatOutputParser | None], engine_requests: EngineRequests,
+                        arrival: float) -> dict[str, Any]:
+        run = _Run(self, engine_requests, [prompt], params, new_parser, arrival)
+        async for update in run.updates(chat_logprobs=req.logprobs, top_n=req.top_logprobs or 0):
+            choice, parsed = update.choice, update.parsed
+            if parsed is None:
+                choice.content.append(update.text)
+        choices = []
+        for choice in run.choices:
+            calls = choice.parser.tool_calls if choice.parser else []
+            content = "".join(choice.content)
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": content if content or not calls else None,
+                "reasoning_content": "".join(choice.reasoning).rstrip() or None,
+            }
+            if calls:
+                message["tool_calls"] = [{"id": c.id, "type": "function",
+                                          "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+            choices.append({"index": choice.index, "message": message,
+                            "logprobs": {"content": choice.logprobs} if req.logprobs else None,
+                            "finish_reason": self._finish_reason(choice), "stop_reason": choice.stop_reason})
+        return {"id": engine_requests.ids[0], "object": "chat.completion", "created": int(time.time()),
+                "model": model, "choices": choices, "usage": run.usage()}
+
+    def _finish_reason(self, choice: _Choice) -> str | None:
+        if choice.parser is not None and choice.parser.tool_calls and choice.finish_reason == "stop":
+            return "tool_calls"
+        return choice.finish_reason
+
+    # ---- completions ------------------------------------------------------------------------------------
+
+    def prepare_completion(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
+        if req.suffix:
+            raise bad_request("suffix is not supported", param="suffix")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo together with logprobs is not supported", param="echo")
+        prompts = self._completion_prompts(req.prompt)
+        longest = max(len(p) for p in prompts)
+        max_tokens = self._max_tokens(req.max_tokens, longest, "max_tokens", "prompt")
+        params = self._sampling_params(req, max_tokens=max_tokens, max_tokens_param="max_tokens",
+                                       logprobs=req.logprobs, logprobs_param="logprobs",
+                                       skip_special_tokens=req.skip_special_tokens, thinking_token_budget=None)
+        return prompts, params
+
+    def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+        if isinstance(prompt, str):
+            items: list[str | list[int]] = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            items = [prompt]  # type: ignore[list-item]
+        else:
+            items = list(prompt)  # type: ignore[arg-type]
+        if not items:
+            raise bad_request("prompt must not be empty", param="prompt")
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                if self.tokenizer is None:
+                    raise bad_request("this model has no tokenizer; send token ids", param="prompt")
+                ids = self.tokenizer.encode(item, add_special_tokens=True)
+            else:
+                ids = list(item)
+                if any(t < 0 or t >= self.vocab_size for t in ids):
+                    raise bad_request(f"token ids must be in [0, {self.vocab_size})", param="prompt")
+            if not ids:
+                raise bad_request("prompt must not be empty", param="prompt")
+            out.append(ids)
+        return out
+
+    async def completion_stream(self, req: CompletionRequest, model: str, prompts: list[list[int]],
+                                params: SamplingParams, engine_requests: EngineRequests,
+                                arrival: float) -> AsyncIterator[str]:
+        run = _Run(self, engine_requests, prompts, params, lambda: None, arrival)
+        base = {"id": engine_requests.ids[0], "object": "text_completion", "created": int(time.time()),
+                "model": model}
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        try:
+            if req.echo:
+                for choice in run.choices:
+                    yield sse({**base, "choices": [{"index": choice.index, "text": run.prompt_text(choice),
+                                                    "logprobs": None, "finish_reason": None}]})
+            async for update in run.updates(completion_logprobs=req.logprobs):
+                choice = update.choice
+                logprobs, choice.pending_logprobs = choice.pending_logprobs, []
+                if update.text or logprobs or update.finished:
+                    yield sse({**base, "choices": [{
+                        "index": choice.index, "text": update.text,
+                        "logprobs": _legacy_logprobs(logprobs) if req.logprobs is not None else None,
+                        "finish_reason": choice.finish_reason if update.finished else None,
+                        "stop_reason": choice.stop_reason if update.finished else None}]})
+            if include_usage:
+                yield sse({**base, "choices": [], "usage": run.usage()})
+        except APIError as exc:
+            yield sse(exc.body())
+        except Exception as exc:  # noqa: BLE001 - the stream has started; report in-band, never hang the client
+            yield sse(error_body(f"generation failed: {exc}", "server_error"))
+        yield SSE_DONE
+
+    async def completion_full(self, req: CompletionRequest, model: str, prompts: list[list[int]],
+                              params: SamplingParams, engine_requests: EngineRequests,
+                              arrival: float) -> dict[str, Any]:
+        run = _Run(self, engine_requests, prompts, params, lambda: None, arrival)
+        async for _ in run.updates(completion_logprobs=req.logprobs):
+            pass
+        choices = [{"index": c.index, "text": (run.prompt_text(c) if req.echo else "") + "".join(c.text),
+                    "logprobs": _legacy_logprobs(c.logprobs) if req.logprobs is not None else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in run.choices]
+        return {"id": engine_requests.ids[0], "object": "text_completion", "created": int(time.time()),
+                "model": model, "choices": choices, "usage": run.usage()}
+
+    # ---- helpers ----------------------------------------------------------------------------------------
+
+    def _marker_ids(self) -> tuple[set[int], int | None]:
+        """Token ids that end the thinking when they are single tokens: `</think>` and the tool-call openers."""
+        if self.tokenizer is None or self.reasoning_parser is None:
+            return set(), None
+        fmt = REASONING_FORMATS[self.reasoning_parser]
+        openers = TOOL_PARSERS[self.tool_parser].start_markers if self.tool_parser else ()
+        ids = {m: _single_token_id(self.tokenizer, m) for m in (fmt.end, *fmt.implicit_ends, *openers)}
+        return {i for i in ids.values() if i is not None}, ids[fmt.end]
+
+    def reasoning_tokens(self, choice: _Choice) -> int:
+        """Generated tokens inside the thinking, `</think>` included; by token id where the markers are single
+        tokens, else by re-encoding the thinking text."""
+        parser = choice.parser.reasoning if choice.parser else None
+        if parser is None or not parser.had_reasoning:
+            return 0
+        if parser.in_reasoning:
+            return len(choice.token_ids)
+        for position, token in enumerate(choice.token_ids):
+            if token in self._reasoning_end_ids:
+                return position + (1 if token == self._think_end_id else 0)
+        return len(self.tokenizer.encode("".join(choice.reasoning), add_special_tokens=False))
+
+    def token_text(self, token_id: int, logprob: Logprob | None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+
+class _Run:
+    """One HTTP request's walk over its engine outputs: per-choice deltas, parsing, logprobs, timing, usage."""
+
+    def __init__(self, serving: OpenAIServing, engine_requests: EngineRequests, prompts: list[list[int]],
+                 params: SamplingParams, new_parser: Callable[[], ChatOutputParser | None], arrival: float) -> None:
+        self.serving = serving
+        self.engine_requests = engine_requests
+        self.prompts = prompts
+        self.n = params.n
+        self.choices = [_Choice(index=i, parser=new_parser()) for i in range(len(prompts) * params.n)]
+        self.timer = RequestTimer(serving.metrics, arrival)
+        self.cached_tokens = 0
+
+    def prompt_text(self, choice: _Choice) -> str:
+        prompt = self.prompts[choice.index // self.n]
+        return self.serving.tokenizer.decode(prompt) if self.serving.tokenizer is not None else ""
+
+    async def updates(self, *, chat_logprobs: bool = False, top_n: int = 0,
+                      completion_logprobs: int | None = None) -> AsyncIterator[_Update]:
+        """Per choice and engine step: the new raw text and its parsed pieces; `finished` on the choice's last."""
+        finished_ok = False
+        try:
+            async for prompt_index, out in self.engine_requests.outputs():
+                now = time.monotonic()
+                self.cached_tokens = max(self.cached_tokens, out.num_cached_tokens)
+                new_tokens = 0
+                for position, completion in enumerate(out.outputs):
+                    choice = self.choices[prompt_index * self.n + getattr(completion, "index", position)]
+                    if choice.done:
+                        continue
+                    update, count = self._advance(choice, completion, chat_logprobs, top_n, completion_logprobs)
+                    new_tokens += count
+                    if update.parsed and (update.parsed.content or update.parsed.tool_calls):
+                        self.timer.answer(now)
+                    elif update.parsed is None and update.text:
+                        self.timer.answer(now)
+                    yield update
+                self.timer.tokens(now, new_tokens)
+            finished_ok = True
+        finally:
+            self._record(finished_ok)
+
+    def _advance(self, choice: _Choice, completion: CompletionOutput, chat_logprobs: bool, top_n: int,
+                 completion_logprobs: int | None) -> tuple[_Update, int]:
+        new_text = completion.text[choice.text_len:] if len(completion.text) > choice.text_len else ""
+        choice.text_len = max(choice.text_len, len(completion.text))
+        start = len(choice.token_ids)
+        new_ids = list(completion.token_ids[start:])
+        choice.token_ids.extend(new_ids)
+        choice.text.append(new_text)
+        if completion.logprobs is not None and (chat_logprobs or completion_logprobs is not None):
+            for offset, token in enumerate(new_ids):
+                entries = completion.logprobs[start + offset] if start + offset < len(completion.logprobs) else {}
+                if chat_logprobs:
+                    entry = self._chat_logprob(token, entries, top_n)
+                else:
+                    entry = self._completion_logprob(token, entries)
+                choice.logprobs.append(entry)
+                choice.pending_logprobs.append(entry)
+        finished = completion.finish_reason is not None
+        parsed = None
+        if choice.parser is not None:
+            parsed = choice.parser.feed(new_text)
+            if finished:
+                tail = choice.parser.finish()
+                parsed = ParsedDelta(parsed.reasoning + tail.reasoning, parsed.content + tail.content,
+                                     parsed.tool_calls + tail.tool_calls)
+            choice.reasoning.append(parsed.reasoning)
+            choice.content.append(parsed.content)
+        if finished:
+            choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
+        return _Update(choice, new_text, parsed, finished), len(new_ids)
+
+    def _chat_logprob(self, token: int, entries: dict[int, Logprob], top_n: int) -> dict[str, Any]:
+        text = self.serving.token_text(token, entries.get(token))
+        chosen = entries.get(token)
+        top = sorted(entries.items(), key=lambda kv: kv[1].logprob, reverse=True)[:top_n]
+        return {"token": text, "logprob": _finite(chosen.logprob if chosen else None),
+                "bytes": list(text.encode()),
+                "top_logprobs": [{"token": (t := self.serving.token_text(tid, lp)), "logprob": _finite(lp.logprob),
+                                  "bytes": list(t.encode())} for tid, lp in top]}
+
+    def _completion_logprob(self, token: int, entries: dict[int, Logprob]) -> dict[str, Any]:
+        chosen = entries.get(token)
+        return {"token": self.serving.token_text(token, chosen), "logprob": _finite(chosen.logprob if chosen else None),
+                "top": {self.serving.token_text(tid, lp): _finite(lp.logprob) for tid, lp in entries.items()}}
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+                "completion_tokens_details": {"reasoning_tokens": sum(self.serving.reasoning_tokens(c)
+                                                                      for c in self.choices)}}
+
+    def _record(self, finished_ok: bool) -> None:
+        reasons = [(self.serving._finish_reason(c) or "abort") if finished_ok or c.done else "abort"
+                   for c in self.choices]
+        self.timer.finish(time.monotonic(), sum(len(p) for p in self.prompts),
+                          sum(len(c.token_ids) for c in self.choices),
+                          sum(self.serving.reasoning_tokens(c) for c in self.choices), reasons)
+
+
+def _finite(logprob: float | None) -> float:
+    return _MIN_LOGPROB if logprob is None or logprob != logprob else max(float(logprob), _MIN_LOGPROB)
+
+
+def _legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The completions API's column layout: tokens, token_logprobs, top_logprobs, text_offset."""
+    offsets, offset = [], 0
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [e["top"] for e in entries], "text_offset": offsets}
+
+
+def _tool_call_deltas(deltas: list[Any]) -> list[dict[str, Any]]:
+    """Parser deltas -> OpenAI's streamed `tool_calls`: the opening piece with id/type/name, then argument text;
+    consecutive fragments of one call are merged."""
+    out: list[dict[str, Any]] = []
+    for d in deltas:
+        if d.id is None and out and out[-1]["index"] == d.index:
+            out[-1]["function"]["arguments"] += d.arguments
+        elif d.id is not None:
+            out.append({"index": d.index, "id": d.id, "type": "function",
+                        "function": {"name": d.name, "arguments": d.arguments}})
+        else:
+            out.append({"index": d.index, "function": {"arguments": d.arguments}})
+    return out
+
+
+def _single_token_id(tokenizer: Any, text: str) -> int | None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
+
+
+def _special_token_strings(tokenizer: Any) -> tuple[str, ...]:
+    """Every special token's text, kept out of the answer and the thinking when we decode with special tokens."""
+    if tokenizer is None:
+        return ()
+    specials = set(tokenizer.all_special_tokens)
+    specials.update(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
+    return tuple(sorted(specials))
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

@@ -1,0 +1,207 @@
+"""Triton MoE (router, sort, grouped GEMMs with plain / INT4 / FP8 weights) against the torch reference."""
+
+import pytest
+import torch
+from kernel_asserts import assert_close, rel_error
+
+from reasoning_engine.kernels import fused_moe, triton_moe
+from reasoning_engine.kernels.fused_moe import MoEQuant
+
+
+def transformers_router(logits, bias, top_k, n_group, topk_group, norm, scale):
+    """transformers' DeepseekV3TopkRouter with its gate matmul replaced by the given logits."""
+    from types import SimpleNamespace
+
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    num_experts = logits.shape[1]
+    cfg = SimpleNamespace(
+        num_experts_per_tok=top_k, num_local_experts=num_experts, hidden_size=num_experts, routed_scaling_factor=scale,
+        n_group=n_group, topk_group=topk_group, norm_topk_prob=norm,
+    )
+    router = DeepseekV3TopkRouter(cfg)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(num_experts))
+        router.e_score_correction_bias.copy_(bias)
+        _, weights, ids = router(logits)
+    return weights, ids
+
+
+ROUTER_CASES = [
+    # tokens, experts, top_k, n_group, topk_group, norm, scale
+    (5, 16, 4, 4, 2, True, 2.5),
+    (3, 24, 6, 1, 1, True, 1.0),  # Moonlight/Kimi-style: one group, top-6 (not a power of two), 24 experts
+    (4, 64, 8, 8, 4, False, 2.827),
+    (1, 8, 1, 2, 1, True, 1.0),
+    (0, 16, 2, 4, 2, True, 1.0),
+]
+
+
+@pytest.mark.parametrize("case", ROUTER_CASES)
+def test_router_matches_transformers(device, case):
+    tokens, experts, top_k, n_group, topk_group, norm, scale = case
+    logits = torch.randn(tokens, experts)
+    bias = 0.1 * torch.randn(experts)
+    ref_w, ref_ids = fused_moe.noaux_tc_router(logits, bias, top_k, n_group, topk_group, norm, scale)
+    if tokens:
+        hf_w, hf_ids = transformers_router(logits, bias, top_k, n_group, topk_group, norm, scale)
+        order = hf_ids.sort(dim=1).indices
+        ref_order = ref_ids.long().sort(dim=1).indices
+        assert torch.equal(hf_ids.gather(1, order), ref_ids.long().gather(1, ref_order))
+        torch.testing.assert_close(hf_w.gather(1, order), ref_w.gather(1, ref_order))
+    w, ids = triton_moe.noaux_tc_router(logits.to(device), bias.to(device), top_k, n_group, topk_group, norm, scale)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    assert torch.equal(ids.cpu(), ref_ids)
+    torch.testing.assert_close(w.cpu(), ref_w)
+
+
+def test_router_group_limit_excludes_strong_expert_in_weak_group(device):
+    """An expert with the best single score loses when its group's top-2 sum is low."""
+    logits = torch.full((1, 8), -4.0)
+    logits[0, 0] = 4.0  # group 0: one strong, one weak
+    logits[0, 2:4] = 2.0  # group 1: two good
+    logits[0, 4:6] = 1.5  # group 2
+    w, ids = triton_moe.noaux_tc_router(logits.to(device), torch.zeros(8, device=device), 2, 4, 2, True, 1.0)
+    assert sorted(ids[0].tolist()) == [2, 3]
+    ref_w, ref_ids = fused_moe.noaux_tc_router(logits, torch.zeros(8), 2, 4, 2, True, 1.0)
+    assert torch.equal(ids.cpu(), ref_ids)
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(0, 2, 4, 16), (1, 1, 3, 16), (7, 3, 5, 4), (300, 2, 8, 16), (2, 6, 64, 16)])
+def test_align_block_size(device, tokens, top_k, experts, block_m):
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]) if tokens else torch.zeros(0, top_k, dtype=torch.int64)
+    ref = fused_moe.moe_align_block_size(ids, experts, block_m)
+    out = triton_moe.moe_align_block_size(ids.to(device), experts, block_m)
+    used = int(ref[2])
+    assert int(out[2]) == used
+    assert torch.equal(out[0].cpu(), ref[0])
+    assert torch.equal(out[1].cpu(), ref[1])
+    # every pair exactly once, each tile one expert
+    real = ref[0][ref[0] < tokens * top_k].long()
+    assert torch.equal(real.sort().values, torch.arange(tokens * top_k))
+    for tile in range(used // block_m):
+        rows = ref[0][tile * block_m : (tile + 1) * block_m].long()
+        rows = rows[rows < tokens * top_k]
+        assert (ids.flatten()[rows] == ref[1][tile]).all()
+
+
+def _route(tokens, experts, top_k, device):
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]) if tokens else torch.zeros(0, top_k, dtype=torch.int64)
+    weights = torch.rand(tokens, top_k)
+    return weights.to(device), ids.to(torch.int32).to(device)
+
+
+MOE_SHAPES = [
+    # tokens, experts, top_k, hidden, intermediate
+    (0, 4, 2, 64, 32),
+    (1, 4, 1, 64, 32),
+    (5, 6, 2, 96, 64),
+    (40, 3, 2, 64, 96),  # enough pairs per expert for several row tiles
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", MOE_SHAPES)
+def test_fused_moe_dense(device, dtype, shape):
+    tokens, experts, top_k, hidden, inter = shape
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, device=device) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, device=device) / inter**0.5).to(dtype)
+    weights, ids = _route(tokens, experts, top_k, device)
+    out = triton_moe.fused_moe(x, w13, w2, weights, ids)
+    ref = fused_moe.fused_moe(x, w13, w2, weights, ids)
+    assert_close(out, ref, scale=3.0)
+
+
+def test_fused_moe_reference_matches_transformers_experts():
+    from types import SimpleNamespace
+
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
+
+    cfg = SimpleNamespace(num_local_experts=4, hidden_size=32, moe_intermediate_size=16, hidden_act="silu", _experts_implementation="eager")
+    experts = DeepseekV3Experts(cfg)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_()
+        experts.down_proj.normal_()
+    x = torch.randn(6, 32)
+    weights, ids = _route(6, 4, 2, "cpu")
+    with torch.no_grad():
+        expected = experts(x, ids.long(), weights)
+    got = fused_moe.fused_moe(x, experts.gate_up_proj.data, experts.down_proj.data, weights, ids)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[..., in] ints in [-8, 7] -> [..., in/8] int32, lowest nibble first, stored offset by +8."""
+    nibbles = (q + 8).to(torch.int64).unflatten(-1, (-1, 8))
+    word = (nibbles << torch.arange(0, 32, 4)).sum(-1)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def int4_weights(experts, out_ch, in_ch, group):
+    q = torch.randint(-8, 8, (experts, out_ch, in_ch))
+    scale = (torch.rand(experts, out_ch, in_ch // group) * 0.02 + 0.01).to(torch.bfloat16)
+    return pack_int4(q), scale, q
+
+
+def test_int4_unpack_matches_layout():
+    packed, scale, q = int4_weights(2, 3, 64, 32)
+    deq = fused_moe.dequantize_int4_packed(packed, scale, 32)
+    expected = q.float() * scale.float().repeat_interleave(32, -1)
+    torch.testing.assert_close(deq, expected)
+    assert int(packed[0, 0, 0]) & 0xF == int(q[0, 0, 0]) + 8  # lowest nibble holds the first value
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", MOE_SHAPES[:3] + [(9, 5, 3, 128, 96)])
+def test_fused_moe_w4a16(device, dtype, shape):
+    tokens, experts, top_k, hidden, inter = shape
+    p13, s13, _ = int4_weights(experts, 2 * inter, hidden, 32)
+    p2, s2, _ = int4_weights(experts, hidden, inter, 32)
+    quant = MoEQuant("w4a16", s13.to(device), s2.to(device), group_size=32)
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    weights, ids = _route(tokens, experts, top_k, device)
+    out = triton_moe.fused_moe(x, p13.to(device), p2.to(device), weights, ids, quant)
+    ref = fused_moe.fused_moe(x, p13.to(device), p2.to(device), weights, ids, quant)
+    assert_close(out, ref, scale=3.0)
+
+
+def fp8_weights(experts, out_ch, in_ch, block):
+    w = (torch.randn(experts, out_ch, in_ch) * 0.5).to(torch.float8_e4m3fn)
+    scale = torch.rand(experts, -(-out_ch // block[0]), -(-in_ch // block[1])) * 0.05 + 0.01
+    return w, scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,block", [((5, 4, 2, 96, 40), (16, 32)), ((1, 3, 2, 64, 48), (32, 32)), ((12, 4, 3, 80, 72), (128, 128))])
+def test_fused_moe_fp8_block(device, dtype, shape, block):
+    """Block shapes smaller than DeepSeek's 128x128 exercise partial edge blocks and an intermediate size that the
+    block does not divide (separate gate and up scale rows)."""
+    tokens, experts, top_k, hidden, inter = shape
+    g, sg = fp8_weights(experts, inter, hidden, block)
+    u, su = fp8_weights(experts, inter, hidden, block)
+    w2, s2 = fp8_weights(experts, hidden, inter, block)
+    w13 = torch.cat([g, u], dim=1)
+    quant = MoEQuant("fp8_block", torch.cat([sg, su], dim=1).to(device), s2.to(device), block_shape=block)
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    weights, ids = _route(tokens, experts, top_k, device)
+    out = triton_moe.fused_moe(x, w13.to(device), w2.to(device), weights, ids, quant)
+    ref = fused_moe.fused_moe(x, w13.to(device), w2.to(device), weights, ids, quant)
+    assert_close(out, ref, scale=3.0)
+    # the reference's dequantisation, against the block formula applied element by element
+    e, r, c = 1, inter - 1, hidden - 1
+    assert float(fused_moe.dequantize_fp8_block(g, sg, block)[e, r, c]) == pytest.approx(float(g[e, r, c].float() * sg[e, r // block[0], c // block[1]]))
+
+
+def test_fused_moe_matches_float64(device):
+    x = torch.randn(7, 64, dtype=torch.float64)
+    w13 = torch.randn(4, 64, 64, dtype=torch.float64) / 8
+    w2 = torch.randn(4, 64, 32, dtype=torch.float64) / 6
+    weights, ids = _route(7, 4, 2, "cpu")
+    expected = torch.zeros(7, 64, dtype=torch.float64)
+    for t in range(7):
+        for j in range(2):
+            gate, up = (w13[ids[t, j]] @ x[t]).chunk(2)
+            expected[t] += weights[t, j].double() * (w2[ids[t, j]] @ (torch.nn.functional.silu(gate) * up))
+    out = triton_moe.fused_moe(x.float().to(device), w13.float().to(device), w2.float().to(device), weights.to(device), ids.to(device))
+    assert rel_error(out.cpu(), expected) < 1e-5

@@ -1,0 +1,102 @@
+"""A test double of AsyncLLM for HTTP-layer tests: it "generates" a scripted text token by token, so streaming
+tool calls and thinking splits can be checked deterministically through the real app, server and clients.
+
+Only the contract the server uses is implemented: tokenizer, model_config, generate, abort, stats, shutdown.
+KV blocks are simulated so aborts are visible in /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reasoning_engine.engine.engine import EngineStats
+from reasoning_engine.outputs import CompletionOutput, Logprob, RequestOutput
+from reasoning_engine.sampling_params import SamplingParams
+
+Script = Callable[[list[int], SamplingParams, int], str]
+
+
+@dataclass
+class FakeModelConfig:
+    max_model_len: int = 8192
+    vocab_size: int = 115
+    model_type: str = "deepseek_v3"
+    path: Path = Path("fake-model")
+    think_start_token_id: int | None = None
+    think_end_token_id: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+@dataclass
+class FakeEngine:
+    tokenizer: Any
+    script: Script
+    model_config: FakeModelConfig = field(default_factory=FakeModelConfig)
+    tokens_per_step: int = 1
+    delay: float = 0.0
+    total_blocks: int = 64
+    block_size: int = 16
+    calls: list[tuple[list[int], SamplingParams]] = field(default_factory=list)
+    _blocks: dict[str, int] = field(default_factory=dict)
+    _aborted: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.model_config.vocab_size = len(self.tokenizer)
+
+    async def generate(self, prompt: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        if len(prompt) + (params.max_tokens or 0) > self.model_config.max_model_len:
+            raise ValueError("max_tokens: prompt + max_tokens exceeds max_model_len")
+        self.calls.append((list(prompt), params))
+        scripts = [self.tokenizer.encode(self.script(prompt, params, i), add_special_tokens=False) for i in range(params.n)]
+        self._blocks[request_id] = params.n * math.ceil((len(prompt) + max(len(s) for s in scripts)) / self.block_size)
+        try:
+            produced = 0
+            limit = min(max(len(s) for s in scripts), params.max_tokens or 10**9)
+            while True:
+                await asyncio.sleep(self.delay)
+                if request_id in self._aborted:
+                    return
+                produced = min(produced + self.tokens_per_step, limit)
+                outputs = [self._output(i, s, produced, params) for i, s in enumerate(scripts)]
+                finished = all(o.finish_reason is not None for o in outputs)
+                yield RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=list(prompt),
+                                    outputs=outputs, finished=finished)
+                if finished:
+                    return
+        finally:
+            self._blocks.pop(request_id, None)
+
+    def _output(self, index: int, script: list[int], produced: int, params: SamplingParams) -> CompletionOutput:
+        ids = script[:produced]
+        reason = None
+        if len(ids) == len(script):
+            reason = "stop"
+        elif params.max_tokens is not None and len(ids) >= params.max_tokens:
+            reason = "length"
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = [{t: Logprob(-0.5, 1, None), (t + 1) % len(self.tokenizer): Logprob(-1.5, 2, None)} for t in ids]
+        text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        return CompletionOutput(index=index, text=text, token_ids=ids, logprobs=logprobs, finish_reason=reason)
+
+    async def abort(self, request_id: str) -> None:
+        self._aborted.add(request_id)
+        self._blocks.pop(request_id, None)
+
+    def stats(self) -> EngineStats:
+        used = sum(self._blocks.values())
+        return EngineStats(num_requests_running=len(self._blocks), num_requests_waiting=0,
+                           kv_cache_usage=used / self.total_blocks, free_blocks=self.total_blocks - used,
+                           total_blocks=self.total_blocks, prefix_cache_queries=0, prefix_cache_hits=0,
+                           num_preemptions=0, spec_decode={"num_drafts": 3, "num_accepted_tokens_per_pos": [2, 1]})
+
+    async def shutdown(self) -> None:
+        self._aborted.update(self._blocks)

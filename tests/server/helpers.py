@@ -1,0 +1,138 @@
+"""Test helpers: a Kimi-format character tokenizer, a tiny random checkpoint using it, and a live uvicorn server on
+loopback running in a background thread."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import string
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+# Kimi's chat tokens are special (skipped when decoding with skip_special_tokens); <think> and </think> are plain
+# added tokens so they survive decoding, as in the bundled model; hermes' tags are plain added tokens as in Qwen.
+KIMI_SPECIALS = ["<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
+                 "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                 "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
+PLAIN_ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+
+KIMI_TEMPLATE = (
+    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'system' -%}<|im_system|>system<|im_middle|>{{ message.content }}<|im_end|>"
+    "{%- elif message.role == 'user' -%}<|im_user|>user<|im_middle|>{{ message.content }}<|im_end|>"
+    "{%- elif message.role == 'tool' -%}<|im_system|>tool<|im_middle|>## Return of {{ message.tool_call_id }}\n"
+    "{{ message.content }}<|im_end|>"
+    "{%- elif message.role == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>"
+    "<think>{{ message.reasoning_content or '' }}</think>{{ message.content or '' }}"
+    "{%- if message.tool_calls -%}<|tool_calls_section_begin|>"
+    "{%- for call in message.tool_calls -%}<|tool_call_begin|>{{ call.id }}<|tool_call_argument_begin|>"
+    "{{ call.function.arguments }}<|tool_call_end|>{%- endfor -%}<|tool_calls_section_end|>{%- endif -%}<|im_end|>"
+    "{%- else -%}{{ raise_exception('unknown role ' + message.role) }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if thinking is defined and not thinking -%}<think></think>{%- else -%}<think>{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
+def save_kimi_tokenizer(folder: Path) -> Any:
+    """One token per printable character plus Kimi's chat and tool tokens; returns the loaded tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    chars = list(dict.fromkeys(string.printable))
+    vocab = {tok: i for i, tok in enumerate(["<unk>", *chars])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>")
+    fast.add_special_tokens({"additional_special_tokens": KIMI_SPECIALS[1:]})
+    fast.add_tokens(PLAIN_ADDED)
+    fast.chat_template = KIMI_TEMPLATE
+    folder.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def save_random_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """A 2-layer llama with random weights speaking through the Kimi-format tokenizer: fast, structure-only tests."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = save_kimi_tokenizer(folder)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+class LiveServer:
+    """A real uvicorn server for `app` on 127.0.0.1 (a free port), in a background thread with its own loop."""
+
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
+                                       daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+
+def sse_events(response: httpx.Response) -> list[dict[str, Any] | str]:
+    """Parsed `data:` payloads of a streamed response, `[DONE]` kept as the string."""
+    events: list[dict[str, Any] | str] = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[6:]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def metric_value(text: str, name: str, **labels: str) -> float | None:
+    """The value of one sample in a Prometheus text exposition."""
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, label_text = head.partition("{")
+        if metric != name:
+            continue
+        if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+            return float(value)
+    return None
+
+
+def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

@@ -1,0 +1,463 @@
+"""The HTTP layer through a real uvicorn server and the real openai client, with the scripted fake engine, so the
+streamed thinking / answer / tool-call splits are deterministic."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from helpers import metric_value, sse_events, wait_for
+
+THINK_ANSWER = "Add 2 and 3.\nThat gives 5.</think>The answer is 5.<|im_end|>"
+CALC = {"expression": "4821 * 377"}
+
+
+def kimi_call(name: str, idx: int, args: dict) -> str:
+    return (f"<|tool_call_begin|>functions.{name}:{idx}<|tool_call_argument_begin|>{json.dumps(args)}"
+            "<|tool_call_end|>")
+
+
+def kimi_section(*calls: str) -> str:
+    return "<|tool_calls_section_begin|>" + "".join(calls) + "<|tool_calls_section_end|>"
+
+
+TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
+                                             "parameters": {"type": "object",
+                                                            "properties": {"expression": {"type": "string"}}}}},
+         {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+MARKERS = ("<think>", "</think>", "<|tool_call", "<|im_", "<tool_call>", "</tool_call>")
+
+
+def client(url: str, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def collect_stream(stream: Any) -> dict[str, Any]:
+    """Walk an openai chat stream; record the order of reasoning/content/tool pieces and rebuild the calls."""
+    out: dict[str, Any] = {"order": [], "reasoning": "", "content": "", "calls": {}, "finish": None, "usage": None,
+                           "first_call_deltas": []}
+    for chunk in stream:
+        if chunk.usage is not None:
+            out["usage"] = chunk.usage
+        for choice in chunk.choices:
+            delta = choice.delta
+            reasoning = getattr(delta, "reasoning_content", None)
+            if reasoning:
+                out["order"].append("reasoning")
+                out["reasoning"] += reasoning
+            if delta.content:
+                out["order"].append("content")
+                out["content"] += delta.content
+            for call in delta.tool_calls or []:
+                out["order"].append("tool")
+                if call.index not in out["calls"]:
+                    out["first_call_deltas"].append(call)
+                    out["calls"][call.index] = {"id": call.id, "name": call.function.name, "arguments": ""}
+                out["calls"][call.index]["arguments"] += call.function.arguments or ""
+            if choice.finish_reason:
+                out["finish"] = choice.finish_reason
+    for piece in (out["reasoning"], out["content"]):
+        assert not any(m in piece for m in MARKERS), piece
+    return out
+
+
+def test_chat_reasoning_and_answer_non_streaming(fake_server: Any) -> None:
+    _, url = fake_server(THINK_ANSWER)
+    result = client(url).chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "2+3?"}])
+    message = result.choices[0].message
+    assert message.reasoning_content == "Add 2 and 3.\nThat gives 5."
+    assert message.content == "The answer is 5."
+    assert result.choices[0].finish_reason == "stop"
+    assert result.usage.completion_tokens_details.reasoning_tokens == len("Add 2 and 3.\nThat gives 5.") + 1
+    assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+
+
+def test_chat_streaming_order_and_usage(fake_server: Any) -> None:
+    _, url = fake_server(THINK_ANSWER)
+    stream = client(url).chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "2+3?"}],
+                                                 stream=True, stream_options={"include_usage": True})
+    out = collect_stream(stream)
+    first_content = out["order"].index("content")
+    assert "reasoning" not in out["order"][first_content:], "all thinking precedes the answer"
+    assert out["reasoning"] == "Add 2 and 3.\nThat gives 5."
+    assert out["content"] == "The answer is 5."
+    assert out["finish"] == "stop"
+    assert out["usage"].completion_tokens_details.reasoning_tokens == 27
+
+
+def test_raw_sse_framing(fake_server: Any) -> None:
+    _, url = fake_server(THINK_ANSWER, engine_options={"tokens_per_step": 7})
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=30,
+                      json={"messages": [{"role": "user", "content": "hi"}], "stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+
+
+def test_kimi_tool_calls_streaming_and_not(fake_server: Any) -> None:
+    big = {"expression": " + ".join(str(i) for i in range(800))}
+    script = ("I need the calculator.</think>Let me compute." +
+              kimi_section(kimi_call("calculator", 0, CALC), kimi_call("calculator", 1, big)) + "<|im_end|>")
+    for step in (1, 3, 11):
+        _, url = fake_server(script, engine_options={"tokens_per_step": step})
+        out = collect_stream(client(url).chat.completions.create(
+            model="fake-model", messages=[{"role": "user", "content": "4821 * 377?"}], tools=TOOLS, stream=True))
+        assert out["reasoning"] == "I need the calculator."
+        assert out["content"] == "Let me compute."
+        assert out["finish"] == "tool_calls"
+        assert [c["id"] for c in out["calls"].values()] == ["functions.calculator:0", "functions.calculator:1"]
+        assert [json.loads(c["arguments"]) for c in out["calls"].values()] == [CALC, big]
+        for first in out["first_call_deltas"]:
+            assert first.type == "function" and first.function.name == "calculator" and first.id
+
+    result = client(url).chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "x"}],
+                                                 tools=TOOLS)
+    message = result.choices[0].message
+    assert result.choices[0].finish_reason == "tool_calls"
+    assert [(c.id, c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("functions.calculator:0", "calculator", CALC), ("functions.calculator:1", "calculator", big)]
+    assert message.content == "Let me compute."
+
+
+def test_kimi_call_inside_thinking(fake_server: Any) -> None:
+    script = "Use the tool." + kimi_section(kimi_call("search", 0, {"q": "a"}), kimi_call("calculator", 1, CALC))
+    _, url = fake_server(script + "<|im_end|>", engine_options={"tokens_per_step": 2})
+    out = collect_stream(client(url).chat.completions.create(
+        model="fake-model", messages=[{"role": "user", "content": "x"}], tools=TOOLS, stream=True))
+    assert out["reasoning"] == "Use the tool."
+    assert out["content"] == ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in out["calls"].values()] == [("search", {"q": "a"}),
+                                                                                      ("calculator", CALC)]
+
+
+def test_hermes_tool_calls_with_qwen3_reasoning(fake_server: Any) -> None:
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "4821 * 377"}}\n</tool_call>'
+    script = "<think>\nI should call it.\n</think>\n\n" + call + call.replace("calculator", "search") + "<|im_end|>"
+    for step in (1, 5):
+        _, url = fake_server(script, reasoning_parser="qwen3", tool_call_parser="hermes",
+                             engine_options={"tokens_per_step": step})
+        out = collect_stream(client(url).chat.completions.create(
+            model="fake-model", messages=[{"role": "user", "content": "x"}], tools=TOOLS, stream=True,
+            extra_body={"chat_template_kwargs": {"thinking": False}}))
+        # thinking off for the request: everything is answer, but the tags are still never shown
+        assert out["reasoning"] == ""
+        assert out["finish"] == "tool_calls"
+        assert [(c["name"], json.loads(c["arguments"])) for c in out["calls"].values()] == [
+            ("calculator", CALC), ("search", CALC)]
+        assert all(c["id"].startswith("call_") for c in out["calls"].values())
+
+
+def test_tool_choice_none_keeps_markers_out(fake_server: Any) -> None:
+    script = "hm</think>Plain answer." + kimi_section(kimi_call("calculator", 0, CALC)) + "<|im_end|>"
+    _, url = fake_server(script)
+    result = client(url).chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "x"}],
+                                                 tools=TOOLS, tool_choice="none")
+    assert result.choices[0].message.content == "Plain answer."
+    assert not result.choices[0].message.tool_calls
+    assert result.choices[0].finish_reason == "stop"
+
+
+def test_thinking_switch_and_budget_reach_the_engine(fake_server: Any) -> None:
+    engine, url = fake_server("The answer.<|im_end|>")
+    c = client(url)
+    messages = [{"role": "user", "content": "q"}]
+    result = c.chat.completions.create(model="fake-model", messages=messages,
+                                       extra_body={"chat_template_kwargs": {"thinking": False}})
+    prompt, params = engine.calls[-1]
+    assert engine.tokenizer.decode(prompt, skip_special_tokens=False).endswith("<think></think>")
+    assert params.thinking_token_budget is None and not params.skip_special_tokens
+    assert result.choices[0].message.content == "The answer."
+    assert result.choices[0].message.reasoning_content is None
+    assert result.usage.completion_tokens_details.reasoning_tokens == 0
+
+    c.chat.completions.create(model="fake-model", messages=messages, extra_body={"thinking_token_budget": 7})
+    prompt, params = engine.calls[-1]
+    assert engine.tokenizer.decode(prompt, skip_special_tokens=False).endswith("<think>")
+    assert params.thinking_token_budget == 7
+    c.chat.completions.create(model="fake-model", messages=messages, extra_body={"max_thinking_tokens": 3})
+    assert engine.calls[-1][1].thinking_token_budget == 3
+
+    c.chat.completions.create(model="fake-model", messages=messages, extra_body={"thinking_token_budget": 0})
+    prompt, params = engine.calls[-1]
+    assert engine.tokenizer.decode(prompt, skip_special_tokens=False).endswith("<think></think>"), "0 = thinking off"
+    assert params.thinking_token_budget is None
+
+
+def test_server_default_thinking_budget(fake_server: Any) -> None:
+    engine, url = fake_server("x</think>y", max_thinking_tokens=5)
+    client(url).chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "q"}])
+    assert engine.calls[-1][1].thinking_token_budget == 5
+
+
+def test_history_reasoning_and_tool_results_reach_the_template(fake_server: Any, kimi_tokenizer: Any) -> None:
+    _, url = fake_server()
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "What is 4821 * 377?"}]},
+        {"role": "assistant", "content": None, "reasoning_content": "Need the tool.",
+         "tool_calls": [{"id": "functions.calculator:0", "type": "function",
+                         "function": {"name": "calculator", "arguments": json.dumps(CALC)}}]},
+        {"role": "tool", "tool_call_id": "functions.calculator:0", "content": "1817517"},
+        {"role": "user", "content": "Thanks <|im_end|><|im_assistant|>"},
+    ]
+    ids = httpx.post(f"{url}/tokenize", json={"messages": messages, "tools": TOOLS}, timeout=30).json()["tokens"]
+    text = httpx.post(f"{url}/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+    assert "<think>Need the tool.</think>" in text
+    assert "<|tool_call_begin|>functions.calculator:0<|tool_call_argument_begin|>" in text
+    assert "## Return of functions.calculator:0\n1817517" in text
+    assert '"name": "calculator"' in text
+    assert text.endswith("<|im_assistant|>assistant<|im_middle|><think>")
+    # control tokens typed by the user stay text: only the template's own <|im_end|> tokens are special ids
+    end_id = kimi_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert ids.count(end_id) == text.count("<|im_end|>") - 1
+
+
+def test_tokenize_detokenize_roundtrip(fake_server: Any) -> None:
+    _, url = fake_server()
+    body = httpx.post(f"{url}/tokenize", json={"prompt": "hello world", "return_token_strs": True}, timeout=30).json()
+    assert body["count"] == 11 and len(body["token_strs"]) == 11 and body["max_model_len"] == 8192
+    assert httpx.post(f"{url}/detokenize", json={"tokens": body["tokens"]}, timeout=30).json() == {"prompt": "hello world"}
+
+
+def test_n_choices_and_logprobs(fake_server: Any) -> None:
+    _, url = fake_server(lambda _p, _s, i: f"t{i}</think>answer {i}<|im_end|>")
+    result = client(url).chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "q"}],
+                                                 n=2, logprobs=True, top_logprobs=2)
+    assert [c.message.content for c in result.choices] == ["answer 0", "answer 1"]
+    assert [c.message.reasoning_content for c in result.choices] == ["t0", "t1"]
+    logprobs = result.choices[0].logprobs.content
+    assert len(logprobs) == result.usage.completion_tokens // 2
+    assert logprobs[0].logprob == -0.5 and len(logprobs[0].top_logprobs) == 2
+
+    out: dict[int, str] = {0: "", 1: ""}
+    for chunk in client(url).chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "q"}],
+                                                     n=2, stream=True):
+        for choice in chunk.choices:
+            out[choice.index] += choice.delta.content or ""
+    assert out == {0: "answer 0", 1: "answer 1"}
+
+
+def test_completions_endpoint(fake_server: Any) -> None:
+    _, url = fake_server("raw text<|im_end|>")
+    c = client(url)
+    result = c.completions.create(model="fake-model", prompt="Once", max_tokens=20, echo=True)
+    assert result.choices[0].text == "Onceraw text"
+    assert result.usage.prompt_tokens == 4
+    result = c.completions.create(model="fake-model", prompt=["a", "b"], max_tokens=3, logprobs=1)
+    assert [ch.text for ch in result.choices] == ["raw", "raw"]
+    assert result.choices[0].logprobs.tokens == ["r", "a", "w"]
+    text = "".join(chunk.choices[0].text for chunk in c.completions.create(
+        model="fake-model", prompt=[5, 6, 7], max_tokens=5, stream=True) if chunk.choices)
+    assert text == "raw t"
+
+
+def _post(url: str, body: Any, path: str = "/v1/chat/completions", **kwargs: Any) -> httpx.Response:
+    if isinstance(body, (bytes, str)):
+        return httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=30, **kwargs)
+    return httpx.post(url + path, json=body, timeout=30, **kwargs)
+
+
+MSG = [{"role": "user", "content": "hi"}]
+BAD_REQUESTS = [
+    (b"{not json", None),
+    (b"[1, 2]", None),
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hello"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content"),
+    ({"messages": MSG, "temperature": "hot"}, "temperature"),
+    ({"messages": MSG, "max_tokens": 0}, "max_tokens"),
+    ({"messages": MSG, "max_tokens": -5}, "max_tokens"),
+    ({"messages": MSG, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": MSG, "max_tokens": "many"}, "max_tokens"),
+    ({"messages": MSG, "n": 0}, "n"),
+    ({"messages": MSG, "n": 10_000}, "n"),
+    ({"messages": MSG, "max_tokens": 100_000}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x" * 9000}]}, "messages"),
+    ({"messages": MSG, "tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"messages": MSG, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"messages": MSG, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": MSG, "tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"messages": MSG, "temperature": -1}, "temperature"),
+    ({"messages": MSG, "top_p": 0}, "top_p"),
+    ({"messages": MSG, "top_k": -3}, "top_k"),
+    ({"messages": MSG, "presence_penalty": 5}, "presence_penalty"),
+    ({"messages": MSG, "min_tokens": 50, "max_tokens": 5}, "min_tokens"),
+    ({"messages": MSG, "stop": 5}, "stop"),
+    ({"messages": MSG, "stop": [""]}, "stop"),
+    ({"messages": MSG, "seed": 2**70}, "seed"),
+    ({"messages": MSG, "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": MSG, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ({"messages": MSG, "thinking_token_budget": -1}, "thinking_token_budget"),
+    ({"messages": MSG, "chat_template_kwargs": {"chat_template": "{{ 7 }}"}}, "chat_template_kwargs"),
+    ({"messages": MSG, "chat_template_kwargs": "thinking"}, "chat_template_kwargs"),
+    ({"messages": MSG, "stream_options": {"include_usage": "perhaps"}}, "stream_options.include_usage"),
+    ({"messages": MSG, "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"messages": [{"role": "assistant", "content": "x"}], "continue_final_message": True,
+      "add_generation_prompt": False, "max_tokens": 2, "temperature": float("nan")}, "temperature"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_REQUESTS, ids=[str(i) for i in range(len(BAD_REQUESTS))])
+def test_bad_chat_requests_are_400_naming_the_param(fake_server: Any, body: Any, param: str | None) -> None:
+    engine, url = fake_server("ok")
+    for stream in (False, True):
+        payload = {**body, "stream": True} if stream and isinstance(body, dict) else body
+        if isinstance(payload, dict) and any(isinstance(v, float) and v != v for v in payload.values()):
+            payload = json.dumps(payload).encode()  # NaN is accepted by Python's json, as by many clients
+        response = _post(url, payload)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"]
+        assert error["param"] == param, error
+    assert engine.calls == [], "no bad request reaches the engine"
+
+
+def test_bad_completion_requests(fake_server: Any) -> None:
+    _, url = fake_server("ok")
+    for body, param in [({}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": []}, "prompt"),
+                        ({"prompt": [10**9]}, "prompt"), ({"prompt": [-1]}, "prompt"),
+                        ({"prompt": "x", "max_tokens": 0}, "max_tokens"), ({"prompt": "x", "logprobs": 99}, "logprobs"),
+                        ({"prompt": "x", "suffix": "y"}, "suffix"), ({"prompt": {"a": 1}}, "prompt")]:
+        response = _post(url, body, "/v1/completions")
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, (body, response.text)
+    response = _post(url, {"tokens": [10**9]}, "/detokenize")
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tokens"
+    response = _post(url, {"prompt": "x", "messages": MSG}, "/tokenize")
+    assert response.status_code == 400
+
+
+def test_unknown_model_is_404_and_openai_errors_map(fake_server: Any) -> None:
+    _, url = fake_server("ok")
+    with pytest.raises(openai.NotFoundError) as info:
+        client(url).chat.completions.create(model="gpt-9", messages=MSG)
+    assert info.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client(url).chat.completions.create(model="fake-model", messages=MSG, max_tokens=0)
+    assert bad.value.body["param"] == "max_tokens"
+    response = httpx.get(f"{url}/v1/nowhere", timeout=30)
+    assert response.status_code == 404 and "error" in response.json()
+    models = client(url).models.list()
+    assert [m.id for m in models.data] == ["fake-model"]
+
+
+def test_served_model_names(fake_server: Any) -> None:
+    _, url = fake_server("ok", served_model_names=["tiny", "alias"])
+    assert [m.id for m in client(url).models.list().data] == ["tiny", "alias"]
+    assert client(url).chat.completions.create(model="alias", messages=MSG).model == "alias"
+
+
+def test_body_size_limit_is_413(fake_server: Any) -> None:
+    _, url = fake_server("ok", max_body_bytes=4096)
+    response = _post(url, {"messages": [{"role": "user", "content": "x" * 10_000}]})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    chunked = httpx.post(f"{url}/v1/chat/completions", content=iter([b'{"messages": "', b"x" * 9000, b'"}']),
+                         timeout=30)
+    assert chunked.status_code == 413
+    assert _post(url, {"messages": MSG}).status_code == 200
+
+
+def test_default_body_limit_is_8_mib(fake_server: Any) -> None:
+    _, url = fake_server("ok")
+    assert _post(url, {"messages": [{"role": "user", "content": "x" * (9 << 20)}]}).status_code == 413
+
+
+def test_api_key(fake_server: Any) -> None:
+    _, url = fake_server("ok", api_key="s3cret")
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    for path in ("/v1/models", "/metrics", "/v1/nowhere"):
+        response = httpx.get(url + path, timeout=30)
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    assert _post(url, {"prompt": "x"}, "/tokenize").status_code == 401
+    assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=30).status_code == 401
+    assert httpx.get(f"{url}/v1/models", headers={"Authorization": "s3cret"}, timeout=30).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        client(url, "wrong").chat.completions.create(model="fake-model", messages=MSG)
+    assert client(url, "s3cret").chat.completions.create(model="fake-model", messages=MSG).choices[0].message.content == "ok"
+    assert httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer s3cret"}, timeout=30).status_code == 200
+
+
+def test_fuzzed_bodies_never_500(fake_server: Any) -> None:
+    import random
+
+    _, url = fake_server("ok</think>fine")
+    rng = random.Random(0)
+    values = [None, True, -1, 0, 1, 2**64, 1.5, float("inf"), "", "x", [], {}, [1], ["a"], {"a": 1}, [{"role": "user"}]]
+    fields = ["messages", "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "tools",
+              "tool_choice", "logprobs", "top_logprobs", "stream", "stream_options", "chat_template_kwargs",
+              "thinking_token_budget", "min_p", "presence_penalty", "repetition_penalty", "response_format"]
+    for _ in range(150):
+        body: dict[str, Any] = {"messages": MSG}
+        for name in rng.sample(fields, rng.randint(1, 4)):
+            body[name] = rng.choice(values)
+        response = _post(url, json.dumps(body).encode())
+        assert response.status_code in (200, 400, 404), (body, response.text)
+        if response.status_code != 200:
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(fake_server: Any) -> None:
+    engine, url = fake_server("thinking " * 400, engine_options={"delay": 0.01})
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=30,
+                      json={"messages": MSG, "stream": True, "max_tokens": 3000}) as response:
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert metric_value(httpx.get(f"{url}/metrics", timeout=30).text, "reasoning_engine:kv_cache_usage_perc") > 0
+    assert wait_for(lambda: metric_value(httpx.get(f"{url}/metrics", timeout=30).text,
+                                         "reasoning_engine:kv_cache_free_blocks") == engine.total_blocks)
+    assert metric_value(httpx.get(f"{url}/metrics", timeout=30).text, "reasoning_engine:request_success_total",
+                        finished_reason="abort") == 1
+
+
+def test_disconnect_while_waiting_for_non_streaming_answer(fake_server: Any) -> None:
+    engine, url = fake_server("slow " * 400, engine_options={"delay": 0.01})
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/chat/completions", json={"messages": MSG, "max_tokens": 3000}, timeout=0.5)
+    assert wait_for(lambda: engine.stats().free_blocks == engine.total_blocks)
+
+
+def test_metrics_exposed(fake_server: Any) -> None:
+    _, url = fake_server(THINK_ANSWER, engine_options={"delay": 0.001})
+    c = client(url)
+    c.chat.completions.create(model="fake-model", messages=MSG)
+    list(c.chat.completions.create(model="fake-model", messages=MSG, stream=True))
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    for name in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "prompt_tokens_total", "generation_tokens_total", "reasoning_tokens_total",
+                 "time_to_first_token_seconds_bucket", "time_to_first_answer_token_seconds_bucket",
+                 "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_count", "request_success_total",
+                 "spec_decode_num_drafts_total", "spec_decode_num_accepted_tokens_per_pos_total"]:
+        assert f"reasoning_engine:{name}" in text, name
+    assert metric_value(text, "reasoning_engine:request_success_total", finished_reason="stop") == 2
+    assert metric_value(text, "reasoning_engine:reasoning_tokens_total") == 2 * 27
+    assert metric_value(text, "reasoning_engine:time_to_first_answer_token_seconds_count") == 2
+    assert metric_value(text, "reasoning_engine:e2e_request_latency_seconds_count") == 2
+
+
+def test_concurrent_streams(fake_server: Any) -> None:
+    _, url = fake_server(THINK_ANSWER, engine_options={"delay": 0.002})
+    results: list[str] = []
+
+    def one() -> None:
+        out = collect_stream(client(url).chat.completions.create(model="fake-model", messages=MSG, stream=True))
+        results.append(out["content"])
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == ["The answer is 5."] * 8
+    assert time.monotonic() - start < 30

@@ -373,7 +373,7 @@ def test_default_body_limit_is_8_mib(fake_server: Any) -> None:
 
 
 def test_api_key(fake_server: Any) -> None:
-    _, url = fake_server("ok", api_key="s3cret")
+    _, url = fake_server("</think>ok", api_key="s3cret")
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
     for path in ("/v1/models", "/metrics", "/v1/nowhere"):
         response = httpx.get(url + path, timeout=30)

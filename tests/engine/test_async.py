@@ -1,0 +1,70 @@
+"""AsyncLLM: streaming outputs, concurrent requests on one engine loop, abort on cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from reasoning_engine import AsyncLLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir: Path):
+    eng = AsyncLLM(str(llama_dir), dtype="float32", device="cpu")
+    yield eng
+    eng.shutdown_sync()
+
+
+def test_streams_cumulative_outputs_and_matches_offline(engine: AsyncLLM) -> None:
+    async def run() -> list:
+        seen = []
+        async for out in engine.generate("stream me", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), "a"):
+            seen.append(out)
+        return seen
+
+    seen = asyncio.run(run())
+    assert seen[-1].finished and len(seen[-1].outputs[0].token_ids) == 12
+    lengths = [len(o.outputs[0].token_ids) for o in seen]
+    assert lengths == sorted(lengths) and len(seen) >= 2
+    from reasoning_engine import LLM
+
+    offline = LLM(engine.model_config.path, dtype="float32", device="cpu").generate(
+        "stream me", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    assert offline.outputs[0].token_ids == seen[-1].outputs[0].token_ids
+
+
+def test_concurrent_requests_and_cancellation_free_blocks(engine: AsyncLLM) -> None:
+    async def consume(i: int) -> int:
+        n = 0
+        async for out in engine.generate(f"req {i}", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), f"c{i}"):
+            n = len(out.outputs[0].token_ids)
+        return n
+
+    async def cancelled() -> None:
+        async for out in engine.generate("long", SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True), "long"):
+            if len(out.outputs[0].token_ids) >= 3:
+                break
+
+    async def run() -> list[int]:
+        results = await asyncio.gather(*(consume(i) for i in range(6)), cancelled())
+        for _ in range(100):
+            stats = engine.stats()
+            if stats.num_requests_running == 0 and stats.free_blocks == stats.total_blocks:
+                break
+            await asyncio.sleep(0.05)
+        return results[:6]
+
+    assert asyncio.run(run()) == [8] * 6
+    stats = engine.stats()
+    assert stats.free_blocks == stats.total_blocks and stats.num_requests_running == 0
+
+
+def test_bad_request_raises_before_streaming(engine: AsyncLLM) -> None:
+    async def run() -> None:
+        async for _ in engine.generate({"prompt_token_ids": [5, 10**9]}, SamplingParams(), "bad"):
+            pass
+
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        asyncio.run(run())

@@ -1,0 +1,92 @@
+"""Per-request sampling through the engine: seeds, stop strings, stop ids, min_tokens, logprobs, thinking budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from reasoning_engine import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir: Path) -> LLM:
+    return LLM(llama_dir, dtype="float32", device="cpu")
+
+
+def test_seed_reproduces_regardless_of_batch_and_other_seed_differs(llm: LLM) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=123, max_tokens=30, ignore_eos=True)
+    alone = llm.generate("The answer is", params)[0].outputs[0].token_ids
+    crowd = llm.generate(["abc", "The answer is", "xyz 123"],
+                         [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True), params,
+                          SamplingParams(temperature=0.7, seed=5, max_tokens=30, ignore_eos=True)])
+    assert crowd[1].outputs[0].token_ids == alone
+    other = llm.generate("The answer is", SamplingParams(temperature=1.0, top_p=0.95, seed=124, max_tokens=30, ignore_eos=True))
+    assert other[0].outputs[0].token_ids != alone
+
+
+def test_stop_string_split_across_tokens(llm: LLM) -> None:
+    free = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0].outputs[0]
+    stop = free.text[10:13]  # three characters = three tokens
+    assert len(stop) == 3
+    out = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == free.text[: free.text.index(stop)]
+    kept = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=stop,
+                                                include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == free.text[: free.text.index(stop) + 3]
+
+
+def test_stop_token_ids_min_tokens_and_max_tokens(llm: LLM) -> None:
+    free = llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    stop_id = free.token_ids[5]
+    out = llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id]))[0].outputs[0]
+    first = free.token_ids.index(stop_id)
+    assert out.token_ids == free.token_ids[: first + 1] and out.stop_reason == stop_id
+    late = llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id],
+                                             min_tokens=first + 2))[0].outputs[0]
+    assert stop_id not in late.token_ids[: first + 2]
+    assert len(late.token_ids) >= first + 2
+
+
+def test_logprobs_and_prompt_logprobs(llm: LLM) -> None:
+    out = llm.generate("Count: 1 2 3", SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3,
+                                                       prompt_logprobs=2))[0]
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == 6
+    for token, entry in zip(completion.token_ids, completion.logprobs):
+        assert entry[token].rank == 1  # greedy picks the top token
+        ranks = sorted(lp.rank for lp in entry.values())
+        assert ranks[:3] == [1, 2, 3]
+        assert all(lp.logprob <= 0 for lp in entry.values())
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    for token, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert token in entry
+
+
+def test_repetition_penalty_changes_greedy_output(llm: LLM) -> None:
+    base = llm.generate("aaaa", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0].outputs[0].token_ids
+    penalised = llm.generate("aaaa", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                                                    repetition_penalty=5.0, frequency_penalty=1.0))[0].outputs[0].token_ids
+    assert penalised != base
+    assert len(set(penalised)) >= len(set(base))
+
+
+def test_thinking_budget_forces_end_of_thinking(llm: LLM) -> None:
+    think, end = llm.tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    prompt = {"prompt_token_ids": llm.tokenizer.encode("Question?") + [think]}
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, thinking_token_budget=5))[0]
+    tokens = out.outputs[0].token_ids
+    assert end in tokens and tokens.index(end) <= 5
+    zero = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, thinking_token_budget=0))[0]
+    assert zero.outputs[0].token_ids[0] == end
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -2), ("min_p", 1.5),
+                                          ("max_tokens", 0), ("n", 0), ("presence_penalty", 3.0),
+                                          ("repetition_penalty", 0.0), ("logprobs", 100), ("stop", [""]),
+                                          ("thinking_token_budget", -1), ("seed", "x")])
+def test_invalid_sampling_values_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})

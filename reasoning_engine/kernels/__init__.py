@@ -16,7 +16,17 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import sys
 from types import ModuleType
+
+import torch
+
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    # Without a GPU, Triton runs kernels only through its interpreter (on CPU tensors), as the CPU tests and
+    # kernel_backend="triton" on CPU do. Triton reads the switch when it defines its own library functions and each
+    # @triton.jit kernel, so it is set here, before any `triton_*` module imports triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _MODULES = {
     "attention": ("attention", "triton_attention"),

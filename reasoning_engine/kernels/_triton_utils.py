@@ -7,6 +7,12 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+if not torch.cuda.is_available() and not knobs.runtime.interpret:
+    raise ImportError(
+        "no CUDA GPU, and triton was imported before reasoning_engine.kernels without TRITON_INTERPRET=1: set "
+        "TRITON_INTERPRET=1 before importing triton to run the Triton kernels on CPU, or use kernel_backend='torch'"
+    )
+
 
 def pow2(n: int, minimum: int = 1) -> int:
     """Smallest power of two >= max(n, minimum): Triton block shapes must be powers of two."""
@@ -29,8 +35,10 @@ def dot_mode(dtype: torch.dtype) -> str:
 def mma(a, b, MODE: tl.constexpr):
     """a @ b with float32 accumulation, as chosen by `dot_mode`."""
     if MODE == "widen":
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=MODE)
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b, input_precision=MODE)
+    return out
 
 
 def num_warps_for(block_elems: int) -> int:

@@ -8,7 +8,7 @@ axis, so K/V are never repeated per head, and MLA's single latent head is the sa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -16,12 +16,31 @@ import torch.nn.functional as F
 from reasoning_engine.batch import ForwardBatch
 
 
+# Below this many queries per KV head, two small matmuls beat SDPA's fused CPU kernel, whose per-call set-up
+# (thread-parallel tiling over the query axis) dominates when decoding.
+SMALL_QUERY = 64
+
+
 @dataclass
 class TorchAttentionMetadata:
-    kv_index: torch.Tensor  # [B, L] cache slot of each context position (0 where beyond the sequence)
+    kv_index: torch.Tensor  # [B * L] cache slot of each context position (0 where beyond the sequence)
     mask: torch.Tensor  # [B, Qmax, L] bool, True where a query may attend
     query_rows: torch.Tensor  # [T] position of each token in the padded [B * Qmax] query layout
     padded: bool  # False when every sequence has exactly Qmax query tokens (no scatter needed)
+    needs_mask: bool  # False for a single sequence decoding one token: it sees every key
+    biases: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)  # additive masks per head group
+
+    def bias(self, group: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The mask as an additive bias [B, 1, Qmax * group, L], built once per step and shared by all layers."""
+        if not self.needs_mask:
+            return None
+        key = (group, dtype)
+        if key not in self.biases:
+            num_seqs, qmax, length = self.mask.shape
+            expanded = self.mask.unsqueeze(2).expand(-1, -1, group, -1).reshape(num_seqs, 1, qmax * group, length)
+            bias = torch.zeros(expanded.shape, dtype=dtype, device=self.mask.device)
+            self.biases[key] = bias.masked_fill_(~expanded, float("-inf"))
+        return self.biases[key]
 
 
 def write_kv_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -51,7 +70,9 @@ def prepare_torch_attention(batch: ForwardBatch, block_size: int) -> TorchAttent
     # padding query rows see key 0 so softmax stays finite; their outputs are dropped
     mask[:, :, 0] |= ~(qpos < query_lens)
     padded = any(n != qmax for n in batch.query_lens_cpu)
-    return TorchAttentionMetadata(kv_index=kv_index, mask=mask, query_rows=query_rows, padded=padded)
+    needs_mask = not (num_seqs == 1 and qmax == 1)
+    return TorchAttentionMetadata(kv_index=kv_index.reshape(-1), mask=mask, query_rows=query_rows, padded=padded,
+                                  needs_mask=needs_mask)
 
 
 def _apply_tree_mask(mask: torch.Tensor, batch: ForwardBatch, context_lens: torch.Tensor, query_rows: torch.Tensor) -> torch.Tensor:
@@ -79,14 +100,20 @@ def _from_padded(x: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
     return flat[meta.query_rows] if meta.padded else flat
 
 
-def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
     """q [B, Qmax, H, D], k [B, L, KVH, D], v [B, L, KVH, Dv] -> [B, Qmax, H, Dv], heads folded into the query axis."""
     num_seqs, qmax, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
     qg = q.view(num_seqs, qmax, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, qmax * group, head_dim)
-    m = mask.unsqueeze(2).expand(-1, -1, group, -1).reshape(num_seqs, 1, qmax * group, -1)
-    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=m, scale=scale)
+    bias = meta.bias(group, q.dtype)
+    if qmax * group <= SMALL_QUERY:
+        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale
+        if bias is not None:
+            scores = scores + bias
+        out = torch.matmul(scores.softmax(dim=-1), v.transpose(1, 2))
+    else:
+        out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias, scale=scale)
     return out.view(num_seqs, num_kv_heads, qmax, group, -1).permute(0, 2, 1, 3, 4).reshape(num_seqs, qmax, num_heads, -1)
 
 
@@ -95,9 +122,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """GQA over the paged cache. q [T, H, D]; caches [num_blocks, block_size, KVH, D]; returns [T, H, Dv]."""
     num_seqs, qmax = batch.num_seqs, batch.max_query_len
-    k = k_cache.view(-1, *k_cache.shape[2:])[meta.kv_index]
-    v = v_cache.view(-1, *v_cache.shape[2:])[meta.kv_index]
-    out = _grouped_sdpa(_to_padded(q, meta, num_seqs, qmax), k, v, meta.mask, scale)
+    k = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, meta.kv_index).view(num_seqs, -1, *k_cache.shape[2:])
+    v = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, meta.kv_index).view(num_seqs, -1, *v_cache.shape[2:])
+    out = _grouped_sdpa(_to_padded(q, meta, num_seqs, qmax), k, v, meta, scale)
     return _from_padded(out, meta)
 
 
@@ -107,6 +134,6 @@ def paged_latent_attention(
     """MLA in absorbed form: one shared latent head. q [T, H, latent + rope]; cache [num_blocks, block_size,
     latent + rope] whose first `latent_dim` channels are also the values; returns [T, H, latent]."""
     num_seqs, qmax = batch.num_seqs, batch.max_query_len
-    kv = kv_cache.view(-1, kv_cache.shape[-1])[meta.kv_index].unsqueeze(2)
-    out = _grouped_sdpa(_to_padded(q, meta, num_seqs, qmax), kv, kv[..., :latent_dim], meta.mask, scale)
+    kv = kv_cache.view(-1, kv_cache.shape[-1]).index_select(0, meta.kv_index).view(num_seqs, -1, 1, kv_cache.shape[-1])
+    out = _grouped_sdpa(_to_padded(q, meta, num_seqs, qmax), kv, kv[..., :latent_dim], meta, scale)
     return _from_padded(out, meta)

@@ -47,9 +47,11 @@ class TritonAttentionMetadata:
 
 def prepare_triton_attention(batch: ForwardBatch, block_size: int, num_splits: int | None = None) -> TritonAttentionMetadata:
     """Per-step metadata shared by all layers. `num_splits` fixes the decode split count (a captured CUDA graph needs
-    the same grid at every replay); by default it grows with the context and shrinks with the batch."""
+    the same grid at every replay); by default it is a power of two that grows with the context and shrinks with the
+    batch (a power of two keeps the number of compiled variants of the merge kernel small)."""
     if num_splits is None:
-        num_splits = max(1, min(triton.cdiv(max(batch.max_seq_len, 1), _SPLIT_MIN_TOKENS), triton.cdiv(_TARGET_PROGRAMS, max(batch.num_seqs, 1))))
+        wanted = min(triton.cdiv(max(batch.max_seq_len, 1), _SPLIT_MIN_TOKENS), triton.cdiv(_TARGET_PROGRAMS, max(batch.num_seqs, 1)))
+        num_splits = triton.next_power_of_2(max(wanted, 1))
     return TritonAttentionMetadata(
         query_start_loc=batch.query_start_loc.to(torch.int32),
         seq_lens=batch.seq_lens.to(torch.int32),
@@ -94,10 +96,10 @@ def _decode_partial_kernel(
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_bt,
-    num_heads, group, block_size,
+    num_heads, group, block_size, num_splits,
     D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -109,7 +111,7 @@ def _decode_partial_kernel(
     heads = kv_head * group + g
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
@@ -148,24 +150,24 @@ def _decode_partial_kernel(
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    part_row = (seq * num_heads + heads).to(tl.int64) * NUM_SPLITS + split
+    part_row = (seq * num_heads + heads).to(tl.int64) * num_splits + split
     tl.store(part_lse_ptr + part_row, lse, mask=g_ok)
     tl.store(part_out_ptr + part_row[:, None] * DV + dv[None, :], out, mask=g_ok[:, None] & (dv < DV)[None, :])
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_heads,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_heads, num_splits,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     dv = tl.arange(0, BLOCK_DV)
-    base = (seq * num_heads + head).to(tl.int64) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + base + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    base = (seq * num_heads + head).to(tl.int64) * num_splits
+    lse = tl.load(part_lse_ptr + base + s, mask=s < num_splits, other=float("-inf"))
     weights = tl.exp2(lse - tl.max(lse, axis=0))
-    parts = tl.load(part_out_ptr + (base + s)[:, None] * DV + dv[None, :], mask=(s < NUM_SPLITS)[:, None] & (dv < DV)[None, :], other=0.0)
+    parts = tl.load(part_out_ptr + (base + s)[:, None] * DV + dv[None, :], mask=(s < num_splits)[:, None] & (dv < DV)[None, :], other=0.0)
     out = tl.sum(weights[:, None] * parts, axis=0) / tl.sum(weights, axis=0)
     tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + dv, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
 
@@ -274,12 +276,12 @@ def _attend(
         part_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
         _decode_partial_kernel[(num_seqs, num_kv_heads * triton.cdiv(group, block_g), splits)](
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, part_out, part_lse,
-            qk_scale, *strides, meta.block_tables.stride(0), num_heads, group, meta.block_size,
-            BLOCK_G=block_g, BLOCK_N=32 if wide else 64, NUM_SPLITS=splits, num_warps=8 if wide else 4, **dims,
+            qk_scale, *strides, meta.block_tables.stride(0), num_heads, group, meta.block_size, splits,
+            BLOCK_G=block_g, BLOCK_N=32 if wide else 64, num_warps=8 if wide else 4, **dims,
         )
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1), num_heads,
-            DV=v_dim, BLOCK_DV=dims["BLOCK_DV"], NUM_SPLITS=splits, BLOCK_S=pow2(splits), num_warps=num_warps_for(dims["BLOCK_DV"]),
+            part_out, part_lse, out, out.stride(0), out.stride(1), num_heads, splits,
+            DV=v_dim, BLOCK_DV=dims["BLOCK_DV"], BLOCK_S=pow2(splits), num_warps=num_warps_for(dims["BLOCK_DV"]),
         )
         return out
     tree = meta.tree_mask

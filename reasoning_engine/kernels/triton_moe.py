@@ -184,16 +184,19 @@ def _load_weight_tile(
     scale_rows: the scale row of each output channel; the scale column is kk // SCALE_K."""
     w_base = w_ptr + expert * stride_we + rows[None, :] * stride_wn
     if QUANT == 0:
-        return tl.load(w_base + kk[:, None] * stride_wk, mask=mask, other=0.0).to(DTYPE)
-    scale = tl.load(
-        s_ptr + expert * stride_se + scale_rows[None, :] * stride_sn + (kk // SCALE_K)[:, None] * stride_sk,
-        mask=mask, other=0.0,
-    ).to(tl.float32)
-    if QUANT == 1:
-        packed = tl.load(w_base + (kk // 8)[:, None] * stride_wk, mask=mask, other=0)
-        q = ((packed >> ((kk % 8) * 4)[:, None]) & 0xF) - 8
-        return (q.to(tl.float32) * scale).to(DTYPE)
-    return (tl.load(w_base + kk[:, None] * stride_wk, mask=mask, other=0.0).to(tl.float32) * scale).to(DTYPE)
+        w = tl.load(w_base + kk[:, None] * stride_wk, mask=mask, other=0.0).to(DTYPE)
+    else:
+        scale = tl.load(
+            s_ptr + expert * stride_se + scale_rows[None, :] * stride_sn + (kk // SCALE_K)[:, None] * stride_sk,
+            mask=mask, other=0.0,
+        ).to(tl.float32)
+        if QUANT == 1:
+            packed = tl.load(w_base + (kk // 8)[:, None] * stride_wk, mask=mask, other=0)
+            w = (((packed >> ((kk % 8) * 4)[:, None]) & 0xF) - 8).to(tl.float32)
+        else:
+            w = tl.load(w_base + kk[:, None] * stride_wk, mask=mask, other=0.0).to(tl.float32)
+        w = (w * scale).to(DTYPE)
+    return w
 
 
 @triton.jit

@@ -186,6 +186,7 @@ def _verify_kernel(
             q_x = 1.0
         u = _uniform(key, tl.full([], 0xFFFFFFFF, tl.uint32))
         tl.store(accepted_ptr + b * max_draft + i, (u * q_x < p_x).to(tl.int8))
+    q_len = tl.where(is_draft, vocab, 0)  # the bonus position has no draft distribution
     best_r = tl.full([], float("-inf"), tl.float32)
     idx_r = tl.zeros([], tl.int64)
     best_p = tl.full([], float("-inf"), tl.float32)
@@ -195,13 +196,13 @@ def _verify_kernel(
         ok = offs < vocab
         p = tl.load(p_row + offs, mask=ok, other=0.0).to(tl.float32)
         if HAS_Q:
-            q = tl.load(q_row + offs, mask=ok & is_draft, other=0.0).to(tl.float32)
+            q = tl.load(q_row + offs, mask=offs < q_len, other=0.0).to(tl.float32)
         else:
             q = tl.where(is_draft & (offs == x), 1.0, 0.0)
         r = tl.maximum(p - q, 0.0)
         g = _gumbel(key, offs)
-        s_r = tl.where(r > 0, tl.log(r) + g, float("-inf"))
-        s_p = tl.where(p > 0, tl.log(p) + g, float("-inf"))
+        s_r = tl.where(r > 0, tl.log(tl.where(r > 0, r, 1.0)) + g, float("-inf"))
+        s_p = tl.where(p > 0, tl.log(tl.where(p > 0, p, 1.0)) + g, float("-inf"))
         c_r = tl.max(s_r, axis=0)
         c_p = tl.max(s_p, axis=0)
         i_r = tl.min(tl.where(s_r == c_r, offs, vocab), axis=0).to(tl.int64)

@@ -92,8 +92,10 @@ def _parse_compressed_tensors(raw: dict[str, Any]) -> QuantConfig:
     groups = raw.get("config_groups") or {}
     if not groups:
         raise ValueError("compressed-tensors quantization_config has no config_groups")
+    if raw.get("kv_cache_scheme"):
+        raise ValueError("compressed-tensors kv_cache_scheme (quantized KV cache in the checkpoint) is not supported")
     targets: list[str] = []
-    weight_args: dict[str, Any] | None = None
+    group_sizes: set[int] = set()
     for name, group in groups.items():
         fmt = group.get("format") or raw.get("format")
         if fmt != "pack-quantized":
@@ -105,19 +107,16 @@ def _parse_compressed_tensors(raw: dict[str, Any]) -> QuantConfig:
         wrong = {k: args.get(k) for k, v in wanted.items() if args.get(k) != v}
         if wrong or not isinstance(args.get("group_size"), int):
             raise ValueError(
-                f"unsupported compressed-tensors weights {wrong or {'group_size': args.get('group_size')}} in config group "
-                f"{name!r}; supported: 4-bit symmetric int with strategy 'group' and an integer group_size"
+                f"unsupported compressed-tensors weights in config group {name!r}: "
+                f"{wrong or {'group_size': args.get('group_size')}}; supported: {wanted} with an integer group_size"
             )
-        if weight_args is not None and args.get("group_size") != weight_args.get("group_size"):
-            raise ValueError("compressed-tensors config groups with different group sizes are not supported")
-        weight_args = args
+        group_sizes.add(args["group_size"])
         targets.extend(group.get("targets") or ["Linear"])
-    if raw.get("kv_cache_scheme"):
-        raise ValueError("compressed-tensors kv_cache_scheme (quantized KV cache in the checkpoint) is not supported")
-    assert weight_args is not None
+    if len(group_sizes) > 1:
+        raise ValueError(f"compressed-tensors config groups with different group sizes {sorted(group_sizes)} are not supported")
     return QuantConfig(
         method="compressed-tensors",
-        group_size=int(weight_args["group_size"]),
+        group_size=group_sizes.pop(),
         targets=tuple(targets),
         ignore=tuple(raw.get("ignore") or ()),
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from reasoning_engine.config import ModelConfig
@@ -11,6 +13,8 @@ from reasoning_engine.models.base import CausalLM
 from reasoning_engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from reasoning_engine.models.llama import LlamaForCausalLM
 from reasoning_engine.models.qwen3 import Qwen3ForCausalLM
+
+logger = logging.getLogger(__name__)
 
 FAMILIES: dict[str, type[CausalLM]] = {
     "deepseek_v3": DeepseekV3ForCausalLM,
@@ -30,11 +34,16 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, m
     with torch.device("meta"):
         model = cls(config, max_positions)
     model = model.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:  # to_empty gave each module its own tensor: share them again
+        model.lm_head.weight = model.embed_tokens.weight
     for module in model.modules():
         if isinstance(module, Router):  # routing stays float32, as the published models compute it
             module.float()
         elif isinstance(module, RotaryEmbedding):
             module.to_device(device)
+    if config.skipped_prefixes:
+        logger.info("%s: skipping the vision tower (%s) until multimodal input lands; serving the text model",
+                    config.model_type, ", ".join(config.skipped_prefixes))
     quant = parse_quant_config(config.raw)
     model.load_weights(iter_checkpoint_weights(config.path, quant, dtype))
     return model.eval()

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -142,7 +143,7 @@ class _MappedFiles:
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        self.handles: dict[Path, object] = {}
+        self.handles: dict[Path, Any] = {}
         self.read_bytes: dict[Path, int] = {}
 
     def get(self, path: Path, name: str) -> torch.Tensor:

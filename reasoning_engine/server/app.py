@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI
@@ -27,10 +28,22 @@ from reasoning_engine.server.chat_template import check_template_kwargs, render_
 from reasoning_engine.server.errors import APIError, bad_request, error_body, from_validation_error
 from reasoning_engine.server.metrics import ServerMetrics
 from reasoning_engine.server.parsing import resolve_reasoning_parser, resolve_tool_parser
-from reasoning_engine.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from reasoning_engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from reasoning_engine.server.reasoning_parsers import REASONING_PARSER_CHOICES
-from reasoning_engine.server.serving import (ClientGone, EngineRequests, EngineStreamResponse, OpenAIServing,
-                                             new_request_id, shielded, unless_disconnected)
+from reasoning_engine.server.serving import (
+    ClientGone,
+    EngineRequests,
+    EngineStreamResponse,
+    OpenAIServing,
+    new_request_id,
+    shielded,
+    unless_disconnected,
+)
 from reasoning_engine.server.tool_parsers import TOOL_PARSER_CHOICES
 
 logger = logging.getLogger(__name__)
@@ -42,7 +55,7 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 class ServerConfig:
     """Server-side settings (engine settings go to the engine)."""
 
-    served_model_names: list[str] | None = None  # None: the checkpoint folder's name
+    served_model_names: list[str] | None = None  # None: default_model_name(the checkpoint)
     api_key: str | None = None
     reasoning_parser: str = "auto"
     tool_call_parser: str = "auto"
@@ -128,11 +141,24 @@ class _BodyLimitMiddleware:
         await error.response()(scope, receive, send)
 
 
+BUNDLED_MODEL_NAME = "tiny-reasoner"
+
+
+def default_model_name(model_config: Any) -> str:
+    """The checkpoint folder's name; the bundled model's folder is a generic `assets`, so it gets its own name."""
+    from reasoning_engine.tiny import BUNDLED_MODEL_DIR
+
+    path = getattr(model_config, "path", None)
+    if path is not None and Path(path).resolve() == Path(BUNDLED_MODEL_DIR).resolve():
+        return BUNDLED_MODEL_NAME
+    return model_config.name
+
+
 async def _json_body(request: Request, model: type[B]) -> B:
     raw = await request.body()
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise bad_request(f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from exc
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
@@ -152,7 +178,7 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
     model_config = engine.model_config
     tokenizer = engine.tokenizer
     vocab = set(tokenizer.get_vocab()) if tokenizer is not None else set()
-    names = list(config.served_model_names or [model_config.name])
+    names = list(config.served_model_names or [default_model_name(model_config)])
     metrics = ServerMetrics(engine.stats, names[0])
     serving = OpenAIServing(
         engine, metrics, model_names=names,
@@ -180,7 +206,8 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None).response()
+        code = "not_found" if exc.status_code == 404 else None
+        return APIError(exc.status_code, str(exc.detail), code=code).response()
 
     @app.exception_handler(ClientGone)
     async def _client_gone(_: Request, exc: ClientGone) -> Response:
@@ -212,17 +239,16 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         arrival = time.monotonic()
         req = await _json_body(request, ChatCompletionRequest)
         model = serving.check_model(req.model)
-        prompt, params, new_parser = serving.prepare_chat(req)
-        engine_requests = EngineRequests(engine, [prompt], params, new_request_id("chatcmpl"))
+        prepared = serving.prepare_chat(req)
+        engine_requests = EngineRequests(engine, prepared.prompts, prepared.params, new_request_id("chatcmpl"))
         if req.stream:
             await _start_or_close(request, engine_requests)
-            return EngineStreamResponse(
-                serving.chat_stream(req, model, prompt, params, new_parser, engine_requests, arrival),
-                on_close=engine_requests.close)
+            return EngineStreamResponse(serving.chat_stream(req, model, prepared, engine_requests, arrival),
+                                        on_close=engine_requests.close)
         try:
             await unless_disconnected(request, engine_requests.start())
             body = await unless_disconnected(
-                request, serving.chat_full(req, model, prompt, params, new_parser, engine_requests, arrival))
+                request, serving.chat_full(req, model, prepared, engine_requests, arrival))
         finally:
             await shielded(engine_requests.close())
         return JSONResponse(body)
@@ -232,17 +258,16 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         arrival = time.monotonic()
         req = await _json_body(request, CompletionRequest)
         model = serving.check_model(req.model)
-        prompts, params = serving.prepare_completion(req)
-        engine_requests = EngineRequests(engine, prompts, params, new_request_id("cmpl"))
+        prepared = serving.prepare_completion(req)
+        engine_requests = EngineRequests(engine, prepared.prompts, prepared.params, new_request_id("cmpl"))
         if req.stream:
             await _start_or_close(request, engine_requests)
-            return EngineStreamResponse(
-                serving.completion_stream(req, model, prompts, params, engine_requests, arrival),
-                on_close=engine_requests.close)
+            return EngineStreamResponse(serving.completion_stream(req, model, prepared, engine_requests, arrival),
+                                        on_close=engine_requests.close)
         try:
             await unless_disconnected(request, engine_requests.start())
             body = await unless_disconnected(
-                request, serving.completion_full(req, model, prompts, params, engine_requests, arrival))
+                request, serving.completion_full(req, model, prepared, engine_requests, arrival))
         finally:
             await shielded(engine_requests.close())
         return JSONResponse(body)

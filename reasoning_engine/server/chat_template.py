@@ -16,10 +16,10 @@ from reasoning_engine.server.protocol import ChatMessage, ToolDef
 
 # Keyword names of apply_chat_template itself: a request's chat_template_kwargs must not override how we render
 # (a client-supplied `chat_template` or `tokenize=False`), only feed template variables.
-_RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-                              "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
-                              "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-                              "tokenizer_kwargs"})
+_RESERVED_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 _THINKING_SWITCHES = ("thinking", "enable_thinking")
 _TAIL_TOKENS = 16
 
@@ -91,7 +91,7 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], *, tools: list[Tool
             **({"sanitize_control_tokens": True} if supports_sanitizing(tokenizer) else {}),
             **template_kwargs,
         )
-    except Exception as exc:  # noqa: BLE001 - any template failure comes from what the request put in it
+    except Exception as exc:  # any template failure comes from what the request put in it
         raise bad_request(f"the chat template could not render these messages: {exc}", param="messages") from exc
     ids = list(ids)
     if not ids:

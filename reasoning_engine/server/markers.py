@@ -20,9 +20,6 @@ class MarkerSet:
         self._prefixes = {m[:i] for m in self.markers for i in range(1, len(m))}
         self._longest = max((len(m) for m in self.markers), default=0)
 
-    def __contains__(self, text: str) -> bool:
-        return text in self.markers
-
     def search(self, text: str, start: int = 0) -> re.Match[str] | None:
         """The leftmost (then longest) marker occurrence at or after `start`."""
         return self._regex.search(text, start) if self._regex else None

@@ -21,9 +21,6 @@ class ParsedDelta:
     content: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
-    def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.tool_calls)
-
 
 def resolve_reasoning_parser(name: str, model_type: str, vocab: Container[str]) -> str | None:
     """`auto`: Kimi's chat tokens mean kimi_k2; otherwise any model with `</think>` in its vocabulary gets the
@@ -58,10 +55,6 @@ class ChatOutputParser:
         self.emit_tool_calls = emit_tool_calls
         self._reasoning_started = False
         self._content_started = False
-
-    @property
-    def in_reasoning(self) -> bool:
-        return self.reasoning is not None and self.reasoning.in_reasoning
 
     @property
     def tool_calls(self) -> list[ToolCall]:

@@ -17,7 +17,7 @@ TOOL_CHOICE_MODES = ("none", "auto", "required")
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class TextPart(_Body):

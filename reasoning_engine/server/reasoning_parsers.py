@@ -64,11 +64,11 @@ class ReasoningParser:
     call openers, so a call that starts inside the thinking still reaches the tool parser). `drop` are marker strings
     (special tokens) removed from the thinking."""
 
-    def __init__(self, fmt: ReasoningFormat, mode: Mode, extra_ends: Iterable[str] = (), drop: Iterable[str] = ()) -> None:
+    def __init__(self, fmt: ReasoningFormat, mode: Mode, extra_ends: Iterable[str] = (),
+                 drop: Iterable[str] = ()) -> None:
         self.format = fmt
         self.mode: Mode = mode
         self.had_reasoning = mode == "reasoning"
-        self.ended_implicitly = False
         self._ends = (*fmt.implicit_ends, *extra_ends)
         self._markers = MarkerSet([fmt.start, fmt.end, *self._ends, *drop])
         self._buf = ""
@@ -105,7 +105,6 @@ class ReasoningParser:
                 self.mode = "content"
             elif marker in self._ends:
                 self.mode = "content"
-                self.ended_implicitly = True
                 self._buf = marker + after
             # any other marker (a repeated `<think>`, a special token) is dropped from the thinking
         return "".join(reasoning), "".join(content)

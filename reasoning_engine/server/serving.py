@@ -12,7 +12,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -24,11 +25,24 @@ from starlette.types import Receive, Scope, Send
 from reasoning_engine.engine.async_engine import EngineDeadError
 from reasoning_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from reasoning_engine.sampling_params import SamplingParams
-from reasoning_engine.server.chat_template import check_template_kwargs, disable_thinking, render_chat, thinking_switch
+from reasoning_engine.server.chat_template import (
+    check_template_kwargs,
+    disable_thinking,
+    render_chat,
+    thinking_switch,
+)
 from reasoning_engine.server.errors import APIError, bad_request, error_body
 from reasoning_engine.server.metrics import RequestTimer, ServerMetrics
-from reasoning_engine.server.parsing import ChatOutputParser, ParsedDelta, build_output_parser
-from reasoning_engine.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from reasoning_engine.server.parsing import (
+    ChatOutputParser,
+    ParsedDelta,
+    build_output_parser,
+)
+from reasoning_engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+)
 from reasoning_engine.server.reasoning_parsers import REASONING_FORMATS, initial_mode
 from reasoning_engine.server.tool_parsers import TOOL_PARSERS
 
@@ -73,7 +87,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 class EngineStreamResponse(StreamingResponse):
     """A streaming response whose `on_close` runs however the stream ends: finished, client gone, or cancelled."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, content: AsyncGenerator[str, None], on_close: Callable[[], Awaitable[None]]) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
@@ -82,7 +96,11 @@ class EngineStreamResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await shielded(self._on_close())
+            await shielded(self._close())
+
+    async def _close(self) -> None:
+        await self.body_iterator.aclose()  # type: ignore[attr-defined]
+        await self._on_close()
 
 
 def sse(data: dict[str, Any]) -> str:
@@ -99,22 +117,24 @@ class EngineRequests:
     def __init__(self, engine: Any, prompts: list[list[int]], params: SamplingParams, base_id: str) -> None:
         self._engine = engine
         self.ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
-        self._gens = [engine.generate(p, params, rid) for p, rid in zip(prompts, self.ids)]
-        self._first: list[RequestOutput | None] = [None] * len(prompts)
+        self._gens: list[AsyncGenerator[RequestOutput, None]] = [
+            engine.generate(p, params, rid) for p, rid in zip(prompts, self.ids, strict=True)]
+        self._first: list[RequestOutput] = []
         self._finished = [False] * len(prompts)
         self._tasks: list[asyncio.Future[None]] = []
 
     async def start(self) -> None:
         """Submit every request and wait for its first output, so a request the engine refuses (ValueError) is a
         clean 400 before any byte of a stream is sent."""
-        try:
-            self._first = list(await asyncio.gather(*(anext(g) for g in self._gens)))
-        except ValueError as exc:
-            raise bad_request(str(exc), param=_param_of(str(exc))) from exc
-        except EngineDeadError as exc:
-            raise APIError(503, f"the engine is not running: {exc}", code="engine_unavailable") from exc
-        except StopAsyncIteration as exc:
-            raise APIError(500, "the engine ended a request without output") from exc
+        results = await asyncio.gather(*(anext(g) for g in self._gens), return_exceptions=True)
+        for result in results:
+            if isinstance(result, ValueError):
+                raise bad_request(str(result), param=_param_of(str(result))) from result
+            if isinstance(result, EngineDeadError):
+                raise APIError(503, f"the engine is not running: {result}", code="engine_unavailable") from result
+            if isinstance(result, BaseException):
+                raise result
+        self._first = results
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         if len(self._gens) == 1:
@@ -161,20 +181,28 @@ class EngineRequests:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for gen, rid, finished in zip(self._gens, self.ids, self._finished):
+        for gen, rid, finished in zip(self._gens, self.ids, self._finished, strict=True):
             try:
-                if hasattr(gen, "aclose"):
-                    await gen.aclose()
                 if not finished:
                     await self._engine.abort(rid)
-            except Exception:  # noqa: BLE001 - cleanup goes on for the other requests
-                logger.exception("aborting request %s failed", rid)
+                await gen.aclose()
+            except Exception:  # cleanup goes on for the other requests
+                logger.exception("closing request %s failed", rid)
 
 
 def _param_of(message: str) -> str | None:
     """SamplingParams and the engine start their ValueError messages with the field at fault."""
     word = message.split(" ", 1)[0].strip(":,")
     return word if word.isidentifier() else None
+
+
+@dataclass
+class Prepared:
+    """A validated request ready for the engine: token-id prompts, sampling settings, a per-choice parser factory."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    new_parser: Callable[[], ChatOutputParser | None]
 
 
 @dataclass
@@ -265,7 +293,7 @@ class OpenAIServing:
 
     # ---- chat -------------------------------------------------------------------------------------------
 
-    def prepare_chat(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams, Callable[[], ChatOutputParser | None]]:
+    def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         """Render the prompt and build the sampling settings and a per-choice parser factory; every user error
         surfaces here as an APIError, before the engine sees the request."""
         tools_active = self._check_tools(req)
@@ -277,8 +305,8 @@ class OpenAIServing:
         budget = req.thinking_token_budget if req.thinking_token_budget is not None else self.max_thinking_tokens
         if budget == 0 and thinking_switch(kwargs) is not False:
             kwargs = disable_thinking(kwargs)  # a zero budget means no thinking: render the prompt that way
-        rendered = render_chat(self.tokenizer, req.messages, tools=req.tools if tools_active or req.tool_choice == "none" else None,
-                               template_kwargs=kwargs, add_generation_prompt=req.add_generation_prompt,
+        rendered = render_chat(self.tokenizer, req.messages, tools=req.tools, template_kwargs=kwargs,
+                               add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message)
         thinking_on = False
         if self.reasoning_parser:
@@ -300,13 +328,13 @@ class OpenAIServing:
                                        thinking_requested=rendered.thinking_requested, tools_active=tools_active,
                                        drop=self.special_tokens)
 
-        return rendered.token_ids, params, new_parser
+        return Prepared([rendered.token_ids], params, new_parser)
 
     def _check_tools(self, req: ChatCompletionRequest) -> bool:
         """Whether calls are parsed into `tool_calls` for this request."""
         choice = req.tool_choice
         if not req.tools:
-            if choice in ("required",) or isinstance(choice, NamedToolChoice):
+            if choice == "required" or isinstance(choice, NamedToolChoice):
                 raise bad_request("tool_choice needs tools", param="tool_choice")
             return False
         if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in req.tools}:
@@ -317,10 +345,9 @@ class OpenAIServing:
                               param="tools")
         return choice != "none"
 
-    async def chat_stream(self, req: ChatCompletionRequest, model: str, prompt: list[int], params: SamplingParams,
-                          new_parser: Callable[[], ChatOutputParser | None], engine_requests: EngineRequests,
-                          arrival: float) -> AsyncIterator[str]:
-        run = _Run(self, engine_requests, [prompt], params, new_parser, arrival)
+    async def chat_stream(self, req: ChatCompletionRequest, model: str, prepared: Prepared,
+                          engine_requests: EngineRequests, arrival: float) -> AsyncGenerator[str, None]:
+        run = _Run(self, engine_requests, prepared, arrival)
         base = {"id": engine_requests.ids[0], "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": model}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -334,40 +361,41 @@ class OpenAIServing:
         for i in range(len(run.choices)):
             yield chunk(i, {"role": "assistant", "content": ""})
         try:
-            async for update in run.updates(chat_logprobs=req.logprobs, top_n=top_n):
-                choice, parsed = update.choice, update.parsed
-                logprobs, choice.pending_logprobs = choice.pending_logprobs, []
-                if parsed is None:
-                    parsed = ParsedDelta(content=update.text)
-                if parsed.reasoning:
-                    yield chunk(choice.index, {"reasoning_content": parsed.reasoning}, logprobs=logprobs)
-                    logprobs = []
-                answer: dict[str, Any] = {}
-                if parsed.content:
-                    answer["content"] = parsed.content
-                if parsed.tool_calls:
-                    answer["tool_calls"] = _tool_call_deltas(parsed.tool_calls)
-                if answer or (logprobs and not update.finished):
-                    yield chunk(choice.index, answer, logprobs=logprobs)
-                    logprobs = []
-                if update.finished:
-                    yield chunk(choice.index, {}, self._finish_reason(choice), logprobs=logprobs)
+            async with aclosing(run.updates(chat_logprobs=req.logprobs, top_n=top_n)) as updates:
+                async for update in updates:
+                    choice, parsed = update.choice, update.parsed
+                    logprobs, choice.pending_logprobs = choice.pending_logprobs, []
+                    if parsed is None:
+                        parsed = ParsedDelta(content=update.text)
+                    if parsed.reasoning:
+                        yield chunk(choice.index, {"reasoning_content": parsed.reasoning}, logprobs=logprobs)
+                        logprobs = []
+                    answer: dict[str, Any] = {}
+                    if parsed.content:
+                        answer["content"] = parsed.content
+                    if parsed.tool_calls:
+                        answer["tool_calls"] = _tool_call_deltas(parsed.tool_calls)
+                    if answer or (logprobs and not update.finished):
+                        yield chunk(choice.index, answer, logprobs=logprobs)
+                        logprobs = []
+                    if update.finished:
+                        yield chunk(choice.index, {}, self._finish_reason(choice), logprobs=logprobs)
             if include_usage:
                 yield sse({**base, "choices": [], "usage": run.usage()})
         except APIError as exc:
             yield sse(exc.body())
-        except Exception as exc:  # noqa: BLE001 - the stream has started; report in-band, never hang the client
+        except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band, never hang the client
             yield sse(error_body(f"generation failed: {exc}", "server_error"))
         yield SSE_DONE
 
-    async def chat_full(self, req: ChatCompletionRequest, model: str, prompt: list[int], params: SamplingParams,
-                        new_parser: Callable[[], ChatOutputParser | None], engine_requests: EngineRequests,
-                        arrival: float) -> dict[str, Any]:
-        run = _Run(self, engine_requests, [prompt], params, new_parser, arrival)
-        async for update in run.updates(chat_logprobs=req.logprobs, top_n=req.top_logprobs or 0):
-            choice, parsed = update.choice, update.parsed
-            if parsed is None:
-                choice.content.append(update.text)
+    async def chat_full(self, req: ChatCompletionRequest, model: str, prepared: Prepared,
+                        engine_requests: EngineRequests, arrival: float) -> dict[str, Any]:
+        run = _Run(self, engine_requests, prepared, arrival)
+        async with aclosing(run.updates(chat_logprobs=req.logprobs, top_n=req.top_logprobs or 0)) as updates:
+            async for update in updates:
+                choice, parsed = update.choice, update.parsed
+                if parsed is None:
+                    choice.content.append(update.text)
         choices = []
         for choice in run.choices:
             calls = choice.parser.tool_calls if choice.parser else []
@@ -393,7 +421,7 @@ class OpenAIServing:
 
     # ---- completions ------------------------------------------------------------------------------------
 
-    def prepare_completion(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
+    def prepare_completion(self, req: CompletionRequest) -> Prepared:
         if req.suffix:
             raise bad_request("suffix is not supported", param="suffix")
         if req.echo and req.logprobs is not None:
@@ -404,7 +432,7 @@ class OpenAIServing:
         params = self._sampling_params(req, max_tokens=max_tokens, max_tokens_param="max_tokens",
                                        logprobs=req.logprobs, logprobs_param="logprobs",
                                        skip_special_tokens=req.skip_special_tokens, thinking_token_budget=None)
-        return prompts, params
+        return Prepared(prompts, params, lambda: None)
 
     def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -430,10 +458,9 @@ class OpenAIServing:
             out.append(ids)
         return out
 
-    async def completion_stream(self, req: CompletionRequest, model: str, prompts: list[list[int]],
-                                params: SamplingParams, engine_requests: EngineRequests,
-                                arrival: float) -> AsyncIterator[str]:
-        run = _Run(self, engine_requests, prompts, params, lambda: None, arrival)
+    async def completion_stream(self, req: CompletionRequest, model: str, prepared: Prepared,
+                                engine_requests: EngineRequests, arrival: float) -> AsyncGenerator[str, None]:
+        run = _Run(self, engine_requests, prepared, arrival)
         base = {"id": engine_requests.ids[0], "object": "text_completion", "created": int(time.time()),
                 "model": model}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -442,29 +469,30 @@ class OpenAIServing:
                 for choice in run.choices:
                     yield sse({**base, "choices": [{"index": choice.index, "text": run.prompt_text(choice),
                                                     "logprobs": None, "finish_reason": None}]})
-            async for update in run.updates(completion_logprobs=req.logprobs):
-                choice = update.choice
-                logprobs, choice.pending_logprobs = choice.pending_logprobs, []
-                if update.text or logprobs or update.finished:
-                    yield sse({**base, "choices": [{
-                        "index": choice.index, "text": update.text,
-                        "logprobs": _legacy_logprobs(logprobs) if req.logprobs is not None else None,
-                        "finish_reason": choice.finish_reason if update.finished else None,
-                        "stop_reason": choice.stop_reason if update.finished else None}]})
+            async with aclosing(run.updates(completion_logprobs=req.logprobs)) as updates:
+                async for update in updates:
+                    choice = update.choice
+                    logprobs, choice.pending_logprobs = choice.pending_logprobs, []
+                    if update.text or logprobs or update.finished:
+                        yield sse({**base, "choices": [{
+                            "index": choice.index, "text": update.text,
+                            "logprobs": _legacy_logprobs(logprobs) if req.logprobs is not None else None,
+                            "finish_reason": choice.finish_reason if update.finished else None,
+                            "stop_reason": choice.stop_reason if update.finished else None}]})
             if include_usage:
                 yield sse({**base, "choices": [], "usage": run.usage()})
         except APIError as exc:
             yield sse(exc.body())
-        except Exception as exc:  # noqa: BLE001 - the stream has started; report in-band, never hang the client
+        except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band, never hang the client
             yield sse(error_body(f"generation failed: {exc}", "server_error"))
         yield SSE_DONE
 
-    async def completion_full(self, req: CompletionRequest, model: str, prompts: list[list[int]],
-                              params: SamplingParams, engine_requests: EngineRequests,
-                              arrival: float) -> dict[str, Any]:
-        run = _Run(self, engine_requests, prompts, params, lambda: None, arrival)
-        async for _ in run.updates(completion_logprobs=req.logprobs):
-            pass
+    async def completion_full(self, req: CompletionRequest, model: str, prepared: Prepared,
+                              engine_requests: EngineRequests, arrival: float) -> dict[str, Any]:
+        run = _Run(self, engine_requests, prepared, arrival)
+        async with aclosing(run.updates(completion_logprobs=req.logprobs)) as updates:
+            async for _ in updates:
+                pass
         choices = [{"index": c.index, "text": (run.prompt_text(c) if req.echo else "") + "".join(c.text),
                     "logprobs": _legacy_logprobs(c.logprobs) if req.logprobs is not None else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in run.choices]
@@ -504,13 +532,13 @@ class OpenAIServing:
 class _Run:
     """One HTTP request's walk over its engine outputs: per-choice deltas, parsing, logprobs, timing, usage."""
 
-    def __init__(self, serving: OpenAIServing, engine_requests: EngineRequests, prompts: list[list[int]],
-                 params: SamplingParams, new_parser: Callable[[], ChatOutputParser | None], arrival: float) -> None:
+    def __init__(self, serving: OpenAIServing, engine_requests: EngineRequests, prepared: Prepared,
+                 arrival: float) -> None:
         self.serving = serving
         self.engine_requests = engine_requests
-        self.prompts = prompts
-        self.n = params.n
-        self.choices = [_Choice(index=i, parser=new_parser()) for i in range(len(prompts) * params.n)]
+        self.prompts = prepared.prompts
+        self.n = prepared.params.n
+        self.choices = [_Choice(index=i, parser=prepared.new_parser()) for i in range(len(self.prompts) * self.n)]
         self.timer = RequestTimer(serving.metrics, arrival)
         self.cached_tokens = 0
 
@@ -533,13 +561,14 @@ class _Run:
                         continue
                     update, count = self._advance(choice, completion, chat_logprobs, top_n, completion_logprobs)
                     new_tokens += count
-                    if update.parsed and (update.parsed.content or update.parsed.tool_calls):
-                        self.timer.answer(now)
-                    elif update.parsed is None and update.text:
+                    parsed = update.parsed
+                    if (parsed.content or parsed.tool_calls) if parsed is not None else update.text:
                         self.timer.answer(now)
                     yield update
                 self.timer.tokens(now, new_tokens)
             finished_ok = True
+        except EngineDeadError as exc:
+            raise APIError(503, f"the engine stopped: {exc}", code="engine_unavailable") from exc
         finally:
             self._record(finished_ok)
 

@@ -137,6 +137,21 @@ def latest_before(found: int | list[int] | None, end: int) -> int | None:
     return found[-1] if found[-1] < end else found[-2]
 
 
+def common_suffix(tokens: list[int], a: int, b: int, known: int, limit: int) -> int:
+    """Length of the common suffix of tokens[:a] and tokens[:b], given it is at least `known` and at most `limit`.
+
+    A binary search over slice comparisons: each probe runs at C speed, so even long matches cost microseconds.
+    """
+    lo, hi = known, max(known, limit)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tokens[a - mid:a] == tokens[b - mid:b]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class RequestContext:
     """One request's sequence (prompt then accepted output) as a single open segment of its own index."""
 

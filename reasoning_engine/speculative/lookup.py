@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from reasoning_engine.speculative.draft import Draft
-from reasoning_engine.speculative.index import ContextStore, window_key
+from reasoning_engine.speculative.index import ContextStore, common_suffix, window_key
 
 
 class LookupProposer:
@@ -53,21 +53,10 @@ class LookupProposer:
             for start in candidates:
                 if start >= end:
                     continue
-                length = _common_suffix(tokens, start, end, n, min(limit, start))
+                length = common_suffix(tokens, start, end, n, min(limit, start))
                 if length > best_len:
                     best_start, best_len = start, length
             if best_start >= 0:
                 return Draft.path(tokens[best_start:best_start + max_draft_tokens])
         return Draft.empty()
 
-
-def _common_suffix(tokens: list[int], a: int, b: int, known: int, limit: int) -> int:
-    """Length of the common suffix of tokens[:a] and tokens[:b], given it is at least `known` and at most `limit`."""
-    lo, hi = known, max(known, limit)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if tokens[a - mid:a] == tokens[b - mid:b]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

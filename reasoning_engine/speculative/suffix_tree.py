@@ -3,20 +3,26 @@
 After SuffixDecoding (Oliaro et al., 2024, "SuffixDecoding: Extreme Speculative Decoding for Emerging AI Applications",
 arXiv:2411.04975): a per-request suffix structure over the prompt and output plus a global one over recent outputs; the
 longest matching suffix of the context selects a node, and a draft tree grows below it, ranked by how often each
-continuation followed the pattern. This implementation is our own; its suffix trees are implicit (index.py): a node is
+continuation followed the pattern. This implementation is our own. Its suffix trees are implicit (index.py): a node is
 the set of recent occurrences of a pattern, its children the groups of those occurrences by the next token, a child's
-probability the share of occurrences it keeps (the count ratio).
+count ratio the share of occurrences it keeps.
 
 Drafting, per step:
-- match: the longest indexed order n whose last-n-token pattern occurred before, in the request and in the global store;
-- grow: best-first by path probability (product of count ratios), children below `min_token_prob` pruned, depth capped
-  at `depth_per_match * n` (a short match is weak evidence, so its draft stays short), at most the draft budget nodes;
-  a path draft follows only the most probable child;
-- pick: the source whose draft has the larger expected accepted length (sum of path probabilities).
+- match: in each store (request, global), the longest indexed order n whose last-n-token pattern occurred before, with
+  its `max_occurrences` most recent occurrences;
+- score: a child's acceptance probability is its count ratio times a rate learned online for its store and its effective
+  match length (n plus its depth: every drafted token the target accepts lengthens the match). Replays show acceptance
+  climbing from about one half at a one-token match to above 0.9 past 16 tokens, so this is what makes the draft length
+  adapt to the match length: long matches grow deep chains, short ones stay shallow and spend the budget on siblings;
+- grow: one best-first expansion over both stores by path probability (product of those probabilities), children whose
+  count ratio is below `min_token_prob` pruned, at most the draft budget nodes; a child both stores propose is one node.
+  A path draft (tree=False) follows only the most probable child.
 
-The global store keeps the last `global_max_tokens` tokens of finished outputs (each with the last `prompt_tail` tokens
-of its context, so the start of an answer can be predicted from how prompts end), evicting the oldest outputs first.
-`save`/`load` persist it as tokens; loading re-indexes them.
+The rates learn from what the target accepted: the next `on_tokens_accepted` (or `propose`, which catches up from the
+full sequence) compares the new tokens with the request's last draft. The global store keeps the last
+`global_max_tokens` tokens of finished outputs (each with the last `prompt_tail` tokens of its context, so the start of an
+answer can be predicted from how prompts end), evicting the oldest outputs first. `save`/`load` persist the store (as
+tokens; loading re-indexes them) and the rates.
 """
 
 from __future__ import annotations
@@ -28,14 +34,19 @@ import os
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from reasoning_engine.speculative.draft import Draft
-from reasoning_engine.speculative.index import OFFSET_MASK, SEGMENT_SHIFT, ContextStore, NgramIndex, window_key
+from reasoning_engine.speculative.index import (OFFSET_MASK, SEGMENT_SHIFT, ContextStore, NgramIndex, common_suffix,
+                                                window_key)
 
 STATE_FORMAT = 1
+LOCAL, GLOBAL, LONGEST, LOCAL_LOW, GLOBAL_LOW = 0, 1, 2, 3, 4
+STORES = (LOCAL, GLOBAL, LONGEST, LOCAL_LOW, GLOBAL_LOW)
+LONGEST_CAP = 256
+LONGEST_SCAN = 16
 
 
 @dataclass(frozen=True)
@@ -43,15 +54,12 @@ class SuffixConfig:
     orders: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
     max_occurrences: int = 64
     min_token_prob: float = 0.1
-    depth_per_match: float = 1.0
     tree: bool = True
     global_max_tokens: int = 1_000_000
     prompt_tail: int = 8
     reuse_capacity: int = 8
-    mixed: bool = False
-    levels: int = 3
-    weight_exp: float = 2.0
-    global_weight: float = 1.0
+    prior_strength: float = 20.0
+    low_levels: int = 1
 
     def __post_init__(self) -> None:
         if not self.orders or min(self.orders) < 1:
@@ -60,10 +68,57 @@ class SuffixConfig:
             raise ValueError(f"max_occurrences must be >= 1, got {self.max_occurrences}")
         if not 0.0 <= self.min_token_prob <= 1.0:
             raise ValueError(f"min_token_prob must be in [0, 1], got {self.min_token_prob}")
-        if self.depth_per_match <= 0:
-            raise ValueError(f"depth_per_match must be > 0, got {self.depth_per_match}")
-        if self.global_max_tokens < 0 or self.prompt_tail < 0 or self.reuse_capacity < 0:
-            raise ValueError("global_max_tokens, prompt_tail and reuse_capacity must be >= 0")
+        if self.global_max_tokens < 0 or self.prompt_tail < 0 or self.reuse_capacity < 0 or self.prior_strength < 0:
+            raise ValueError("global_max_tokens, prompt_tail, reuse_capacity and prior_strength must be >= 0")
+
+
+class AcceptanceModel:
+    """P(a drafted token is accepted | its parent was) = count ratio x a learned rate.
+
+    One rate per cell: (store, log2 bucket of the effective match length, log2 bucket of the support, i.e. how many
+    occurrences the count ratio was measured on). Each rate is a ratio estimator (accepted nodes over the count ratios
+    they were drafted with) started from a prior worth `prior_strength` observations; the prior, by match length only,
+    is the shape seen on recorded agent traces, the data refines it.
+    """
+
+    MATCH_BUCKETS = 8
+    SUPPORT_BUCKETS = 4
+    MAX_RATE = 0.99
+
+    def __init__(self, prior_strength: float) -> None:
+        self.prior_strength = prior_strength
+        cells = len(STORES) * self.SUPPORT_BUCKETS * self.MATCH_BUCKETS
+        self.prior = [1.0 - 0.5 * 2.0 ** (-(c % self.MATCH_BUCKETS) / 2) for c in range(cells)]
+        self.accepted = [0.0] * cells
+        self.drafted = [0.0] * cells
+        self.rates = list(self.prior)
+
+    @classmethod
+    def cell(cls, store: int, match_len: int, support: int) -> int:
+        match_bucket = min(match_len.bit_length() - 1, cls.MATCH_BUCKETS - 1) if match_len > 0 else 0
+        support_bucket = min(support.bit_length() - 1, cls.SUPPORT_BUCKETS - 1) if support > 0 else 0
+        return (store * cls.SUPPORT_BUCKETS + support_bucket) * cls.MATCH_BUCKETS + match_bucket
+
+    def observe(self, cell: int, ratio: float, accepted: bool) -> None:
+        self.accepted[cell] += accepted
+        self.drafted[cell] += ratio
+        self._refresh(cell)
+
+    def _refresh(self, cell: int) -> None:
+        strength = self.prior_strength
+        rate = (self.accepted[cell] + strength * self.prior[cell]) / (self.drafted[cell] + strength)
+        self.rates[cell] = min(rate, self.MAX_RATE)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"accepted": self.accepted, "drafted": self.drafted}
+
+    def load_dict(self, data: dict[str, Any]) -> None:
+        if len(data["accepted"]) != len(self.accepted) or len(data["drafted"]) != len(self.drafted):
+            raise ValueError("saved acceptance statistics have another shape")
+        self.accepted = [float(x) for x in data["accepted"]]
+        self.drafted = [float(x) for x in data["drafted"]]
+        for cell in range(len(self.rates)):
+            self._refresh(cell)
 
 
 class SuffixProposer:
@@ -73,7 +128,10 @@ class SuffixProposer:
         self.config = config or SuffixConfig()
         self.contexts = ContextStore(self.config.orders, self.config.reuse_capacity)
         self.global_index = NgramIndex(self.config.orders)
+        self.model = AcceptanceModel(self.config.prior_strength)
         self._global_order: deque[int] = deque()
+        # Per request, the last draft and, per node, (model cell, count ratio) to learn from.
+        self._pending: dict[str, tuple[Draft, list[tuple[int, float]]]] = {}
 
     # -- request lifecycle -------------------------------------------------------------------------------------------
 
@@ -81,10 +139,13 @@ class SuffixProposer:
         self.contexts.start(request_id, prompt_token_ids)
 
     def on_tokens_accepted(self, request_id: str, new_token_ids: Sequence[int]) -> None:
+        """Call once per verify step with all the tokens the step appended (accepted draft tokens and the bonus)."""
+        self._observe(request_id, new_token_ids)
         self.contexts.get(request_id).extend(new_token_ids)
 
     def finish_request(self, request_id: str, learn: bool = True) -> None:
         """Learn the finished output into the global store (skip with learn=False, e.g. for an aborted request)."""
+        self._pending.pop(request_id, None)
         context = self.contexts.finish(request_id)
         if learn and len(context.tokens) > context.prompt_len:
             self.learn(context.tokens[max(0, context.prompt_len - self.config.prompt_tail):])
@@ -97,30 +158,50 @@ class SuffixProposer:
         while self.global_index.num_tokens > self.config.global_max_tokens and len(self._global_order) > 1:
             self.global_index.drop_segment(self._global_order.popleft())
 
+    def _observe(self, request_id: str, new_token_ids: Sequence[int]) -> None:
+        """Score the request's last draft against the tokens the target emitted after it."""
+        pending = self._pending.pop(request_id, None)
+        if pending is None:
+            return
+        draft, meta = pending
+        accepted = draft.match(new_token_ids)
+        children = draft.children()
+        tested = children[0] + [c for node in accepted for c in children[node + 1]]
+        hits = set(accepted)
+        for node in tested:
+            cell, ratio = meta[node]
+            self.model.observe(cell, ratio, node in hits)
+
     # -- drafting ----------------------------------------------------------------------------------------------------
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_draft_tokens: int) -> Draft:
-        context = self.contexts.sync(request_id, token_ids)
+        context = self.contexts.get(request_id)
+        if len(token_ids) > len(context.tokens):
+            self._observe(request_id, token_ids[len(context.tokens):])
+            context = self.contexts.sync(request_id, token_ids)
         if max_draft_tokens <= 0:
             return Draft.empty()
         end = len(context.tokens)
-        if self.config.mixed:
-            return self._propose_mixed(context, end, max_draft_tokens)
-        best = Draft.empty()
-        for index, local in ((context.index, True), (self.global_index, False)):
-            order, occurrences = self._match(index, context.prefix, end, local)
-            if not occurrences:
-                continue
-            depth = min(max_draft_tokens, max(1, int(self.config.depth_per_match * order)))
-            draft = self._grow(index.segments, occurrences, max_draft_tokens, depth)
-            if draft.score > best.score:
-                best = draft
-        return best
+        roots = []
+        for store, index in ((LOCAL, context.index), (GLOBAL, self.global_index)):
+            level, occurrences = self._match(index, context.prefix, end, store == LOCAL, len(index.orders) - 1)
+            if occurrences:
+                roots.append((store, index.segments, index.orders[level], occurrences))
+                if store == LOCAL:
+                    roots.append(self._longest(context.index, context.tokens, level, occurrences))
+                if level > 0 and self.config.low_levels:
+                    low, low_occ = self._match(index, context.prefix, end, store == LOCAL, level - self.config.low_levels)
+                    if low_occ:
+                        roots.append((LOCAL_LOW if store == LOCAL else GLOBAL_LOW, index.segments, index.orders[low], low_occ))
+        draft, meta = self._grow(roots, max_draft_tokens)
+        if len(draft):
+            self._pending[request_id] = (draft, meta)
+        return draft
 
-    def _match(self, index: NgramIndex, prefix: list[int], end: int, local: bool) -> tuple[int, list[int]]:
-        """The longest order whose last-n-token pattern occurred before, and its most recent occurrences."""
+    def _match(self, index: NgramIndex, prefix: list[int], end: int, local: bool, top: int) -> tuple[int, list[int]]:
+        """The longest order (its index) whose last-n-token pattern occurred before, and its most recent occurrences."""
         limit = self.config.max_occurrences
-        for i in range(len(index.orders) - 1, -1, -1):
+        for i in range(top, -1, -1):
             n = index.orders[i]
             if n > end:
                 continue
@@ -129,133 +210,77 @@ class SuffixProposer:
                 continue
             occurrences = [found] if found.__class__ is int else found[-limit - 1:]
             if local and occurrences[-1] >= end:
-                occurrences.pop()
+                occurrences.pop()  # the pattern's occurrence that ends right now has no continuation yet
             if occurrences:
-                return n, occurrences[-limit:]
+                return i, occurrences[-limit:]
         return 0, []
 
-    def _grow(self, segments: dict[int, list[int]], occurrences: list[int], budget: int, max_depth: int) -> Draft:
-        """Best-first expansion of the implicit suffix-tree node below the matched pattern."""
-        min_prob = self.config.min_token_prob
+    def _longest(self, index: NgramIndex, tokens: list[int], level: int,
+                 occurrences: list[int]) -> tuple[int, dict[int, list[int]], int, list[int]]:
+        """The single occurrence with the longest exact match (the latest on ties): what plain lookup would follow.
+
+        None of them matches the next indexed order, so that bounds the search; past the top order, `LONGEST_CAP`.
+        """
+        end = len(tokens)
+        n = index.orders[level]
+        limit = index.orders[level + 1] - 1 if level + 1 < len(index.orders) else LONGEST_CAP
+        best_pos, best_len = occurrences[-1], n
+        for pos in reversed(occurrences[-LONGEST_SCAN:]):
+            length = common_suffix(tokens, pos, end, n, min(limit, pos))
+            if length > best_len:
+                best_pos, best_len = pos, length
+        return LONGEST, index.segments, best_len, [best_pos]
+
+    def _grow(self, roots: list[tuple[int, dict[int, list[int]], int, list[int]]],
+              budget: int) -> tuple[Draft, list[tuple[int, float]]]:
+        """Best-first expansion of the matched implicit suffix-tree nodes of both stores into one draft tree."""
+        min_ratio = self.config.min_token_prob
         tree = self.config.tree
+        rates = self.model.rates
+        cell_of = AcceptanceModel.cell
         tokens: list[int] = []
         parents: list[int] = []
+        meta: list[tuple[int, float]] = []
+        nodes: dict[tuple[int, int], int] = {}
         score = 0.0
-        heap: list[tuple[float, int, int, int, list[int], int]] = []
-        order = itertools.count()  # ties go to the earlier-found branch
+        heap: list[tuple[float, int, int, int, dict[int, list[int]], list[int], int, int, int, float]] = []
+        tie = itertools.count()  # equal probabilities: the earlier-found candidate first
 
-        def expand(node: int, positions: list[int], depth: int, prob: float) -> None:
+        def expand(node: int, store: int, segments: dict[int, list[int]], positions: list[int], depth: int,
+                   order: int, prob: float) -> None:
             groups = _group_next(segments, positions)
             total = sum(len(g) for g in groups.values())
             children = sorted(groups.items(), key=lambda item: -len(item[1]))
+            cell = cell_of(store, order + depth, total)
+            rate = rates[cell]
             for token, group in children if tree else children[:1]:
                 ratio = len(group) / total
-                if ratio < min_prob:
+                if ratio < min_ratio:
                     break
-                heapq.heappush(heap, (-prob * ratio, next(order), node, token, group, depth + 1))
+                heapq.heappush(heap, (-prob * ratio * rate, next(tie), node, token, segments, group, depth + 1, order,
+                                      store, cell, ratio))
 
-        expand(-1, occurrences, 0, 1.0)
+        for store, segments, order, occurrences in roots:
+            expand(-1, store, segments, occurrences, 0, order, 1.0)
         while heap and len(tokens) < budget:
-            neg_prob, _, parent, token, group, depth = heapq.heappop(heap)
-            tokens.append(token)
-            parents.append(parent)
-            score -= neg_prob
+            neg_prob, _, parent, token, segments, group, depth, order, store, cell, ratio = heapq.heappop(heap)
             if not tree:
                 heap.clear()
-            if depth < max_depth:
-                expand(len(tokens) - 1, group, depth, -neg_prob)
-        return Draft(tokens, parents, score)
-
-    def _propose_mixed(self, context, end, budget):
-        cfg = self.config
-        P, W, L = [], [], []
-        for index, local, sw in ((context.index, True, 1.0), (self.global_index, False, cfg.global_weight)):
-            seen = set()
-            levels = 0
-            for i in range(len(index.orders) - 1, -1, -1):
-                n = index.orders[i]
-                if n > end:
-                    continue
-                found = index.tables[i].get(window_key(context.prefix, end, n, index.powers[i]))
-                if found is None:
-                    continue
-                occ = [found] if found.__class__ is int else found[-cfg.max_occurrences - 1:]
-                if local and occ[-1] >= end:
-                    occ.pop()
-                occ = occ[-cfg.max_occurrences:]
-                if not occ:
-                    continue
-                w = sw * n ** cfg.weight_exp
-                lim = max(1, int(cfg.depth_per_match * n))
-                for q in occ:
-                    if q not in seen:
-                        seen.add(q)
-                        P.append(q if not local else q | (1 << 62))
-                        W.append(w)
-                        L.append(lim)
-                levels += 1
-                if levels >= cfg.levels:
-                    break
-        if not P:
-            return Draft.empty()
-        local_seg = context.tokens
-        gsegs = self.global_index.segments
-        min_prob = cfg.min_token_prob
-        tree = cfg.tree
-        tokens, parents = [], []
-        score = 0.0
-        heap = []
-        order = itertools.count()
-        FLAG = 1 << 62
-
-        def expand(node, P, W, L, depth, prob):
-            groups = {}
-            total = 0.0
-            for q, w, lim in zip(P, W, L):
-                total += w
-                if lim <= depth:
-                    continue
-                if q & FLAG:
-                    off = q & OFFSET_MASK
-                    if off >= len(local_seg):
-                        continue
-                    t = local_seg[off]
-                else:
-                    seg = gsegs[q >> SEGMENT_SHIFT]
-                    off = q & OFFSET_MASK
-                    if off >= len(seg):
-                        continue
-                    t = seg[off]
-                g = groups.get(t)
-                if g is None:
-                    groups[t] = g = [0.0, [], [], []]
-                g[0] += w
-                g[1].append(q + 1)
-                g[2].append(w)
-                g[3].append(lim)
-            children = sorted(groups.items(), key=lambda item: -item[1][0])
-            for t, g in children if tree else children[:1]:
-                ratio = g[0] / total
-                if ratio < min_prob:
-                    break
-                heapq.heappush(heap, (-prob * ratio, next(order), node, t, g, depth + 1))
-
-        expand(-1, P, W, L, 0, 1.0)
-        while heap and len(tokens) < budget:
-            neg, _, parent, t, g, depth = heapq.heappop(heap)
-            tokens.append(t)
-            parents.append(parent)
-            score -= neg
-            if not tree:
-                heap.clear()
-            if depth < budget:
-                expand(len(tokens) - 1, g[1], g[2], g[3], depth, -neg)
-        return Draft(tokens, parents, score)
+            node = nodes.get((parent, token))
+            if node is None:
+                node = len(tokens)
+                nodes[(parent, token)] = node
+                tokens.append(token)
+                parents.append(parent)
+                meta.append((cell, ratio))
+                score -= neg_prob
+            expand(node, store, segments, group, depth, order, -neg_prob)
+        return Draft(tokens, parents, score), meta
 
     # -- persistence -------------------------------------------------------------------------------------------------
 
     def save(self, directory: str | os.PathLike[str]) -> None:
-        """Write the global store (tokens of each kept output, oldest first); atomic per file."""
+        """Write the global store (tokens of each kept output, oldest first) and the acceptance rates; atomic per file."""
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         segments = [self.global_index.segments[s] for s in self._global_order]
@@ -265,13 +290,13 @@ class SuffixProposer:
         np.savez(tmp, tokens=flat, lengths=lengths)
         os.replace(tmp, path / "suffix_state.npz")
         meta = {"format": STATE_FORMAT, "method": self.method, "segments": len(segments), "tokens": int(lengths.sum()),
-                "config": asdict(self.config)}
+                "acceptance": self.model.to_dict(), "config": asdict(self.config)}
         tmp_meta = path / "suffix_state.tmp.json"
         tmp_meta.write_text(json.dumps(meta, indent=1))
         os.replace(tmp_meta, path / "suffix_state.json")
 
     def load(self, directory: str | os.PathLike[str]) -> int:
-        """Replace the global store with the one saved in `directory`; returns the number of outputs loaded."""
+        """Replace the global store and rates with those saved in `directory`; returns the number of outputs loaded."""
         path = Path(directory)
         meta = json.loads((path / "suffix_state.json").read_text())
         if meta.get("format") != STATE_FORMAT:
@@ -284,6 +309,7 @@ class SuffixProposer:
         for length in lengths:
             self.learn(flat[start:start + length])
             start += length
+        self.model.load_dict(meta["acceptance"])
         return len(self._global_order)
 
     @property

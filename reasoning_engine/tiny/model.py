@@ -14,11 +14,14 @@ sparse dispatch.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 
@@ -335,3 +338,21 @@ class TinyDeepseekV3(nn.Module):
         sd.pop(f"{mtp}.embed_tokens.weight")
         sd.pop(f"{mtp}.shared_head.head.weight")
         self.load_state_dict(sd, strict=True)
+
+
+def save_checkpoint(model: TinyDeepseekV3, out_dir: Path) -> None:
+    """Write config.json and model.safetensors (float32) in DeepSeek-V3's Hugging Face layout."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "config.json", "w") as f:
+        json.dump(model.cfg.to_hf_config(), f, indent=2)
+        f.write("\n")
+    save_file(model.state_dict_for_checkpoint(), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_checkpoint(model_dir: Path) -> TinyDeepseekV3:
+    """Rebuild the training model from a saved checkpoint (float32, eval mode)."""
+    with open(model_dir / "config.json") as f:
+        cfg = TinyConfig.from_hf_config(json.load(f))
+    model = TinyDeepseekV3(cfg)
+    model.load_checkpoint_state(load_file(str(model_dir / "model.safetensors")))
+    return model.eval()

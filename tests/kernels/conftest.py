@@ -1,18 +1,12 @@
-"""Kernel tests run the Triton kernels on the GPU when there is one, else on CPU tensors through Triton's interpreter.
-
-The interpreter must be chosen before any `@triton.jit` function is defined, hence the environment variable is set here,
-before the test modules import the kernels.
-"""
+"""Kernel tests run the Triton kernels on the GPU when there is one, else on CPU tensors through Triton's interpreter
+(which the kernel modules select themselves when no GPU is present; TRITON_INTERPRET=1 forces it on a GPU machine)."""
 
 import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() else "cuda"
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
 @pytest.fixture

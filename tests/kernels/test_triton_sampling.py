@@ -18,7 +18,7 @@ def both(logits, temperature, top_k, top_p, min_p, seeds, counters):
     return out, ref
 
 
-@pytest.mark.parametrize("rows,vocab", [(0, 10), (1, 1), (7, 33), (64, 300), (3, 2500)])
+@pytest.mark.parametrize("rows,vocab", [(0, 10), (1, 1), (7, 33), (24, 300), (2, 2500)])
 def test_unfiltered_sampling_matches_reference(device, rows, vocab):
     """Same counter-based noise on both paths: identical tokens, also across a vocabulary split into several chunks."""
     logits = torch.randn(rows, vocab, device=device) * 2
@@ -42,7 +42,7 @@ FILTERS = [
 
 @pytest.mark.parametrize("filters", FILTERS)
 def test_filtered_sampling_matches_reference(device, filters):
-    rows, vocab = 48, 97
+    rows, vocab = 16, 97
     logits = torch.randn(rows, vocab, device=device) * 3
     seeds = torch.arange(rows, device=device) * 7919
     counters = torch.arange(rows, device=device)
@@ -84,17 +84,18 @@ def test_ties_keep_boundary_and_greedy_takes_first(device):
 
 def test_reference_filters_match_definitions():
     x = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
-    probs = x.softmax(-1)[0]  # 0.5465 0.2010 0.1219 0.0740 0.0272 (rounded)
+    # probabilities 0.5630 0.2071 0.1256 0.0762 0.0280
     one = lambda v: torch.tensor([v])
     kept = lambda **kw: torch.isfinite(
         sampling.apply_sampling_filters(x, one(1.0), one(kw.get("k", 0)).int(), one(kw.get("p", 1.0)), one(kw.get("m", 0.0)))
     )[0].tolist()
     assert kept(k=2) == [True, True, False, False, False]
     assert kept(p=0.5) == [True, False, False, False, False]
-    assert kept(p=0.75) == [True, True, True, False, False]  # 0.5465 + 0.2010 < 0.75
-    assert kept(m=0.2) == [True, True, True, False, False]  # 0.1219 / 0.5465 >= 0.2 > 0.0740 / 0.5465
-    assert kept(k=4, p=0.9) == [True, True, True, False, False]  # renormalised over the top 4: 0.5625 + 0.2069 + 0.1255 >= 0.9?
-    assert float(probs[:3].sum() / probs[:4].sum()) < 0.93
+    assert kept(p=0.75) == [True, True, False, False, False]  # 0.5630 + 0.2071 >= 0.75
+    assert kept(p=0.8) == [True, True, True, False, False]
+    assert kept(m=0.2) == [True, True, True, False, False]  # 0.1256 / 0.5630 >= 0.2 > 0.0762 / 0.5630
+    assert kept(p=0.9) == [True, True, True, True, False]  # the top three hold 0.8957 < 0.9
+    assert kept(k=4, p=0.9) == [True, True, True, False, False]  # renormalised over the top four: 0.9215 >= 0.9
 
 
 def test_reference_sampling_follows_softmax():

@@ -29,16 +29,17 @@ _DEEPSEEK_BASE: dict[str, Any] = dict(
     num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
     kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1,
     n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=512,
-    num_nextn_predict_layers=0, bos_token_id=0, eos_token_id=1, initializer_range=0.1,
+    num_nextn_predict_layers=0, bos_token_id=0, eos_token_id=1, initializer_range=0.2,
     rope_parameters=dict(rope_type="yarn", type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
 )
-_KIMI_ROPE = dict(rope_type="yarn", type="yarn", rope_theta=50000.0, factor=32.0, original_max_position_embeddings=128,
+_KIMI_ROPE = dict(rope_type="yarn", type="yarn", rope_theta=50000.0, factor=32.0, original_max_position_embeddings=16,
                   beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
-_KIMI: dict[str, Any] = dict(n_group=1, topk_group=1, routed_scaling_factor=2.827, rope_parameters=_KIMI_ROPE)
+_KIMI: dict[str, Any] = dict(n_group=1, topk_group=1, routed_scaling_factor=2.827, max_position_embeddings=512,
+                            rope_parameters=_KIMI_ROPE)
 _GQA_BASE: dict[str, Any] = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=0, eos_token_id=1, initializer_range=0.1,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=0, eos_token_id=1, initializer_range=0.2,
 )
 _BASES: dict[str, dict[str, Any]] = {
     "deepseek_v3": _DEEPSEEK_BASE,

@@ -3,19 +3,15 @@ The real engine's fixtures live in test_real_server.py."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+from reasoning_engine.server.app import ServerConfig, build_app
 
-from fake_engine import FakeEngine  # noqa: E402
-from helpers import LiveServer, save_kimi_tokenizer  # noqa: E402
-
-from reasoning_engine.server.app import ServerConfig, build_app  # noqa: E402
+from .fake_engine import FakeEngine
+from .helpers import LiveServer, save_kimi_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +25,8 @@ def fake_server(kimi_tokenizer: Any) -> Iterator[Callable[..., tuple[FakeEngine,
     text every choice generates (a string, or a function of (prompt ids, params, choice index))."""
     servers: list[LiveServer] = []
 
-    def start(script: Any = "", *, engine_options: dict[str, Any] | None = None, **config: Any) -> tuple[FakeEngine, str]:
+    def start(script: Any = "", *, engine_options: dict[str, Any] | None = None,
+              **config: Any) -> tuple[FakeEngine, str]:
         fn = script if callable(script) else (lambda _prompt, _params, _index: script)
         engine = FakeEngine(kimi_tokenizer, fn, **(engine_options or {}))
         server = LiveServer(build_app(engine, ServerConfig(**config))).__enter__()

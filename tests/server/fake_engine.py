@@ -51,11 +51,13 @@ class FakeEngine:
     def __post_init__(self) -> None:
         self.model_config.vocab_size = len(self.tokenizer)
 
-    async def generate(self, prompt: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
         if len(prompt) + (params.max_tokens or 0) > self.model_config.max_model_len:
             raise ValueError("max_tokens: prompt + max_tokens exceeds max_model_len")
         self.calls.append((list(prompt), params))
-        scripts = [self.tokenizer.encode(self.script(prompt, params, i), add_special_tokens=False) for i in range(params.n)]
+        scripts = [self.tokenizer.encode(self.script(prompt, params, i), add_special_tokens=False)
+                   for i in range(params.n)]
         self._blocks[request_id] = params.n * math.ceil((len(prompt) + max(len(s) for s in scripts)) / self.block_size)
         try:
             produced = 0

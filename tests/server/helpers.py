@@ -69,7 +69,7 @@ def save_random_checkpoint(folder: Path, seed: int = 0) -> Path:
     tokenizer = save_kimi_tokenizer(folder)
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                          eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder

@@ -11,7 +11,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from helpers import metric_value, sse_events, wait_for
+
+from .helpers import metric_value, sse_events, wait_for
 
 THINK_ANSWER = "Add 2 and 3.\nThat gives 5.</think>The answer is 5.<|im_end|>"
 CALC = {"expression": "4821 * 377"}
@@ -102,7 +103,7 @@ def test_raw_sse_framing(fake_server: Any) -> None:
 
 
 def test_kimi_tool_calls_streaming_and_not(fake_server: Any) -> None:
-    big = {"expression": " + ".join(str(i) for i in range(800))}
+    big = {"expression": " + ".join(str(i) for i in range(250))}
     script = ("I need the calculator.</think>Let me compute." +
               kimi_section(kimi_call("calculator", 0, CALC), kimi_call("calculator", 1, big)) + "<|im_end|>")
     for step in (1, 3, 11):
@@ -222,7 +223,8 @@ def test_tokenize_detokenize_roundtrip(fake_server: Any) -> None:
     _, url = fake_server()
     body = httpx.post(f"{url}/tokenize", json={"prompt": "hello world", "return_token_strs": True}, timeout=30).json()
     assert body["count"] == 11 and len(body["token_strs"]) == 11 and body["max_model_len"] == 8192
-    assert httpx.post(f"{url}/detokenize", json={"tokens": body["tokens"]}, timeout=30).json() == {"prompt": "hello world"}
+    detokenized = httpx.post(f"{url}/detokenize", json={"tokens": body["tokens"]}, timeout=30).json()
+    assert detokenized == {"prompt": "hello world"}
 
 
 def test_n_choices_and_logprobs(fake_server: Any) -> None:
@@ -252,6 +254,11 @@ def test_completions_endpoint(fake_server: Any) -> None:
     result = c.completions.create(model="fake-model", prompt=["a", "b"], max_tokens=3, logprobs=1)
     assert [ch.text for ch in result.choices] == ["raw", "raw"]
     assert result.choices[0].logprobs.tokens == ["r", "a", "w"]
+    texts = {0: "", 1: "", 2: "", 3: ""}
+    for chunk in c.completions.create(model="fake-model", prompt=["a", "b"], max_tokens=4, n=2, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == {i: "raw " for i in range(4)}
     text = "".join(chunk.choices[0].text for chunk in c.completions.create(
         model="fake-model", prompt=[5, 6, 7], max_tokens=5, stream=True) if chunk.choices)
     assert text == "raw t"
@@ -306,6 +313,19 @@ BAD_REQUESTS = [
     ({"messages": [{"role": "assistant", "content": "x"}], "continue_final_message": True,
       "add_generation_prompt": False, "max_tokens": 2, "temperature": float("nan")}, "temperature"),
 ]
+
+
+def test_pathological_json_is_400(fake_server: Any) -> None:
+    _, url = fake_server("ok")
+    deep = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    nested = "{}"
+    for _ in range(3000):
+        nested = '{"a": ' + nested + "}"
+    tools = b'[{"type": "function", "function": {"name": "f", "parameters": ' + nested.encode() + b"}}]"
+    for body in (deep, b'{"messages": [{"role": "user", "content": "x"}], "tools": ' + tools + b"}",
+                 b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e999}', b"\xff\xfe{", b""):
+        response = _post(url, body)
+        assert response.status_code == 400, (body[:60], response.text)
 
 
 @pytest.mark.parametrize("body,param", BAD_REQUESTS, ids=[str(i) for i in range(len(BAD_REQUESTS))])
@@ -383,7 +403,8 @@ def test_api_key(fake_server: Any) -> None:
     assert httpx.get(f"{url}/v1/models", headers={"Authorization": "s3cret"}, timeout=30).status_code == 401
     with pytest.raises(openai.AuthenticationError):
         client(url, "wrong").chat.completions.create(model="fake-model", messages=MSG)
-    assert client(url, "s3cret").chat.completions.create(model="fake-model", messages=MSG).choices[0].message.content == "ok"
+    answer = client(url, "s3cret").chat.completions.create(model="fake-model", messages=MSG)
+    assert answer.choices[0].message.content == "ok"
     assert httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer s3cret"}, timeout=30).status_code == 200
 
 
@@ -396,7 +417,7 @@ def test_fuzzed_bodies_never_500(fake_server: Any) -> None:
     fields = ["messages", "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "tools",
               "tool_choice", "logprobs", "top_logprobs", "stream", "stream_options", "chat_template_kwargs",
               "thinking_token_budget", "min_p", "presence_penalty", "repetition_penalty", "response_format"]
-    for _ in range(150):
+    for _ in range(80):
         body: dict[str, Any] = {"messages": MSG}
         for name in rng.sample(fields, rng.randint(1, 4)):
             body[name] = rng.choice(values)
@@ -461,3 +482,25 @@ def test_concurrent_streams(fake_server: Any) -> None:
         t.join(timeout=60)
     assert results == ["The answer is 5."] * 8
     assert time.monotonic() - start < 30
+
+
+def test_chat_client_streams_thinking_dimmed_and_passes_it_back(fake_server: Any) -> None:
+    from rich.console import Console
+
+    from reasoning_engine.server.chat_client import ChatSession
+
+    engine, url = fake_server("Add them.</think>It is 5." + kimi_section(kimi_call("calculator", 0, CALC)))
+    console = Console(record=True, force_terminal=True, color_system="standard", width=200)
+    with httpx.Client(base_url=f"{url}/v1", timeout=30) as http:
+        session = ChatSession(http, console, model="fake-model", system="Be brief.",
+                              request_options={"tools": TOOLS}, show_thinking=True)
+        reply = session.send("2+3?")
+        assert reply == {"role": "assistant", "content": "It is 5.", "reasoning_content": "Add them.",
+                         "tool_calls": [{"id": "functions.calculator:0", "type": "function",
+                                         "function": {"name": "calculator", "arguments": json.dumps(CALC)}}]}
+        session.send("And again?")
+    styled = console.export_text(styles=True)
+    assert "\x1b[2;3mA" in styled and "\x1b[2;3mIt" not in styled, "the thinking is dim italic, the answer plain"
+    assert "It is 5." in console.export_text() and "[tool call] calculator" in console.export_text()
+    second_prompt = engine.tokenizer.decode(engine.calls[-1][0], skip_special_tokens=False)
+    assert "<think>Add them.</think>It is 5.<|tool_calls_section_begin|>" in second_prompt

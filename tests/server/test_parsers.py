@@ -67,7 +67,7 @@ def splittings(text: str, seed: int = 0, n_random: int = 40) -> list[list[str]]:
     rng = random.Random(seed)
     for _ in range(n_random):
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(2, 12))))
-        out.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
+        out.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)])
     return out
 
 
@@ -92,7 +92,8 @@ def test_marker_set_holds_back_partial_markers() -> None:
 
 
 def test_kimi_reasoning_then_answer() -> None:
-    r = check_all("Let me add 2 and 3.\nThat is 5.</think>The answer is 5.<|im_end|>", "kimi_k2", "kimi_k2", KIMI_MARKERS)
+    text = "Let me add 2 and 3.\nThat is 5.</think>The answer is 5.<|im_end|>"
+    r = check_all(text, "kimi_k2", "kimi_k2", KIMI_MARKERS)
     assert r.reasoning == "Let me add 2 and 3.\nThat is 5."
     assert r.content == "The answer is 5."
     assert r.calls == []
@@ -157,7 +158,8 @@ def test_tool_calls_removed_but_not_emitted_when_tools_inactive() -> None:
 
 
 def test_qwen3_detects_opening_think() -> None:
-    r = check_all("<think>\nreason here\n</think>\n\nThe answer.", "qwen3", "hermes", HERMES_MARKERS, prompt_tail="<|im_start|>assistant\n")
+    r = check_all("<think>\nreason here\n</think>\n\nThe answer.", "qwen3", "hermes", HERMES_MARKERS,
+                  prompt_tail="<|im_start|>assistant\n")
     assert (r.reasoning, r.content) == ("reason here\n", "The answer.")
     r = check_all("No thinking here.", "qwen3", "hermes", HERMES_MARKERS, prompt_tail="<|im_start|>assistant\n")
     assert (r.reasoning, r.content) == ("", "No thinking here.")
@@ -167,7 +169,7 @@ def test_qwen3_detects_opening_think() -> None:
 
 def test_deepseek_r1_starts_in_reasoning_with_or_without_tag() -> None:
     for text in ("<think>\nsteps\n</think>\n\nanswer", "steps\n</think>\n\nanswer"):
-        r = check_all(text, "deepseek_r1", None, ["<think>", "</think>"], prompt_tail="<｜Assistant｜>")
+        r = check_all(text, "deepseek_r1", None, ["<think>", "</think>"], prompt_tail="<\uff5cAssistant\uff5c>")
         assert (r.reasoning, r.content) == ("steps\n", "answer")
 
 

@@ -1,0 +1,30 @@
+"""Fixtures shared across test folders.
+
+`tiny_checkpoint(name)`: builds, once per session, the tiny random checkpoint `name` of
+`tests/models/checkpoints.py::VARIANTS` (every supported family and config variant, quantized ones included) and
+returns its `TinyCheckpoint` (folder, and `reference()` for the transformers model it must match).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+try:  # tests/ imported as a package
+    from .models.checkpoints import TinyCheckpoint, build_checkpoint
+except ImportError:  # pytest's default rootdir-less import: tests/ itself is on sys.path
+    from models.checkpoints import TinyCheckpoint, build_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], TinyCheckpoint]:
+    root = tmp_path_factory.mktemp("tiny_checkpoints")
+    built: dict[str, TinyCheckpoint] = {}
+
+    def get(name: str) -> TinyCheckpoint:
+        if name not in built:
+            built[name] = build_checkpoint(name, root)
+        return built[name]
+
+    return get

@@ -1,0 +1,98 @@
+"""Loading through the offline API fails with errors that name the problem."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from .checkpoints import TinyCheckpoint
+from .st_files import read_tensors, write_tensors
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "kimi_k25", "qwen3", "qwen3_moe", "llama", "deepseek_v2")
+
+
+def _llm(path: Path):
+    from reasoning_engine import LLM
+
+    return LLM(str(path), dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def llama(tiny_checkpoint: Callable[[str], TinyCheckpoint], tmp_path: Path) -> Path:
+    """A private copy of the tiny Llama checkpoint to break."""
+    return Path(shutil.copytree(tiny_checkpoint("llama").path, tmp_path / "llama"))
+
+
+def _edit_config(path: Path, **changes: object) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_missing_config(llama: Path) -> None:
+    (llama / "config.json").unlink()
+    with pytest.raises((FileNotFoundError, ValueError), match="config.json"):
+        _llm(llama)
+
+
+def test_missing_weights(llama: Path) -> None:
+    (llama / "model.safetensors").unlink()
+    with pytest.raises((FileNotFoundError, ValueError), match="safetensors"):
+        _llm(llama)
+
+
+def test_index_pointing_at_a_missing_shard(tiny_checkpoint: Callable[[str], TinyCheckpoint], tmp_path: Path) -> None:
+    path = Path(shutil.copytree(tiny_checkpoint("deepseek_v3_sharded").path, tmp_path / "sharded"))
+    (path / "model-00002-of-00004.safetensors").unlink()
+    with pytest.raises((FileNotFoundError, ValueError), match=r"model-00002-of-00004\.safetensors"):
+        _llm(path)
+
+
+def test_unknown_model_type_lists_the_supported_ones(llama: Path) -> None:
+    _edit_config(llama, model_type="mamba9", architectures=["Mamba9ForCausalLM"])
+    with pytest.raises(ValueError, match="mamba9") as err:
+        _llm(llama)
+    missing = [t for t in SUPPORTED_MODEL_TYPES if t not in str(err.value)]
+    assert not missing, f"error does not list {missing}: {err.value}"
+
+
+def test_misshaped_tensor_names_it_and_both_shapes(llama: Path) -> None:
+    tensors = read_tensors(llama)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    assert tensors[name].shape == (64, 64)
+    tensors[name] = torch.zeros(64, 48)
+    write_tensors(llama, tensors)
+    with pytest.raises(ValueError) as err:
+        _llm(llama)
+    message = str(err.value)
+    assert "layers.1.self_attn.o_proj.weight" in message, message
+    assert re.search(r"64, 48", message) and re.search(r"64, 64", message), message
+
+
+def test_missing_tensor_is_named(llama: Path) -> None:
+    tensors = read_tensors(llama)
+    del tensors["model.layers.2.mlp.down_proj.weight"]
+    write_tensors(llama, tensors)
+    with pytest.raises(ValueError, match=r"layers\.2\.mlp\.down_proj"):
+        _llm(llama)
+
+
+def test_unsupported_quantization_method(llama: Path) -> None:
+    _edit_config(llama, quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128})
+    with pytest.raises(ValueError, match="gptq") as err:
+        _llm(llama)
+    assert "compressed-tensors" in str(err.value) and "fp8" in str(err.value), err.value
+
+
+def test_kimi_k25_vision_tower_is_skipped_with_a_log_line(tiny_checkpoint: Callable[[str], TinyCheckpoint], caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="reasoning_engine"):
+        _llm(tiny_checkpoint("kimi_k25").path)
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO and "vision" in r.getMessage().lower()]
+    assert lines, "loading a kimi_k25 checkpoint should say (at INFO or above) that the vision tower is skipped"

@@ -1,0 +1,50 @@
+from reasoning_engine.speculative.index import (SEGMENT_SHIFT, ContextStore, NgramIndex, common_suffix, power,
+                                                prefix_hashes, window_key)
+
+
+def key(tokens, n):
+    prefix = prefix_hashes(tokens)
+    return window_key(prefix, len(tokens), n, power(n))
+
+
+def test_positions_follow_each_ngram_occurrence():
+    index = NgramIndex([1, 2])
+    segment = index.open_segment([5, 6, 5, 6, 7])
+    base = segment << SEGMENT_SHIFT
+    assert index.tables[1][key([5, 6], 2)] == [base | 2, base | 4]
+    assert index.tables[0][key([7], 1)] == base | 5
+    assert index.token_at(base | 2) == 5 and index.token_at(base | 5) is None
+
+
+def test_ngrams_do_not_span_segments_and_drop_restores():
+    index = NgramIndex([1, 2, 3])
+    first = index.add_segment([1, 2, 3])
+    second = index.add_segment([4, 1, 2])
+    assert key([3, 4], 2) not in index.tables[1]
+    assert index.tables[1][key([1, 2], 2)] == [(first << SEGMENT_SHIFT) | 2, (second << SEGMENT_SHIFT) | 3]
+    index.drop_segment(first)
+    assert index.tables[1][key([1, 2], 2)] == [(second << SEGMENT_SHIFT) | 3]
+    index.drop_segment(second)
+    assert index.num_tokens == 0 and all(not table for table in index.tables)
+
+
+def test_window_key_is_position_independent():
+    assert key([9, 1, 2, 3], 3) == key([1, 2, 3], 3) == key([7, 7, 1, 2, 3], 3)
+    assert key([1, 2, 3], 3) != key([1, 2, 4], 3)
+
+
+def test_common_suffix():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 4, 8, 2, 3]
+    assert common_suffix(tokens, 3, 7, 1, 3) == 3
+    assert common_suffix(tokens, 3, 11, 1, 3) == 2
+
+
+def test_context_store_reuses_a_finished_conversation():
+    store = ContextStore([1, 2], reuse_capacity=2)
+    store.start("a", [1, 2, 3])
+    store.sync("a", [1, 2, 3, 4, 5])
+    finished = store.finish("a")
+    reused = store.start("b", [1, 2, 3, 4, 5, 6])
+    assert reused is finished and reused.tokens == [1, 2, 3, 4, 5, 6] and reused.prompt_len == 6
+    fresh = store.start("c", [1, 2, 3, 4, 5, 6])
+    assert fresh is not reused

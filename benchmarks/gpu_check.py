@@ -198,7 +198,7 @@ def bench_attention(device: str) -> list[KernelRow]:
         batch, nblocks = _paged_batch(ctx_lens, q_lens, bs, device)
         k = torch.randn(nblocks, bs, kv_heads, head_dim, device=device, dtype=bf16)
         v = torch.randn_like(k)
-        q = torch.randn(sum(q_lens), heads, head_dim, device=device, dtype=bf16)
+        q = torch.randn(batch.num_tokens, heads, head_dim, device=device, dtype=bf16)
         meta = triton_attention.prepare_triton_attention(batch, bs)
         tmeta = attention.prepare_torch_attention(batch, bs)
         row.agreement = _rel(triton_attention.paged_attention(q, k, v, batch, meta, 0.088), attention.paged_attention(q, k, v, batch, tmeta, 0.088))
@@ -447,21 +447,27 @@ def write_random_checkpoint(path: Path, config: dict[str, Any], quant: str | Non
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def bench_end_to_end(
     model_dir: str | os.PathLike,
     batch_sizes: tuple[int, ...] = (1, 8, 64),
     prompt_len: int = 32,
     output_len: int = 64,
     kernel_backend: str = "triton",
+    dtype: str = "bfloat16",
     **llm_kwargs: Any,
 ) -> list[dict[str, Any]]:
-    """Decode tokens/s of `reasoning_engine.LLM(model_dir, dtype="bfloat16", kernel_backend=...)` at each batch size:
+    """Decode tokens/s of `reasoning_engine.LLM(model_dir, dtype=dtype, kernel_backend=...)` at each batch size:
     (time of a run generating output_len tokens - time of a run generating 1) over batch * (output_len - 1), so the
     prefill and request setup cancel. Prompts are random token ids; EOS is ignored. Extra keyword arguments go to LLM
     (e.g. a switch for CUDA graphs)."""
     from reasoning_engine import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), dtype="bfloat16", kernel_backend=kernel_backend, **llm_kwargs)
+    llm = LLM(str(model_dir), dtype=dtype, kernel_backend=kernel_backend, **llm_kwargs)
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     results = []
     for batch in batch_sizes:
@@ -469,10 +475,10 @@ def bench_end_to_end(
 
         def timed(max_tokens: int) -> float:
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-            torch.cuda.synchronize()
+            _sync()
             start = time.perf_counter()
             llm.generate(prompts, params)
-            torch.cuda.synchronize()
+            _sync()
             return time.perf_counter() - start
 
         timed(4)  # warm-up: compilation, graph capture, allocator
@@ -504,7 +510,7 @@ def bench_transformers_generate(model_dir: str | os.PathLike, prompt_len: int = 
     return rate
 
 
-def run_end_to_end(ceil: Ceilings, model_dir: str | None, work: Path) -> list[str]:
+def run_end_to_end(ceil: Ceilings, model_dir: str | None, work: Path, num_layers: int) -> list[str]:
     """Markdown lines: bf16 and INT4-expert models, with CUDA graphs (engine default) and without (enforce_eager)."""
     lines = ["| model | CUDA graphs | batch | decode tok/s | step ms | batch-1 roofline tok/s | % of roofline |", "|---|---|---|---|---|---|---|"]
     variants = [("bf16", None), ("int4 experts", "w4a16")] if model_dir is None else [("given", None)]
@@ -512,7 +518,7 @@ def run_end_to_end(ceil: Ceilings, model_dir: str | None, work: Path) -> list[st
     for label, quant in variants:
         path = Path(model_dir) if model_dir else work / f"moonlight-{label.replace(' ', '-')}"
         if model_dir is None:
-            write_random_checkpoint(path, MOONLIGHT_CONFIG, quant)
+            write_random_checkpoint(path, dict(MOONLIGHT_CONFIG, num_hidden_layers=num_layers), quant)
         config = json.loads((path / "config.json").read_text())
         roof = ceil.copy_bytes_per_s / active_weight_bytes_per_token(config, 0.5 + 2 / 32 if quant else 2.0)
         for graphs, kwargs in (("on", {}), ("off", {"enforce_eager": True})):
@@ -565,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-tests", action="store_true", help="do not run tests/kernels on the GPU")
     parser.add_argument("--skip-e2e", action="store_true", help="do not time end-to-end decode")
     parser.add_argument("--model-dir", default=None, help="time this checkpoint end to end instead of random Moonlight-shaped ones")
+    parser.add_argument("--e2e-layers", type=int, default=MOONLIGHT_CONFIG["num_hidden_layers"],
+                        help="layers of the random Moonlight-shaped models (fewer: less checkpoint writing and loading)")
     parser.add_argument("--results-dir", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -600,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_e2e:
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                report += ["## End-to-end decode (random Moonlight-16B-A3B-shaped deepseek_v3)", "", *run_end_to_end(ceil, args.model_dir, Path(tmp)), ""]
+                report += ["## End-to-end decode (random Moonlight-16B-A3B-shaped deepseek_v3)", "", *run_end_to_end(ceil, args.model_dir, Path(tmp), args.e2e_layers), ""]
             except Exception as exc:
                 report += ["## End-to-end decode", "", f"not run: {type(exc).__name__}: {str(exc)[:300]}", ""]
     report.append(f"total wall time {time.perf_counter() - started:.0f} s")

@@ -9,6 +9,7 @@ from typing import Callable
 
 _MODULES = [
     "reasoning_engine.generate_cli",
+    "reasoning_engine.bench.cli",
 ]
 
 

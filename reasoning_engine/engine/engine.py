@@ -20,6 +20,7 @@ from reasoning_engine.engine.scheduler import Scheduler
 from reasoning_engine.models.registry import build_model
 from reasoning_engine.outputs import CompletionOutput, RequestOutput
 from reasoning_engine.sampling_params import SamplingParams
+from reasoning_engine.speculative.decoder import SpeculativeConfig, SpeculativeDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class LLMEngine:
         self.model_config.think_end_token_id = self.think_end_id
         self.num_preemptions = 0
         self._ids = itertools.count()
+        self.spec = SpeculativeDecoder(SpeculativeConfig.from_dict(config.speculative_config)) if config.speculative_config else None
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -116,6 +118,8 @@ class LLMEngine:
                               prompt_token_ids=token_ids, params=params, eos_token_ids=self.eos_token_ids,
                               arrival_time=arrival, thinking=thinking, capture_logits=capture_logits)
             group.append(request)
+            if self.spec is not None:
+                self.spec.start(request.seq_id, token_ids)
             self.detokenizers[request.seq_id] = IncrementalDetokenizer(
                 self.tokenizer, token_ids, params.skip_special_tokens, params.stop_strings, params.include_stop_str_in_output)
             self.scheduler.add(request)
@@ -153,6 +157,8 @@ class LLMEngine:
             if not request.is_finished:
                 self.scheduler.finish(request)
                 request.finish_reason = "abort"
+                if self.spec is not None:
+                    self.spec.finish(request.seq_id, learn=False)
             self.detokenizers.pop(request.seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -174,7 +180,29 @@ class LLMEngine:
                 request.metrics.first_scheduled_time = now
             self._postprocess(request, item.num_tokens, result)
             touched[request.group_id] = None
+        if self.spec is not None:
+            self._propose_drafts()
         return [self._output(group_id) for group_id in touched if group_id in self.groups]
+
+    def _propose_drafts(self) -> None:
+        """Give each decoding request a draft for the next step, unless the batch is too large to gain from it."""
+        running = self.scheduler.running
+        if len(running) > self.spec.config.max_batch_size:
+            for request in running:
+                request.draft = None
+            return
+        for request in running:
+            request.draft = None
+            if request.is_prefilling or request.params.prompt_logprobs is not None:
+                continue
+            limit = self.config.max_model_len - request.num_tokens - 1
+            if request.params.max_tokens is not None:
+                limit = min(limit, request.params.max_tokens - len(request.output_token_ids) - 1)
+            budget = request.params.thinking_token_budget
+            if budget is not None and request.thinking:
+                limit = min(limit, budget - request.thinking_tokens - 1)  # the forced </think> is never drafted over
+            draft = self.spec.propose(request.seq_id, request.all_token_ids, limit)
+            request.draft = draft if len(draft) else None
 
     def _budget_spent(self, request: Request) -> bool:
         budget = request.params.thinking_token_budget
@@ -183,30 +211,53 @@ class LLMEngine:
     def _postprocess(self, request: Request, num_tokens: int, result: StepResult) -> None:
         blocks_before = request.num_computed_tokens // self.config.block_size
         was_prefilling = request.num_computed_tokens < request.num_prompt_tokens
-        request.num_computed_tokens += num_tokens
+        if result.accepted_nodes is not None:
+            self._keep_accepted(request, result.accepted_nodes)
+        else:
+            request.num_computed_tokens += num_tokens
         if result.prompt_logprobs is not None:
             if request.prompt_logprobs is None:
                 request.prompt_logprobs = [None]
             request.prompt_logprobs.extend(result.prompt_logprobs)
-        if result.token_id is None:
+        if not result.token_ids:
             self.block_manager.cache_full_blocks(request, blocks_before)
             return
         if was_prefilling and request.index == 0:
             self.scheduler.prompt_done(request)
         if result.logits is not None:
             request.captured_logits = result.logits
-        self._append_token(request, result)
+        for i, token in enumerate(result.token_ids):
+            self._append_token(request, token, result.logprob_values[i], result.logprobs[i])
+            if request.is_finished:
+                break
         self.block_manager.cache_full_blocks(request, blocks_before)
         if request.is_finished:
             self.scheduler.finish(request)
+            if self.spec is not None:
+                self.spec.finish(request.seq_id, learn=True)
 
-    def _append_token(self, request: Request, result: StepResult) -> None:
-        token = result.token_id
+    def _keep_accepted(self, request: Request, accepted: list[int]) -> None:
+        """After verification: the root and the accepted draft nodes hold valid K/V; move tree nodes that are not
+        already in place to consecutive slots, then give back blocks that only held rejected nodes."""
+        draft, root = request.draft, request.num_computed_tokens
+        moves = [(root + 1 + node, root + 1 + i) for i, node in enumerate(accepted) if node != i]
+        if moves:
+            self.runner.move_kv(request.block_table, moves)
+        request.num_computed_tokens = root + 1 + len(accepted)
+        self.block_manager.truncate(request, request.num_computed_tokens)
+        if self.spec is not None:
+            new_tokens = [draft.token_ids[n] for n in accepted]
+            self.spec.record(request.seq_id, draft, accepted, new_tokens)
+            request.spec_draft_tokens += len(draft)
+            request.spec_accepted_tokens += len(accepted)
+        request.draft = None
+
+    def _append_token(self, request: Request, token: int, logprob: float, logprobs: dict | None) -> None:
         now = time.monotonic()
         request.output_token_ids.append(token)
-        request.cumulative_logprob += result.logprob
-        if request.logprobs is not None and result.logprobs is not None:
-            request.logprobs.append(result.logprobs)
+        request.cumulative_logprob += logprob
+        if request.logprobs is not None and logprobs is not None:
+            request.logprobs.append(logprobs)
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         request.metrics.last_token_time = now
@@ -270,7 +321,8 @@ class LLMEngine:
         return EngineStats(
             num_requests_running=len(self.scheduler.running), num_requests_waiting=len(self.scheduler.waiting),
             kv_cache_usage=bm.usage, free_blocks=bm.num_free_blocks, total_blocks=bm.num_blocks,
-            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits, num_preemptions=self.num_preemptions)
+            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits, num_preemptions=self.num_preemptions,
+            spec_decode=self.spec.stats.as_dict(self.spec.config.method) if self.spec is not None else {})
 
 
 def default_device() -> torch.device:

@@ -10,6 +10,7 @@ import torch
 
 from reasoning_engine.outputs import Logprob, RequestMetrics
 from reasoning_engine.sampling_params import SamplingParams
+from reasoning_engine.speculative.draft import Draft
 
 
 class RequestStatus(enum.Enum):
@@ -45,7 +46,7 @@ class Request:
     generator: torch.Generator | None = None
     thinking: bool = False  # inside a <think> section: counts against thinking_token_budget
     thinking_tokens: int = 0
-    draft_token_ids: list[int] = field(default_factory=list)
+    draft: Draft | None = None  # speculative tokens to verify in the next step
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     capture_logits: bool = False

@@ -57,12 +57,11 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            draft = len(request.draft_token_ids)
+            draft = len(request.draft) if request.draft is not None else 0
             num_tokens = request.num_tokens - request.num_computed_tokens + draft
             if num_tokens > budget:
                 num_tokens, draft = (budget, 0) if request.is_prefilling else (1, 0)
-                if num_tokens > budget:
-                    break
+                request.draft = None
             if not self._reserve(request, num_tokens, out):
                 continue
             out.scheduled.append(ScheduledRequest(request, num_tokens, draft))
@@ -105,7 +104,7 @@ class Scheduler:
         self.blocks.free(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
-        request.draft_token_ids = []
+        request.draft = None
         # back to the waiting queue in arrival order, ahead of everything that arrived later
         index = 0
         while index < len(self.waiting) and self.waiting[index].arrival_time <= request.arrival_time:

@@ -43,13 +43,13 @@ def _router_kernel(
     best_idx = tl.min(tl.where(member & (in_group == best[None, :]), e[:, None], BLOCK_E), axis=0)
     second = tl.max(tl.where(e[:, None] == best_idx[None, :], float("-inf"), in_group), axis=0)
     group_score = tl.where(g < N_GROUP, best + second, float("-inf"))
-    kept = tl.zeros([BLOCK_G], tl.int1)
+    kept = tl.zeros([BLOCK_G], tl.int32)
     for _ in tl.static_range(TOPK_GROUP):
         top = tl.max(group_score, axis=0)
         pick = tl.min(tl.where(group_score == top, g, BLOCK_G), axis=0)
-        kept = kept | (g == pick)
+        kept = tl.where(g == pick, 1, kept)
         group_score = tl.where(g == pick, float("-inf"), group_score)
-    eligible = tl.max(tl.where(member & kept[None, :], 1, 0), axis=1) > 0
+    eligible = tl.max(tl.where(member & (kept[None, :] != 0), 1, 0), axis=1) > 0
     choice = tl.where(eligible, biased, float("-inf"))
     ks = tl.arange(0, BLOCK_K)
     ids = tl.zeros([BLOCK_K], tl.int32)

@@ -100,8 +100,9 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        raw_logprobs = logits.log_softmax(dim=-1)
+    @staticmethod
+    def process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Logits after penalties and min_tokens masking: what greedy decoding takes the argmax of."""
         if meta.presence is not None:
             logits = apply_penalties(logits, meta)
         if meta.banned is not None:
@@ -109,6 +110,19 @@ class Sampler:
             for row, banned in enumerate(meta.banned):
                 if banned:
                     logits[row, banned] = float("-inf")
+        return logits
+
+    @staticmethod
+    def probabilities(processed: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The distribution a row samples from: temperature, then top-k / top-p / min-p."""
+        scaled = processed / meta.temperature.clamp_min(1e-5).unsqueeze(1)
+        if meta.needs_filters:
+            scaled = filter_logits(scaled, meta.top_k, meta.top_p, meta.min_p)
+        return scaled.softmax(dim=-1)
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        raw_logprobs = logits.log_softmax(dim=-1)
+        logits = self.process(logits, meta)
         if meta.all_greedy:
             token_ids = logits.argmax(dim=-1).tolist()
         else:
@@ -121,10 +135,7 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, meta: SamplingMetadata) -> list[int]:
         greedy_ids = logits.argmax(dim=-1)
-        scaled = logits / meta.temperature.clamp_min(1e-5).unsqueeze(1)
-        if meta.needs_filters:
-            scaled = filter_logits(scaled, meta.top_k, meta.top_p, meta.min_p)
-        probs = scaled.softmax(dim=-1)
+        probs = self.probabilities(logits, meta)
         noise = torch.empty_like(probs).exponential_(generator=self.generator) if probs.device.type == "cpu" else torch.empty_like(probs).exponential_()
         for row, generator in enumerate(meta.generators):
             if generator is not None and not meta.greedy[row]:

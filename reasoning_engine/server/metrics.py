@@ -91,6 +91,9 @@ class ServerMetrics:
                                "Arrival to the first answer token after the thinking.", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between generated tokens.", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token.", _E2E_BUCKETS)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.reasoning_tokens, self.ttft, self.ttfat,
+                       self.itl, self.e2e):
+            metric.labels(model_name)  # every series exists from the start, at zero
         reg.register(_EngineCollector(stats, model_name))
 
     def render(self) -> bytes:

@@ -9,14 +9,17 @@ count ratio the share of occurrences it keeps.
 
 Drafting, per step:
 - match: in each store (request, global), the longest indexed order n whose last-n-token pattern occurred before, with
-  its `max_occurrences` most recent occurrences;
-- score: a child's acceptance probability is its count ratio times a rate learned online for its store and its effective
-  match length (n plus its depth: every drafted token the target accepts lengthens the match). Replays show acceptance
-  climbing from about one half at a one-token match to above 0.9 past 16 tokens, so this is what makes the draft length
-  adapt to the match length: long matches grow deep chains, short ones stay shallow and spend the budget on siblings;
-- grow: one best-first expansion over both stores by path probability (product of those probabilities), children whose
-  count ratio is below `min_token_prob` pruned, at most the draft budget nodes; a child both stores propose is one node.
-  A path draft (tree=False) follows only the most probable child.
+  its `max_occurrences` most recent occurrences. Each store also seeds a backoff candidate from the next shorter order
+  that occurred (alternatives when the long pattern has few occurrences), and the request store one more: the single
+  occurrence with the exact longest match, which is what plain lookup would follow;
+- score: a child's acceptance probability is its count ratio times a rate learned online for its source, its effective
+  match length (n plus its depth: every drafted token the target accepts lengthens the match) and its support (how many
+  occurrences the ratio rests on). Replays show acceptance climbing from about one half at a one-token match to above
+  0.9 past 16 tokens, so this is what makes the draft length adapt to the match length: long matches grow deep chains,
+  short ones stay shallow and spend the budget on siblings;
+- grow: one best-first expansion over all sources by path probability (product of those probabilities), children whose
+  count ratio is below `min_token_prob` pruned, at most the draft budget nodes; a child that several sources propose is
+  one node. A path draft (tree=False) follows only the most probable child.
 
 The rates learn from what the target accepted: the next `on_tokens_accepted` (or `propose`, which catches up from the
 full sequence) compares the new tokens with the request's last draft. The global store keeps the last
@@ -43,8 +46,9 @@ from reasoning_engine.speculative.index import (OFFSET_MASK, SEGMENT_SHIFT, Cont
                                                 window_key)
 
 STATE_FORMAT = 1
-LOCAL, GLOBAL, LONGEST, LOCAL_LOW, GLOBAL_LOW = 0, 1, 2, 3, 4
-STORES = (LOCAL, GLOBAL, LONGEST, LOCAL_LOW, GLOBAL_LOW)
+# The candidate sources a draft grows from; each has its own acceptance rates.
+LOCAL, LONGEST, LOCAL_BACKOFF, GLOBAL, GLOBAL_BACKOFF = range(5)
+STORES = (LOCAL, LONGEST, LOCAL_BACKOFF, GLOBAL, GLOBAL_BACKOFF)
 LONGEST_CAP = 256
 LONGEST_SCAN = 16
 
@@ -53,13 +57,13 @@ LONGEST_SCAN = 16
 class SuffixConfig:
     orders: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
     max_occurrences: int = 64
-    min_token_prob: float = 0.1
+    min_token_prob: float = 0.05
     tree: bool = True
     global_max_tokens: int = 1_000_000
     prompt_tail: int = 8
     reuse_capacity: int = 8
     prior_strength: float = 20.0
-    low_levels: int = 1
+    backoff: bool = True
 
     def __post_init__(self) -> None:
         if not self.orders or min(self.orders) < 1:
@@ -70,6 +74,11 @@ class SuffixConfig:
             raise ValueError(f"min_token_prob must be in [0, 1], got {self.min_token_prob}")
         if self.global_max_tokens < 0 or self.prompt_tail < 0 or self.reuse_capacity < 0 or self.prior_strength < 0:
             raise ValueError("global_max_tokens, prompt_tail, reuse_capacity and prior_strength must be >= 0")
+
+
+def _log2_buckets(count: int) -> list[int]:
+    """bucket[v] = floor(log2(v)) for v in 1 .. 2 ** (count - 1); values past the end share the last bucket."""
+    return [max(v, 1).bit_length() - 1 for v in range(1 << (count - 1))] + [count - 1]
 
 
 class AcceptanceModel:
@@ -84,6 +93,9 @@ class AcceptanceModel:
     MATCH_BUCKETS = 8
     SUPPORT_BUCKETS = 4
     MAX_RATE = 0.99
+    # log2 buckets, precomputed: the cell is looked up for every expanded draft node.
+    MATCH_BUCKET = _log2_buckets(MATCH_BUCKETS)
+    SUPPORT_BUCKET = _log2_buckets(SUPPORT_BUCKETS)
 
     def __init__(self, prior_strength: float) -> None:
         self.prior_strength = prior_strength
@@ -95,8 +107,8 @@ class AcceptanceModel:
 
     @classmethod
     def cell(cls, store: int, match_len: int, support: int) -> int:
-        match_bucket = min(match_len.bit_length() - 1, cls.MATCH_BUCKETS - 1) if match_len > 0 else 0
-        support_bucket = min(support.bit_length() - 1, cls.SUPPORT_BUCKETS - 1) if support > 0 else 0
+        match_bucket = cls.MATCH_BUCKET[min(match_len, len(cls.MATCH_BUCKET) - 1)]
+        support_bucket = cls.SUPPORT_BUCKET[min(support, len(cls.SUPPORT_BUCKET) - 1)]
         return (store * cls.SUPPORT_BUCKETS + support_bucket) * cls.MATCH_BUCKETS + match_bucket
 
     def observe(self, cell: int, ratio: float, accepted: bool) -> None:
@@ -183,23 +195,25 @@ class SuffixProposer:
             return Draft.empty()
         end = len(context.tokens)
         roots = []
-        for store, index in ((LOCAL, context.index), (GLOBAL, self.global_index)):
-            level, occurrences = self._match(index, context.prefix, end, store == LOCAL, len(index.orders) - 1)
-            if occurrences:
-                roots.append((store, index.segments, index.orders[level], occurrences))
-                if store == LOCAL:
-                    roots.append(self._longest(context.index, context.tokens, level, occurrences))
-                if level > 0 and self.config.low_levels:
-                    low, low_occ = self._match(index, context.prefix, end, store == LOCAL, level - self.config.low_levels)
-                    if low_occ:
-                        roots.append((LOCAL_LOW if store == LOCAL else GLOBAL_LOW, index.segments, index.orders[low], low_occ))
+        for index, local in ((context.index, True), (self.global_index, False)):
+            level, occurrences = self._match(index, context.prefix, end, local, len(index.orders) - 1)
+            if not occurrences:
+                continue
+            roots.append((LOCAL if local else GLOBAL, index.segments, index.orders[level], occurrences))
+            if local:
+                roots.append(self._longest(index, context.tokens, level, occurrences))
+            if self.config.backoff and level > 0:
+                lower, more = self._match(index, context.prefix, end, local, level - 1)
+                if more:
+                    roots.append((LOCAL_BACKOFF if local else GLOBAL_BACKOFF, index.segments, index.orders[lower], more))
         draft, meta = self._grow(roots, max_draft_tokens)
         if len(draft):
             self._pending[request_id] = (draft, meta)
         return draft
 
     def _match(self, index: NgramIndex, prefix: list[int], end: int, local: bool, top: int) -> tuple[int, list[int]]:
-        """The longest order (its index) whose last-n-token pattern occurred before, and its most recent occurrences."""
+        """The longest order (its index, at most `top`) whose last-n-token pattern occurred before, with its most recent
+        occurrences."""
         limit = self.config.max_occurrences
         for i in range(top, -1, -1):
             n = index.orders[i]
@@ -233,32 +247,46 @@ class SuffixProposer:
 
     def _grow(self, roots: list[tuple[int, dict[int, list[int]], int, list[int]]],
               budget: int) -> tuple[Draft, list[tuple[int, float]]]:
-        """Best-first expansion of the matched implicit suffix-tree nodes of both stores into one draft tree."""
+        """Best-first expansion of the matched implicit suffix-tree nodes of every source into one draft tree."""
         min_ratio = self.config.min_token_prob
         tree = self.config.tree
         rates = self.model.rates
-        cell_of = AcceptanceModel.cell
+        match_bucket, support_bucket = AcceptanceModel.MATCH_BUCKET, AcceptanceModel.SUPPORT_BUCKET
+        max_match, max_support = len(match_bucket) - 1, len(support_bucket) - 1
         tokens: list[int] = []
         parents: list[int] = []
         meta: list[tuple[int, float]] = []
         nodes: dict[tuple[int, int], int] = {}
         score = 0.0
-        heap: list[tuple[float, int, int, int, dict[int, list[int]], list[int], int, int, int, float]] = []
+        heap: list[tuple[float, int, int, int, dict[int, list[int]], list[int], int, int, int, int, float]] = []
         tie = itertools.count()  # equal probabilities: the earlier-found candidate first
 
         def expand(node: int, store: int, segments: dict[int, list[int]], positions: list[int], depth: int,
                    order: int, prob: float) -> None:
-            groups = _group_next(segments, positions)
-            total = sum(len(g) for g in groups.values())
-            children = sorted(groups.items(), key=lambda item: -len(item[1]))
-            cell = cell_of(store, order + depth, total)
+            if len(positions) == 1:  # a single occurrence: its next token, if any, with count ratio 1
+                pos = positions[0]
+                seg = segments[pos >> SEGMENT_SHIFT]
+                offset = pos & OFFSET_MASK
+                if offset >= len(seg):
+                    return
+                children: Any = ((seg[offset], [pos + 1]),)
+                total = 1
+            else:
+                groups = _group_next(segments, positions)
+                total = sum(len(g) for g in groups.values())
+                children = sorted(groups.items(), key=_group_size, reverse=True) if len(groups) > 1 else groups.items()
+            match_len = order + depth
+            cell = ((store * AcceptanceModel.SUPPORT_BUCKETS + support_bucket[min(total, max_support)])
+                    * AcceptanceModel.MATCH_BUCKETS + match_bucket[min(match_len, max_match)])
             rate = rates[cell]
-            for token, group in children if tree else children[:1]:
+            for token, group in children:
                 ratio = len(group) / total
                 if ratio < min_ratio:
                     break
                 heapq.heappush(heap, (-prob * ratio * rate, next(tie), node, token, segments, group, depth + 1, order,
                                       store, cell, ratio))
+                if not tree:
+                    break
 
         for store, segments, order, occurrences in roots:
             expand(-1, store, segments, occurrences, 0, order, 1.0)
@@ -274,7 +302,8 @@ class SuffixProposer:
                 parents.append(parent)
                 meta.append((cell, ratio))
                 score -= neg_prob
-            expand(node, store, segments, group, depth, order, -neg_prob)
+            if len(tokens) < budget:
+                expand(node, store, segments, group, depth, order, -neg_prob)
         return Draft(tokens, parents, score), meta
 
     # -- persistence -------------------------------------------------------------------------------------------------
@@ -315,6 +344,10 @@ class SuffixProposer:
     @property
     def global_tokens(self) -> int:
         return self.global_index.num_tokens
+
+
+def _group_size(item: tuple[int, list[int]]) -> int:
+    return len(item[1])
 
 
 def _group_next(segments: dict[int, list[int]], positions: list[int]) -> dict[int, list[int]]:

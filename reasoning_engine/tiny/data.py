@@ -395,7 +395,7 @@ def decorate(sample: Sample, rng: random.Random) -> Sample:
     """Training-only variety: thinking off, a system prompt, the tool offered to other tasks, an earlier exchange."""
     if sample.task not in ("calculator", "calculator_result", "no_calculator") and rng.random() < 0.08:
         sample.tools = _tool_list(rng)
-    if sample.task != "calculator_result" and rng.random() < 0.18:
+    if sample.task != "calculator_result" and rng.random() < 0.12:
         sample.thinking = False
     if rng.random() < 0.05:
         prev = GENERATORS[rng.choice(["addition", "subtraction", "multiplication", "sorting", "letters",

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from reasoning_engine import LLM, SamplingParams
-from tests.engine.conftest import mixed_prompts
+from char_models import mixed_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

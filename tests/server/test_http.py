@@ -499,8 +499,9 @@ def test_chat_client_streams_thinking_dimmed_and_passes_it_back(fake_server: Any
                          "tool_calls": [{"id": "functions.calculator:0", "type": "function",
                                          "function": {"name": "calculator", "arguments": json.dumps(CALC)}}]}
         session.send("And again?")
-    styled = console.export_text(styles=True)
+    styled = console.export_text(styles=True, clear=False)
     assert "\x1b[2;3mA" in styled and "\x1b[2;3mIt" not in styled, "the thinking is dim italic, the answer plain"
-    assert "It is 5." in console.export_text() and "[tool call] calculator" in console.export_text()
+    plain = console.export_text()
+    assert "It is 5." in plain and "[tool call] calculator" in plain
     second_prompt = engine.tokenizer.decode(engine.calls[-1][0], skip_special_tokens=False)
     assert "<think>Add them.</think>It is 5.<|tool_calls_section_begin|>" in second_prompt

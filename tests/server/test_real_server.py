@@ -1,8 +1,8 @@
 """The real server with the real engine on loopback, through the real openai client and httpx.
 
-The model is the bundled tiny reasoning model when its files are present, else a tiny random llama speaking
-through a Kimi-format tokenizer; tests that need the model to answer correctly (the calculator call) run only with
-the bundled model. Greedy decoding everywhere, small max_tokens.
+The model is $SERVER_TEST_MODEL when set (any Kimi-format checkpoint folder), else the bundled tiny reasoning model
+when its files are present, else a tiny random llama speaking through a Kimi-format tokenizer; tests that need the
+model to answer correctly (the calculator call) run only with the bundled model. Greedy decoding, small max_tokens.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ needs_bundled = pytest.mark.skipif(BUNDLED is None, reason="the bundled tiny mod
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if os.environ.get("SERVER_TEST_MODEL"):
+        return Path(os.environ["SERVER_TEST_MODEL"])
     return BUNDLED or save_random_checkpoint(tmp_path_factory.mktemp("random_kimi_llama"))
 
 
@@ -185,7 +187,7 @@ def test_user_errors_with_the_real_engine(server: LiveServer, model_name: str) -
                           timeout=60)
 
     for body, param in [({"max_tokens": 5000}, "max_tokens"), ({"temperature": -1}, "temperature"),
-                        ({"messages": [{"role": "user", "content": "x " * 700}]}, "messages"),
+                        ({"messages": [{"role": "user", "content": "7" * 2000}]}, "messages"),
                         ({"n": 0}, "n"), ({"tool_choice": "maybe", "tools": []}, "tool_choice")]:
         response = post(body)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, (body, response.text)

@@ -1,11 +1,10 @@
-"""Tiny random checkpoints with a character tokenizer, shared by the engine tests."""
+"""Tiny random checkpoints with a character tokenizer, for the engine, speculative and server tests."""
 
 from __future__ import annotations
 
 import string
 from pathlib import Path
 
-import pytest
 import torch
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<think>", "</think>"]
@@ -26,7 +25,7 @@ def save_char_tokenizer(folder: Path) -> None:
     fast.save_pretrained(folder)
 
 
-def _llama(folder: Path, seed: int) -> Path:
+def build_llama(folder: Path, seed: int) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -41,7 +40,7 @@ def _llama(folder: Path, seed: int) -> Path:
     return folder
 
 
-def _deepseek(folder: Path, seed: int) -> Path:
+def build_deepseek(folder: Path, seed: int) -> Path:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(seed)
@@ -56,16 +55,6 @@ def _deepseek(folder: Path, seed: int) -> Path:
     model.save_pretrained(folder)
     save_char_tokenizer(folder)
     return folder
-
-
-@pytest.fixture(scope="session")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _llama(tmp_path_factory.mktemp("tiny_llama"), seed=0)
-
-
-@pytest.fixture(scope="session")
-def deepseek_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _deepseek(tmp_path_factory.mktemp("tiny_deepseek"), seed=1)
 
 
 def mixed_prompts(count: int, seed: int = 0, low: int = 3, high: int = 60) -> list[list[int]]:

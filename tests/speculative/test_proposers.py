@@ -1,0 +1,158 @@
+import random
+
+import pytest
+
+from reasoning_engine.speculative import (LookupProposer, NgramProposer, Proposer, SuffixConfig, SuffixProposer,
+                                          build_proposer)
+
+
+def propose_once(proposer, prompt, k):
+    proposer.start_request("r", prompt)
+    draft = proposer.propose("r", prompt, k)
+    proposer.finish_request("r", learn=False)
+    return draft
+
+
+def test_all_methods_satisfy_the_protocol():
+    for method in ("ngram", "lookup", "suffix"):
+        proposer = build_proposer({"method": method, "num_speculative_tokens": 4})
+        assert isinstance(proposer, Proposer) and proposer.method == method
+    with pytest.raises(ValueError):
+        build_proposer({"method": "medusa"})
+    assert build_proposer({"method": "ngram", "prompt_lookup_max": 3, "prompt_lookup_min": 2}).contexts.orders == (2, 3)
+
+
+def test_ngram_prefers_the_longest_n_and_the_latest_occurrence():
+    # "7 8" occurs twice (followed by 1 then 2); "6 7 8" once (followed by 3): n=3 wins.
+    prompt = [7, 8, 1, 6, 7, 8, 3, 4, 7, 8, 2, 5, 6, 7, 8]
+    assert propose_once(NgramProposer(max_n=3, min_n=1), prompt, 3).token_ids == [3, 4, 7]
+    # With max_n=2 the latest "7 8" (followed by 2 5) wins.
+    assert propose_once(NgramProposer(max_n=2, min_n=1), prompt, 2).token_ids == [2, 5]
+    assert propose_once(NgramProposer(max_n=2, min_n=2), [1, 2, 3], 4).token_ids == []
+
+
+def test_lookup_finds_the_exact_longest_match():
+    # Suffix "9 1 2 3 4 5" (6 tokens) occurred once, long ago; "3 4 5" also occurs later, followed by 0.
+    prompt = [9, 1, 2, 3, 4, 5, 60, 61, 8, 3, 4, 5, 0, 0, 7, 9, 1, 2, 3, 4, 5]
+    assert propose_once(LookupProposer(), prompt, 3).token_ids == [60, 61, 8]
+    # Orders 1, 2, 4: the 6-token match sits between indexed orders and is still found exactly.
+    assert propose_once(LookupProposer(max_match=4), prompt, 2).token_ids == [60, 61]
+    assert propose_once(LookupProposer(), [1, 2, 3], 4).token_ids == []
+
+
+def test_ngram_and_lookup_follow_the_growing_output():
+    for proposer in (NgramProposer(), LookupProposer()):
+        proposer.start_request("r", [1, 2, 3, 4, 5])
+        assert proposer.propose("r", [1, 2, 3, 4, 5], 4).token_ids == []
+        proposer.on_tokens_accepted("r", [1, 2])
+        assert proposer.propose("r", [1, 2, 3, 4, 5, 1, 2], 3).token_ids == [3, 4, 5]
+        # Catch-up from the full sequence without on_tokens_accepted.
+        assert proposer.propose("r", [1, 2, 3, 4, 5, 1, 2, 3], 2).token_ids == [4, 5]
+        proposer.finish_request("r")
+
+
+def test_suffix_proposes_from_the_request_itself():
+    proposer = SuffixProposer()
+    prompt = [50, 51, 52, 53, 54, 55, 56, 57, 1, 2, 3]
+    proposer.start_request("r", prompt + [50, 51])
+    draft = proposer.propose("r", prompt + [50, 51], 4)
+    assert draft.match([52, 53, 54, 55]) == draft.path_to(draft.match([52, 53, 54, 55])[-1])
+    assert len(draft.match([52, 53, 54, 55])) == 4
+
+
+def test_suffix_learns_finished_outputs_into_the_global_store():
+    proposer = SuffixProposer()
+    output = [20, 21, 22, 23, 24, 25, 26, 27, 28]
+    proposer.start_request("a", [1, 2, 3])
+    proposer.on_tokens_accepted("a", output)
+    proposer.finish_request("a")
+    assert proposer.global_tokens == 3 + len(output)  # the prompt tail (3 < prompt_tail) plus the output
+    proposer.start_request("b", [9, 9, 1, 2, 3])
+    draft = proposer.propose("b", [9, 9, 1, 2, 3], 5)
+    assert draft.is_path() and draft.token_ids == [20, 21, 22, 23, 24]
+    proposer.finish_request("b", learn=False)
+    assert proposer.global_tokens == 12
+
+
+def test_suffix_scores_candidates_by_frequency():
+    proposer = SuffixProposer(SuffixConfig(tree=False))
+    for i, follow in enumerate([7, 8, 7, 7]):
+        proposer.learn([1, 2, 3, follow, 40 + i])
+    assert propose_once(proposer, [5, 2, 3], 1).token_ids == [7]
+    tree = SuffixProposer(SuffixConfig(tree=True))
+    for i, follow in enumerate([7, 8, 7, 7]):
+        tree.learn([1, 2, 3, follow, 40 + i])
+    draft = propose_once(tree, [5, 2, 3], 2)
+    assert sorted(draft.token_ids) == [7, 8] and draft.parents == [-1, -1] and draft.token_ids[0] == 7
+
+
+def _random_workload(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    phrases = [[rng.randrange(30) for _ in range(rng.randrange(3, 12))] for _ in range(8)]
+    return [[t for _ in range(rng.randrange(3, 8)) for t in rng.choice(phrases)] for _ in range(n)]
+
+
+@pytest.mark.parametrize("tree", [True, False])
+def test_suffix_drafts_respect_the_budget(tree):
+    proposer = SuffixProposer(SuffixConfig(tree=tree, min_token_prob=0.0))
+    for sequence in _random_workload(0, 30):
+        proposer.learn(sequence)
+    for i, sequence in enumerate(_random_workload(1, 10)):
+        proposer.start_request(str(i), sequence[:5])
+        for cut in range(5, len(sequence)):
+            for k in (1, 2, 3, 5, 8, 16):
+                draft = proposer.propose(str(i), sequence[:cut], k)
+                assert len(draft) <= k
+                assert all(-1 <= p < j for j, p in enumerate(draft.parents))
+                assert tree or draft.is_path()
+                assert len({(p, t) for p, t in zip(draft.parents, draft.token_ids)}) == len(draft)
+        proposer.finish_request(str(i))
+
+
+def test_suffix_tree_uses_the_budget_for_alternatives():
+    proposer = SuffixProposer(SuffixConfig(min_token_prob=0.0))
+    for sequence in _random_workload(2, 40):
+        proposer.learn(sequence)
+    sizes = [len(propose_once(proposer, sequence[:6], 16)) for sequence in _random_workload(3, 10)]
+    assert max(sizes) == 16
+
+
+def test_suffix_global_store_is_bounded():
+    proposer = SuffixProposer(SuffixConfig(global_max_tokens=50, prompt_tail=0))
+    for i in range(20):
+        proposer.learn([i] * 10)
+    assert proposer.global_tokens == 50
+    assert len(proposer.global_index.segments) == 5
+    assert propose_once(proposer, [50, 3], 4).token_ids == []  # evicted
+    assert propose_once(proposer, [50, 19], 4).token_ids == [19, 19, 19, 19]
+
+
+def test_suffix_state_round_trips(tmp_path):
+    proposer = SuffixProposer()
+    for sequence in _random_workload(4, 25):
+        proposer.start_request("x", sequence[:4])
+        proposer.propose("x", sequence[:4], 8)
+        proposer.on_tokens_accepted("x", sequence[4:])
+        proposer.finish_request("x")
+    proposer.save(tmp_path)
+    restored = SuffixProposer()
+    assert restored.load(tmp_path) == 25
+    assert restored.global_tokens == proposer.global_tokens
+    assert restored.model.rates == proposer.model.rates and restored.model.accepted == proposer.model.accepted
+    for sequence in _random_workload(5, 5):
+        assert propose_once(restored, sequence[:6], 12) == propose_once(proposer, sequence[:6], 12)
+    reloaded = build_proposer({"method": "suffix"}, state_dir=tmp_path)
+    assert reloaded.global_tokens == proposer.global_tokens
+
+
+def test_suffix_learns_acceptance_rates_from_outcomes():
+    proposer = SuffixProposer()
+    proposer.learn([1, 2, 3, 4, 5, 6])
+    before = propose_once(proposer, [9, 1, 2], 4).score
+    for i in range(30):
+        proposer.start_request(str(i), [9, 1, 2])
+        draft = proposer.propose(str(i), [9, 1, 2], 4)
+        assert draft.token_ids == [3, 4, 5, 6]
+        proposer.on_tokens_accepted(str(i), [77])  # the target disagrees at once
+        proposer.finish_request(str(i), learn=False)
+    assert propose_once(proposer, [9, 1, 2], 4).score < before / 2

@@ -8,7 +8,9 @@ import importlib
 from typing import Callable
 
 _MODULES = [
+    "reasoning_engine.server.cli",
     "reasoning_engine.generate_cli",
+    "reasoning_engine.speculative.replay",
     "reasoning_engine.bench.cli",
 ]
 

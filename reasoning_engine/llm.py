@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from reasoning_engine.config import EngineConfig, load_model_config, parse_dtype, parse_memory
 from reasoning_engine.engine.engine import LLMEngine, PromptType, default_device
+from reasoning_engine.kernels import triton_available
 from reasoning_engine.outputs import RequestOutput
 from reasoning_engine.sampling_params import SamplingParams
 
@@ -35,6 +36,8 @@ def build_engine_config(model: str | os.PathLike | None = None, *, dtype: str | 
                         tokenizer: str | None = None) -> EngineConfig:
     """Resolve LLM(...) keyword arguments into an EngineConfig; defaults come from the checkpoint and the machine."""
     model_config = load_model_config(model if model is not None else bundled_model_dir())
+    if kernel_backend == "triton" and not triton_available():
+        raise ValueError("kernel_backend='triton' needs the triton package (pip install triton)")
     resolved_device = torch.device(device) if device is not None else default_device()
     if dtype is None or dtype == "auto":
         resolved_dtype = model_config.torch_dtype
@@ -52,7 +55,7 @@ def build_engine_config(model: str | os.PathLike | None = None, *, dtype: str | 
         kv_cache_blocks=kv_cache_blocks, kv_cache_memory=parse_memory(kv_cache_memory) if kv_cache_memory is not None else None,
         enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens or max(2048, min(limit, 8192)), seed=seed,
-        kernel_backend=kernel_backend or ("triton" if resolved_device.type == "cuda" else "torch"),
+        kernel_backend=kernel_backend or ("triton" if resolved_device.type == "cuda" and triton_available() else "torch"),
         speculative_config=speculative_config, tokenizer=tokenizer)
 
 

@@ -67,6 +67,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
     serve.add_argument("--json", dest="json_path", default=None, help="write every record and aggregate here")
     serve.add_argument("--plot", default=None, help="write the PNG charts here")
+    serve.add_argument("--markdown", default=None, help="write the command, setup and tables as Markdown here")
     serve.set_defaults(func=serve_command)
 
     tput = commands.add_parser(
@@ -187,6 +188,9 @@ async def _serve(args: argparse.Namespace, settings: dict[str, Any]) -> int:
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
         out.print(f"wrote {args.json_path}")
+    if args.markdown:
+        Path(args.markdown).write_text(report.markdown_report(result), encoding="utf-8")
+        out.print(f"wrote {args.markdown}")
     if args.plot:
         from reasoning_engine.bench.plots import plot
 

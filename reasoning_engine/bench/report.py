@@ -7,6 +7,8 @@ be re-plotted or compared with another server's without re-running anything.
 from __future__ import annotations
 
 import datetime
+import json
+import shlex
 from collections import defaultdict
 from dataclasses import asdict
 from typing import Any
@@ -142,11 +144,29 @@ def summary_tables(result: dict[str, Any]) -> list[Any]:
     return tables
 
 
-def markdown_table(result: dict[str, Any]) -> str:
-    """The per-level figures as a Markdown table (for the README and benchmarks/results)."""
-    lines = ["| concurrency | ok / errors | req/s | output tok/s | TTFT p50 / p90 / p99 (ms) | "
-             "time to first answer p50 / p90 (ms) | per-request output speed p50 (tok/s) | e2e p50 / p99 (s) | "
-             "thinking / answer tokens (mean) |",
+def _command(argv: list[str]) -> str:
+    """The command line as a user would type it (the console script's path shortened to its name)."""
+    program = "reasoning-engine" if argv and argv[0].endswith("reasoning-engine") else argv[0] if argv else ""
+    return shlex.join([program, *argv[1:]])
+
+
+def markdown_report(result: dict[str, Any]) -> str:
+    """The run as Markdown (README and benchmarks/results): the command, the setup, one row per concurrency level
+    and, for multi-turn workloads, one row per turn."""
+    server, config, tokens = result["server"], result["config"], result["tokens"]
+    lines = [f"## bench serve: {server['model']}, {result['workload']['name']}", "",
+             "```", _command(result["argv"]), "```", "",
+             f"- created {result['created']}, reasoning-engine {result['version']}; server {server['base_url']} "
+             f"(context {server['max_model_len'] or 'not reported'})",
+             f"- workload: {result['workload']['description']}",
+             f"- max output tokens {config['output_tokens']}{' (ignore_eos)' if config['ignore_eos'] else ''}; "
+             f"requests (sessions) per level {config['num_prompts_per_level']}; warm-up {config['warmup']}; "
+             f"seed {config['seed']}; extra body {json.dumps(config['extra_body'])}",
+             f"- token counts: server usage where reported, else {tokens['counter']}",
+             *(f"- note: {note}" for note in result["workload"]["notes"]), "",
+             "| concurrency | ok / errors | req/s | output tok/s | TTFT p50 / p90 / p99 (ms) | "
+             "time to first answer p50 / p90 / p99 (ms) | output speed p50 / p90 (tok/s per request) | "
+             "e2e p50 / p99 (s) | thinking / answer tokens (mean) |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for level in result["levels"]:
         m = level["metrics"]
@@ -154,10 +174,23 @@ def markdown_table(result: dict[str, Any]) -> str:
             f"| {level['concurrency']} | {level['completed']} / {level['errors']} | "
             f"{_fmt(level['request_throughput_rps'])} | {_fmt(level['output_throughput_tps'], 1)} | "
             f"{' / '.join(_ms(m['ttft_s'][p]) for p in ('p50', 'p90', 'p99'))} | "
-            f"{' / '.join(_ms(m['ttfa_s'][p]) for p in ('p50', 'p90'))} | {_fmt(m['output_speed_tps']['p50'], 1)} | "
+            f"{' / '.join(_ms(m['ttfa_s'][p]) for p in ('p50', 'p90', 'p99'))} | "
+            f"{' / '.join(_fmt(m['output_speed_tps'][p], 1) for p in ('p50', 'p90'))} | "
             f"{_fmt(m['e2e_s']['p50'])} / {_fmt(m['e2e_s']['p99'])} | "
             f"{_fmt(m['reasoning_tokens']['mean'], 0)} / {_fmt(m['answer_tokens']['mean'], 0)} |")
-    return "\n".join(lines)
+    for level in result["levels"]:
+        if not level.get("per_turn"):
+            continue
+        lines += ["", f"Per turn, concurrency {level['concurrency']} ({level['sessions_cut_short']} sessions stopped "
+                      "early at the context limit):", "",
+                  "| turn | requests | prompt tokens (mean) | prefix cache hit | TTFT p50 (ms) | "
+                  "output speed p50 (tok/s) |", "|---:|---:|---:|---:|---:|---:|"]
+        for row in level["per_turn"]:
+            hit = row["cache_hit_rate"]
+            lines.append(f"| {row['turn']} | {row['requests']} | {_fmt(row['prompt_tokens_mean'], 0)} | "
+                         f"{'-' if hit is None else f'{hit:.0%}'} | {_ms(row['ttft_s_p50'])} | "
+                         f"{_fmt(row['output_speed_tps_p50'], 1)} |")
+    return "\n".join(lines) + "\n"
 
 
 def build_result(*, argv: list[str], server: dict[str, Any], config: dict[str, Any], workload: Workload,

@@ -55,7 +55,7 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model
         self.tokenizer = load_tokenizer(config.tokenizer or config.model.path)
-        self.model = build_model(config.model, config.dtype, config.device, config.max_model_len)
+        self.model = build_model(config.model, config.dtype, config.device, config.max_model_len, config.kernel_backend)
         self.runner = ModelRunner(config, self.model)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len)

@@ -16,7 +16,7 @@ from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.config import EngineConfig
 from reasoning_engine.engine.request import Request
 from reasoning_engine.engine.scheduler import ScheduledRequest
-from reasoning_engine.kernels.attention import prepare_torch_attention
+from reasoning_engine.kernels import kernel_module
 from reasoning_engine.layers.sampler import Sampler, SamplingMetadata, top_logprobs
 from reasoning_engine.models.base import CausalLM
 from reasoning_engine.outputs import Logprob
@@ -52,6 +52,7 @@ class ModelRunner:
         self.device = config.device
         self.block_size = config.block_size
         self.sampler = Sampler(config.seed)
+        self.attention_ops = kernel_module("attention", config.kernel_backend)
         self.num_blocks = self._num_blocks()
         self._allocate_cache()
 
@@ -171,7 +172,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             tree_mask=tree_mask,
         )
-        batch.attn_metadata = prepare_torch_attention(batch, bs)
+        batch.attn_metadata = self.attention_ops.prepare_attention(batch, bs)
         return batch, sample_rows, prompt_rows
 
     @torch.inference_mode()

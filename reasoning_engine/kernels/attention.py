@@ -2,7 +2,7 @@
 
 Each step's ragged batch is gathered once into a padded [B, Qmax] x [B, L] problem and handed to
 `scaled_dot_product_attention` with a boolean mask. The mask and gather indices depend only on the batch, so they are
-built once per step (`prepare_torch_attention`) and reused by every layer. Grouped heads are folded into the query
+built once per step (`prepare_attention`) and reused by every layer. Grouped heads are folded into the query
 axis, so K/V are never repeated per head, and MLA's single latent head is the same problem with one KV head.
 """
 
@@ -49,7 +49,7 @@ def write_kv_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torc
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, values.to(cache.dtype))
 
 
-def prepare_torch_attention(batch: ForwardBatch, block_size: int) -> TorchAttentionMetadata:
+def prepare_attention(batch: ForwardBatch, block_size: int) -> TorchAttentionMetadata:
     """Gather indices and the causal (or draft-tree) mask of one step, shared by all layers."""
     device = batch.block_tables.device
     num_seqs, qmax, max_len = batch.num_seqs, batch.max_query_len, batch.max_seq_len

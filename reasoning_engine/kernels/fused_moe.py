@@ -6,7 +6,7 @@ Weight layouts (per expert e, rows are output channels, as in the checkpoints):
 - w13 [E, 2I, H]: gate_proj rows then up_proj rows; w2 [E, H, I]. Expert output = w2 @ (silu(gate) * up).
 - "w4a16" (Kimi K2/K2.5 compressed-tensors pack-quantized, symmetric): w13 int32 [E, 2I, H/8], w2 int32 [E, H, I/8],
   eight 4-bit values per int32, lowest nibble first, each stored as q + 8; scales [E, out, in/group_size]
-  (group_size 32); weight = (nibble - 8) * scale.
+  (group_size 32); weight = (nibble - 8) * scale. H and I must be multiples of 8 and of group_size.
 - "fp8_block" (DeepSeek-V3): float8_e4m3fn weights [E, out, in] with float32 scales [E, ceil(out/bn), ceil(in/bk)]
   for block_shape (bn, bk) = (128, 128); weight = w_fp8 * scale of its block, edge blocks partial. w13's scales are
   the gate's rows of blocks followed by the up's ([E, 2 * ceil(I/bn), ceil(H/bk)]), so I need not divide bn.

@@ -45,7 +45,7 @@ class TritonAttentionMetadata:
     num_splits: int  # decode context slices per sequence
 
 
-def prepare_triton_attention(batch: ForwardBatch, block_size: int, num_splits: int | None = None) -> TritonAttentionMetadata:
+def prepare_attention(batch: ForwardBatch, block_size: int, num_splits: int | None = None) -> TritonAttentionMetadata:
     """Per-step metadata shared by all layers. `num_splits` fixes the decode split count (a captured CUDA graph needs
     the same grid at every replay); by default it is a power of two that grows with the context and shrinks with the
     batch (a power of two keeps the number of compiled variants of the merge kernel small)."""

@@ -11,13 +11,15 @@ import torch
 from torch import nn
 
 from reasoning_engine.batch import ForwardBatch
-from reasoning_engine.kernels.attention import paged_attention, paged_latent_attention, write_kv_cache
+from reasoning_engine.kernels import kernel_module
 from reasoning_engine.layers.norm import RMSNorm
 from reasoning_engine.layers.rotary import RotaryEmbedding
 
 
 class GQAttention(nn.Module):
     """Fused QKV projection, optional per-head q/k RMSNorm (Qwen3), RoPE, paged attention, output projection."""
+
+    kernel_family = "attention"
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding,
                  bias: bool = False, qk_norm_eps: float | None = None) -> None:
@@ -29,6 +31,7 @@ class GQAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.rotary = rotary
         self.scale = head_dim**-0.5
+        self.ops = kernel_module(self.kernel_family, "torch")
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -49,14 +52,16 @@ class GQAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        write_kv_cache(self.k_cache, k, batch.slot_mapping)
-        write_kv_cache(self.v_cache, v, batch.slot_mapping)
-        out = paged_attention(q, self.k_cache, self.v_cache, batch, batch.attn_metadata, self.scale)
+        self.ops.write_kv_cache(self.k_cache, k, batch.slot_mapping)
+        self.ops.write_kv_cache(self.v_cache, v, batch.slot_mapping)
+        out = self.ops.paged_attention(q, self.k_cache, self.v_cache, batch, batch.attn_metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
 class MLAttention(nn.Module):
     """Multi-head latent attention with an optional low-rank query (q_lora_rank) and the absorbed decode form."""
+
+    kernel_family = "attention"
 
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rotary: RotaryEmbedding,
@@ -79,6 +84,7 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
         self.rotary = rotary
         self.scale = softmax_scale
+        self.ops = kernel_module(self.kernel_family, "torch")
         self.w_uk: torch.Tensor | None = None  # [H, nope, latent]
         self.w_uv: torch.Tensor | None = None  # [H, latent, v]
         self.kv_cache: torch.Tensor | None = None
@@ -108,9 +114,9 @@ class MLAttention(nn.Module):
         c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
-        write_kv_cache(self.kv_cache, torch.cat([c_kv, k_pe.squeeze(1)], dim=-1), batch.slot_mapping)
+        self.ops.write_kv_cache(self.kv_cache, torch.cat([c_kv, k_pe.squeeze(1)], dim=-1), batch.slot_mapping)
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, latent]
-        out_latent = paged_latent_attention(torch.cat([q_latent, q_pe], dim=-1), self.kv_cache, self.kv_lora_rank,
-                                            batch, batch.attn_metadata, self.scale)
+        out_latent = self.ops.paged_latent_attention(torch.cat([q_latent, q_pe], dim=-1), self.kv_cache,
+                                                     self.kv_lora_rank, batch, batch.attn_metadata, self.scale)
         out = torch.bmm(out_latent.transpose(0, 1), self.w_uv).transpose(0, 1)  # [T, H, v]
         return self.o_proj(out.reshape(num_tokens, -1))

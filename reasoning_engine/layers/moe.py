@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from reasoning_engine.kernels import kernel_module
 from reasoning_engine.layers.activation import silu_and_mul
 
 
@@ -77,30 +78,16 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """Routed experts stacked as w13 [E, 2I, H] (gate then up) and w2 [E, H, I]."""
 
+    kernel_family = "moe"
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.ops = kernel_module(self.kernel_family, "torch")
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Group the (token, slot) pairs by expert and run each active expert once on its tokens."""
-        num_tokens, top_k = ids.shape
-        flat_ids = ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.w13.shape[0]).tolist()
-        token_of = order // top_k
-        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = token_of[start : start + count]
-            slots = order[start : start + count]
-            start += count
-            h = silu_and_mul(F.linear(x[rows], self.w13[expert]))
-            y = F.linear(h, self.w2[expert]).float() * weights.reshape(-1)[slots].unsqueeze(1)
-            out.index_add_(0, rows, y)
-        return out.to(x.dtype)
+        return self.ops.fused_moe(x, self.w13, self.w2, weights, ids)
 
 
 class SparseMoE(nn.Module):

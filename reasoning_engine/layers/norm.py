@@ -5,15 +5,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from reasoning_engine.kernels import kernel_module
+
 
 class RMSNorm(nn.Module):
+    kernel_family = "norm"
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = kernel_module(self.kernel_family, "torch")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        if x.dim() == 2:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)  # per-head q/k norm

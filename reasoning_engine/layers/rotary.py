@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from reasoning_engine.kernels import kernel_module
+
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -79,6 +81,8 @@ def yarn_softmax_scale(scaling: dict[str, Any] | None) -> float:
 class RotaryEmbedding(nn.Module):
     """Holds a cos/sin table and rotates q and k in place of their rotary channels."""
 
+    kernel_family = "rotary"
+
     def __init__(self, dim: int, theta: float, scaling: dict[str, Any] | None, max_position_embeddings: int,
                  max_positions: int, interleaved: bool = False) -> None:
         super().__init__()
@@ -88,19 +92,11 @@ class RotaryEmbedding(nn.Module):
         self.cos = freqs.cos() * attention_factor  # plain float32 tensors: not cast with the weights
         self.sin = freqs.sin() * attention_factor
         self.interleaved = interleaved
+        self.ops = kernel_module(self.kernel_family, "torch")
 
     def to_device(self, device: torch.device) -> None:
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.interleaved:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, d], k [T, KVH, d] -> rotated copies."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return self.ops.apply_rotary(positions, q, k, self.cos, self.sin, self.interleaved)

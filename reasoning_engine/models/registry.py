@@ -7,6 +7,7 @@ import logging
 import torch
 
 from reasoning_engine.config import ModelConfig
+from reasoning_engine.layers import use_kernel_backend
 from reasoning_engine.layers.moe import Router
 from reasoning_engine.layers.rotary import RotaryEmbedding
 from reasoning_engine.models.base import CausalLM
@@ -25,7 +26,8 @@ FAMILIES: dict[str, type[CausalLM]] = {
 }
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int) -> CausalLM:
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+                kernel_backend: str = "torch") -> CausalLM:
     """Instantiate the family's module (no random init: every parameter is then filled from the checkpoint)."""
     from reasoning_engine.models.weights import iter_checkpoint_weights
     from reasoning_engine.models.quantization import parse_quant_config
@@ -46,4 +48,5 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, m
                     config.model_type, ", ".join(config.skipped_prefixes))
     quant = parse_quant_config(config.raw)
     model.load_weights(iter_checkpoint_weights(config.path, quant, dtype))
+    use_kernel_backend(model, kernel_backend)
     return model.eval()

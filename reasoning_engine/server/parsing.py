@@ -61,18 +61,17 @@ class ChatOutputParser:
         return self.tools.calls if self.tools is not None and self.emit_tool_calls else []
 
     def feed(self, text: str) -> ParsedDelta:
-        if self.reasoning is None:
-            return self._answer(text, final=False)
-        thinking, answer = self.reasoning.feed(text)
-        delta = self._answer(answer, final=False)
-        delta.reasoning = self._lead_reasoning(thinking)
-        return delta
+        return self._step(text, final=False)
 
     def finish(self) -> ParsedDelta:
+        """End of output: everything held back is released."""
+        return self._step("", final=True)
+
+    def _step(self, text: str, final: bool) -> ParsedDelta:
         if self.reasoning is None:
-            return self._answer("", final=True)
-        thinking, answer = self.reasoning.finish()
-        delta = self._answer(answer, final=True)
+            return self._answer(text, final)
+        thinking, answer = self.reasoning.finish() if final else self.reasoning.feed(text)
+        delta = self._answer(answer, final)
         delta.reasoning = self._lead_reasoning(thinking)
         return delta
 

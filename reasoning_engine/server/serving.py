@@ -540,7 +540,7 @@ class _Run:
         self.n = prepared.params.n
         self.choices = [_Choice(index=i, parser=prepared.new_parser()) for i in range(len(self.prompts) * self.n)]
         self.timer = RequestTimer(serving.metrics, arrival)
-        self.cached_tokens = 0
+        self.cached_tokens: dict[int, int] = {}  # per prompt
 
     def prompt_text(self, choice: _Choice) -> str:
         prompt = self.prompts[choice.index // self.n]
@@ -553,10 +553,10 @@ class _Run:
         try:
             async for prompt_index, out in self.engine_requests.outputs():
                 now = time.monotonic()
-                self.cached_tokens = max(self.cached_tokens, out.num_cached_tokens)
+                self.cached_tokens[prompt_index] = out.num_cached_tokens
                 new_tokens = 0
-                for position, completion in enumerate(out.outputs):
-                    choice = self.choices[prompt_index * self.n + getattr(completion, "index", position)]
+                for completion in out.outputs:
+                    choice = self.choices[prompt_index * self.n + completion.index]
                     if choice.done:
                         continue
                     update, count = self._advance(choice, completion, chat_logprobs, top_n, completion_logprobs)
@@ -621,7 +621,7 @@ class _Run:
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(c.token_ids) for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
                 "completion_tokens_details": {"reasoning_tokens": sum(self.serving.reasoning_tokens(c)
                                                                       for c in self.choices)}}
 

@@ -55,7 +55,7 @@ LONGEST_SCAN = 16
 
 @dataclass(frozen=True)
 class SuffixConfig:
-    orders: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+    orders: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 16, 32)
     max_occurrences: int = 64
     min_token_prob: float = 0.05
     tree: bool = True

@@ -25,6 +25,7 @@ from reasoning_engine.tiny.chat_format import (
     TOOL_CALLS_END,
     render_chat,
 )
+from reasoning_engine.tiny.tokenizer import BARE_WORDS
 
 TRAIN_SEED = 1234
 EVAL_SEED = 98765
@@ -242,22 +243,17 @@ def gen_sorting(rng: random.Random) -> Sample:
     return Sample("sorting", _user(q), reasoning, out, ordered)
 
 
-_LETTER_WORDS: list[str] | None = None
-
-
 def letter_count_words() -> list[str]:
     """WORDS minus those the tokenizer would not spell one letter per token (deduplicated, order kept)."""
-    global _LETTER_WORDS
-    if _LETTER_WORDS is None:
-        from reasoning_engine.tiny.tokenizer import BARE_WORDS
+    banned = {w[:2] for w in BARE_WORDS}
+    return [w for w in dict.fromkeys(WORDS) if not any(p in w for p in banned)]
 
-        banned = {w[:2] for w in BARE_WORDS}
-        _LETTER_WORDS = [w for w in dict.fromkeys(WORDS) if not any(p in w for p in banned)]
-    return _LETTER_WORDS
+
+LETTER_WORDS = letter_count_words()
 
 
 def gen_letters(rng: random.Random) -> Sample:
-    word = rng.choice(letter_count_words())
+    word = rng.choice(LETTER_WORDS)
     letter = rng.choice(word) if rng.random() < 0.75 else rng.choice("abcdefghijklmnopqrstuvwxyz")
     q = rng.choice([
         "How many times does the letter '{c}' appear in '{w}'?", "How many '{c}'s are in '{w}'?",

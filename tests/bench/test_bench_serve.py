@@ -93,12 +93,14 @@ def _counter(url: str, name: str) -> float:
 
 
 def _run(url: str, tmp_path: Path, *argv: str) -> dict[str, Any]:
-    out = tmp_path / "result.json"
-    plot = tmp_path / "result.png"
+    out, plot, markdown = tmp_path / "result.json", tmp_path / "result.png", tmp_path / "result.md"
     assert main(["bench", "serve", "--base-url", url, "--warmup", "0", "--extra-body", BUDGET, "--json", str(out),
-                 "--plot", str(plot), *argv]) == 0
+                 "--plot", str(plot), "--markdown", str(markdown), *argv]) == 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    table_rows = [line for line in markdown.read_text().splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(table_rows) == len(result["levels"]) + sum(len(level.get("per_turn", [])) for level in result["levels"])
+    return result
 
 
 def _check_records(result: dict[str, Any], max_tokens: int) -> None:

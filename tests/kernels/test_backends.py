@@ -25,8 +25,8 @@ def test_same_signatures(family):
 
 
 def test_prepare_attention_takes_the_reference_arguments():
-    ref = inspect.signature(kernel_module("attention", "torch").prepare_torch_attention).parameters
-    fast = inspect.signature(kernel_module("attention", "triton").prepare_triton_attention).parameters
+    ref = inspect.signature(kernel_module("attention", "torch").prepare_attention).parameters
+    fast = inspect.signature(kernel_module("attention", "triton").prepare_attention).parameters
     assert list(ref) == list(fast)[: len(ref)]
 
 

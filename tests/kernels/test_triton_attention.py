@@ -118,20 +118,20 @@ DTYPE_BLOCKS = [(torch.float32, 1), (torch.float32, 3), (torch.float32, 16), (to
 def test_paged_attention(device, dtype, block_size, heads, kv_heads, head_dim, lens):
     batch, q, k_cache, v_cache = gqa_case(*lens, block_size, heads, kv_heads, head_dim, dtype, device)
     scale = head_dim**-0.5
-    meta = triton_attention.prepare_triton_attention(batch, block_size, num_splits=3)
+    meta = triton_attention.prepare_attention(batch, block_size, num_splits=3)
     out = triton_attention.paged_attention(q, k_cache, v_cache, batch, meta, scale)
-    ref = attention.paged_attention(q, k_cache, v_cache, batch, attention.prepare_torch_attention(batch, block_size), scale)
+    ref = attention.paged_attention(q, k_cache, v_cache, batch, attention.prepare_attention(batch, block_size), scale)
     assert_close(out, ref, scale=2.0)
 
 
 def test_paged_attention_matches_dense_float64(device):
     """The reference itself, against an independent per-sequence computation, with a draft tree."""
     batch, q, k_cache, v_cache = gqa_case([6, 0], [5, 4], 4, 4, 2, 8, torch.float32, device, tree=True)
-    meta = triton_attention.prepare_triton_attention(batch, 4)
+    meta = triton_attention.prepare_attention(batch, 4)
     out = triton_attention.paged_attention(q, k_cache, v_cache, batch, meta, 0.3)
     rows = lambda slots: (k_cache.view(-1, 2, 8)[slots.to(device)].cpu(), v_cache.view(-1, 2, 8)[slots.to(device)].cpu())
     dense = dense_reference(q, rows, batch, 4, 0.3, 8)
-    ref = attention.paged_attention(q, k_cache, v_cache, batch, attention.prepare_torch_attention(batch, 4), 0.3)
+    ref = attention.paged_attention(q, k_cache, v_cache, batch, attention.prepare_attention(batch, 4), 0.3)
     assert_close(out.cpu(), dense.float())
     assert_close(ref.cpu(), dense.float())
 
@@ -141,16 +141,16 @@ def test_paged_attention_matches_dense_float64(device):
 @pytest.mark.parametrize("lens", [([0], [5]), ([9, 0, 3], [4, 1, 6])])
 def test_tree_masked_attention(device, dtype, block_size, lens):
     batch, q, k_cache, v_cache = gqa_case(*lens, block_size, 4, 2, 16, dtype, device, tree=True)
-    meta = triton_attention.prepare_triton_attention(batch, block_size)
+    meta = triton_attention.prepare_attention(batch, block_size)
     out = triton_attention.paged_attention(q, k_cache, v_cache, batch, meta, 0.25)
-    ref = attention.paged_attention(q, k_cache, v_cache, batch, attention.prepare_torch_attention(batch, block_size), 0.25)
+    ref = attention.paged_attention(q, k_cache, v_cache, batch, attention.prepare_attention(batch, block_size), 0.25)
     assert_close(out, ref, scale=2.0)
 
 
 def test_decode_split_count_does_not_change_result(device):
     batch, q, k_cache, v_cache = gqa_case([200, 9], [1, 1], 16, 4, 2, 16, torch.float32, device)
     outs = [
-        triton_attention.paged_attention(q, k_cache, v_cache, batch, triton_attention.prepare_triton_attention(batch, 16, num_splits=n), 0.25)
+        triton_attention.paged_attention(q, k_cache, v_cache, batch, triton_attention.prepare_attention(batch, 16, num_splits=n), 0.25)
         for n in (1, 2, 7)
     ]
     assert_close(outs[1], outs[0])
@@ -159,7 +159,7 @@ def test_decode_split_count_does_not_change_result(device):
 
 def test_empty_batch(device):
     batch, q, k_cache, v_cache = gqa_case([], [], 16, 4, 2, 16, torch.float32, device)
-    meta = triton_attention.prepare_triton_attention(batch, 16)
+    meta = triton_attention.prepare_attention(batch, 16)
     assert triton_attention.paged_attention(q, k_cache, v_cache, batch, meta, 1.0).shape == (0, 4, 16)
 
 
@@ -178,15 +178,15 @@ def mla_case(context_lens, query_lens, block_size, heads, latent, rope, dtype, d
 def test_paged_latent_attention(device, dtype, block_size, heads, latent, rope, lens):
     batch, q, kv_cache = mla_case(*lens, block_size, heads, latent, rope, dtype, device)
     scale = (latent + rope) ** -0.5
-    meta = triton_attention.prepare_triton_attention(batch, block_size, num_splits=2)
+    meta = triton_attention.prepare_attention(batch, block_size, num_splits=2)
     out = triton_attention.paged_latent_attention(q, kv_cache, latent, batch, meta, scale)
-    ref = attention.paged_latent_attention(q, kv_cache, latent, batch, attention.prepare_torch_attention(batch, block_size), scale)
+    ref = attention.paged_latent_attention(q, kv_cache, latent, batch, attention.prepare_attention(batch, block_size), scale)
     assert_close(out, ref, scale=2.0)
 
 
 def test_latent_attention_matches_dense_float64_with_tree(device):
     batch, q, kv_cache = mla_case([5, 0], [4, 3], 2, 3, 24, 8, torch.float32, device, tree=True)
-    meta = triton_attention.prepare_triton_attention(batch, 2)
+    meta = triton_attention.prepare_attention(batch, 2)
     out = triton_attention.paged_latent_attention(q, kv_cache, 24, batch, meta, 0.2)
 
     def rows(slots):

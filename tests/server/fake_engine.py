@@ -47,6 +47,7 @@ class FakeEngine:
     calls: list[tuple[list[int], SamplingParams]] = field(default_factory=list)
     _blocks: dict[str, int] = field(default_factory=dict)
     _aborted: set[str] = field(default_factory=set)
+    shut_down: bool = False
 
     def __post_init__(self) -> None:
         self.model_config.vocab_size = len(self.tokenizer)
@@ -101,4 +102,4 @@ class FakeEngine:
                            num_preemptions=0, spec_decode={"num_drafts": 3, "num_accepted_tokens_per_pos": [2, 1]})
 
     async def shutdown(self) -> None:
-        self._aborted.update(self._blocks)
+        self.shut_down = True

@@ -78,7 +78,7 @@ def save_random_checkpoint(folder: Path, seed: int = 0) -> Path:
 class LiveServer:
     """A real uvicorn server for `app` on 127.0.0.1 (a free port), in a background thread with its own loop."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, graceful_shutdown_timeout: float = 5.0) -> None:
         import uvicorn
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -86,7 +86,7 @@ class LiveServer:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=5))
+                                                    timeout_graceful_shutdown=graceful_shutdown_timeout))
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
                                        daemon=True)
 

@@ -505,3 +505,27 @@ def test_chat_client_streams_thinking_dimmed_and_passes_it_back(fake_server: Any
     assert "It is 5." in plain and "[tool call] calculator" in plain
     second_prompt = engine.tokenizer.decode(engine.calls[-1][0], skip_special_tokens=False)
     assert "<think>Add them.</think>It is 5.<|tool_calls_section_begin|>" in second_prompt
+
+
+def test_shutdown_aborts_streams_past_the_grace_period(kimi_tokenizer: Any) -> None:
+    from reasoning_engine.server.app import ServerConfig, build_app
+
+    from .fake_engine import FakeEngine
+    from .helpers import LiveServer
+
+    engine = FakeEngine(kimi_tokenizer, lambda *_: "slow " * 1000, delay=0.02)
+    server = LiveServer(build_app(engine, ServerConfig()), graceful_shutdown_timeout=0.5).__enter__()
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=30,
+                      json={"messages": MSG, "stream": True, "max_tokens": 4000}) as response:
+        lines = response.iter_lines()
+        for _ in range(4):
+            next(lines)
+        stopper = threading.Thread(target=server.__exit__, args=(None, None, None))
+        stopper.start()
+        with pytest.raises(httpx.RemoteProtocolError):
+            for _ in lines:
+                pass
+    stopper.join(timeout=30)
+    assert not server.thread.is_alive()
+    assert engine.stats().free_blocks == engine.total_blocks
+    assert engine.shut_down

@@ -214,7 +214,7 @@ def test_concurrent_streams(client: openai.OpenAI, model_name: str) -> None:
         t.start()
     for t in threads:
         t.join(timeout=120)
-    assert not errors and len(results) == 5
+    assert not errors and len(results) == 5, errors
     assert all(r["finish"] in ("stop", "length") for r in results)
 
 
@@ -225,7 +225,7 @@ def test_disconnect_frees_blocks_and_metrics(server: LiveServer, model_name: str
         for _ in range(8):
             next(lines)
         assert metric_value(metrics(server), "reasoning_engine:kv_cache_usage_perc") > 0
-    assert wait_for(lambda: metric_value(metrics(server), "reasoning_engine:kv_cache_usage_perc") == 0, timeout=20)
+    assert wait_for(lambda: metric_value(metrics(server), "reasoning_engine:kv_cache_usage_perc") == 0, timeout=60)
     text = metrics(server)
     assert metric_value(text, "reasoning_engine:kv_cache_free_blocks") == metric_value(
         text, "reasoning_engine:kv_cache_total_blocks")
@@ -244,8 +244,8 @@ def test_chat_cli_one_shot(server: LiveServer) -> None:
     run = subprocess.run([sys.executable, "-m", "reasoning_engine.server.cli", "chat", "--base-url",
                           f"{server.url}/v1", "--max-tokens", "16", "--temperature", "0", "-m", "What is 2 + 3?"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert run.returncode == 0, run.stderr
-    assert "tokens" in run.stdout and "thinking]" in run.stdout
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    assert "tokens" in run.stdout and "thinking]" in run.stdout, (run.stdout, run.stderr)
 
 
 def test_serve_without_bundled_model_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,

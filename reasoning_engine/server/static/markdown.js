@@ -36,7 +36,7 @@ export function renderMarkdown(source) {
     } else {
       const start = i;
       while (i < lines.length && lines[i].trim() && !startsBlock(lines[i])) i += 1;
-      out.push(`<p>${lines.slice(start, i).map(inline).join("<br>")}</p>`);
+      out.push(`<p>${lines.slice(start, i).map((l) => inline(l.trim())).join("<br>")}</p>`);
     }
   }
   return out.join("\n");

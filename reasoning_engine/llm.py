@@ -33,7 +33,7 @@ def build_engine_config(model: str | os.PathLike | None = None, *, dtype: str | 
                         block_size: int = 16, kv_cache_blocks: int | None = None, kv_cache_memory: str | int | None = None,
                         enable_prefix_caching: bool = True, max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
                         seed: int = 0, kernel_backend: str | None = None, speculative_config: dict[str, Any] | None = None,
-                        tokenizer: str | None = None) -> EngineConfig:
+                        speculative_state_dir: str | None = None, tokenizer: str | None = None) -> EngineConfig:
     """Resolve LLM(...) keyword arguments into an EngineConfig; defaults come from the checkpoint and the machine."""
     model_config = load_model_config(model if model is not None else bundled_model_dir())
     if kernel_backend == "triton" and not triton_available():
@@ -50,6 +50,10 @@ def build_engine_config(model: str | os.PathLike | None = None, *, dtype: str | 
         if max_model_len < 2 or max_model_len > limit:
             raise ValueError(f"max_model_len must be in [2, {limit}] for this model, got {max_model_len}")
         limit = max_model_len
+    if speculative_state_dir is not None:
+        if not speculative_config:
+            raise ValueError("speculative_state_dir needs a speculative_config (the suffix method learns across requests)")
+        speculative_config = {**speculative_config, "state_dir": speculative_state_dir}
     return EngineConfig(
         model=model_config, dtype=resolved_dtype, device=resolved_device, max_model_len=limit, block_size=block_size,
         kv_cache_blocks=kv_cache_blocks, kv_cache_memory=parse_memory(kv_cache_memory) if kv_cache_memory is not None else None,

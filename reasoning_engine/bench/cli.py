@@ -119,14 +119,16 @@ def serve_command(args: argparse.Namespace) -> int:
 
     import httpx
 
-    from reasoning_engine.bench.serve import BenchError
+    from reasoning_engine.bench.serve import BenchError, api_root
 
     try:
         settings = _resolve(args)
         return asyncio.run(_serve(args, settings))
-    except (BenchError, httpx.HTTPError, ValueError, FileNotFoundError, RuntimeError) as exc:
+    except httpx.HTTPError as exc:
+        print(f"error: {api_root(args.base_url)}: {exc}", file=sys.stderr)
+    except (BenchError, ValueError, OSError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return 2
 
 
 async def _serve(args: argparse.Namespace, settings: dict[str, Any]) -> int:
@@ -143,7 +145,12 @@ async def _serve(args: argparse.Namespace, settings: dict[str, Any]) -> int:
 
     root = api_root(args.base_url)
     async with httpx.AsyncClient(timeout=30.0) as client:
-        models = await list_models(client, root, args.api_key)
+        try:
+            models = await list_models(client, root, args.api_key)
+        except (BenchError, httpx.HTTPStatusError, ValueError):
+            if args.model is None:
+                raise
+            models = []  # a server without a usable /models still works when the name is given
     if args.model is None and not models:
         raise BenchError(f"{root}/models lists no model; pass --model")
     model = args.model or str(models[0]["id"])
@@ -213,7 +220,7 @@ def throughput_command(args: argparse.Namespace) -> int:
     try:
         summary = throughput(args.model, args.input_tokens, args.output_tokens, args.num_prompts, args.concurrency,
                              args.dtype, args.device, args.compare, args.seed)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     console = Console()

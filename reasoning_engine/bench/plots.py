@@ -59,6 +59,8 @@ def plot(result: dict[str, Any], path: str) -> None:
     twin.plot(concurrency, [level["request_throughput_rps"] or 0 for level in levels], "s--", color="tab:orange",
               label="requests/s")
     twin.set_ylabel("requests/s")
+    ax.set_ylim(bottom=0)
+    twin.set_ylim(bottom=0)
     ax.set_title("system throughput")
     _concurrency_axis(ax, concurrency)
     ax.legend(handles=ax.get_lines() + twin.get_lines(), fontsize=8, loc="upper left")
@@ -71,6 +73,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax.plot(concurrency, [level["metrics"]["output_speed_tps"]["p50"] or 0 for level in levels], "o-", label="P50")
     ax.plot(concurrency, [level["metrics"]["output_speed_tps"]["mean"] or 0 for level in levels], "^:", label="mean")
     ax.set_title("per-request output speed (tokens/s after the first token)")
+    ax.set_ylim(bottom=0)
     ax.set_ylabel("tokens/s")
     _concurrency_axis(ax, concurrency)
     ax.legend(fontsize=8)

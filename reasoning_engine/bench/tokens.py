@@ -55,10 +55,12 @@ def resolve_counter(tokenizer_path: str | None, served_roots: list[str]) -> Toke
     estimate."""
     if tokenizer_path:
         return TokenCounter(_load(tokenizer_path), f"tokenizer {tokenizer_path}")
+    failures = []
     for root in served_roots:
         if root and Path(root).is_dir():
             try:
                 return TokenCounter(_load(root), f"tokenizer of the served model ({root})")
-            except (OSError, ValueError):
-                continue
-    return TokenCounter(None, f"estimate (~{CHARS_PER_TOKEN:g} characters per token, no tokenizer)")
+            except Exception as exc:  # noqa: BLE001 - best-effort discovery: any failure means "estimate instead"
+                failures.append(f"{root}: {type(exc).__name__}")
+    why = f"; the served model's tokenizer did not load ({', '.join(failures)})" if failures else ""
+    return TokenCounter(None, f"estimate (~{CHARS_PER_TOKEN:g} characters per token, no tokenizer{why})")

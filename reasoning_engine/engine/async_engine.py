@@ -72,6 +72,11 @@ class AsyncLLM:
             if not finished:
                 self._send("abort", request_id)
 
+    @property
+    def is_running(self) -> bool:
+        """False once the engine thread has stopped (shut down, or died): the server's /health reports it."""
+        return self._thread.is_alive() and not self._stopped
+
     async def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
 
@@ -110,6 +115,8 @@ class AsyncLLM:
             for out in outputs:
                 self._deliver(out.request_id, out)
         self._fail_all(EngineDeadError("the engine is shut down"))
+        if self.engine.spec is not None:
+            self.engine.spec.save_state()  # what the suffix proposer learned survives the restart
 
     def _apply_commands(self) -> bool:
         while True:

@@ -20,7 +20,7 @@ from reasoning_engine.engine.scheduler import Scheduler
 from reasoning_engine.models.registry import build_model
 from reasoning_engine.outputs import CompletionOutput, RequestOutput
 from reasoning_engine.sampling_params import SamplingParams
-from reasoning_engine.speculative.decoder import SpeculativeConfig, SpeculativeDecoder
+from reasoning_engine.speculative.decoder import SpeculativeConfig, SpeculativeDecoder, load_draft_models
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +55,11 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model
         self.tokenizer = load_tokenizer(config.tokenizer or config.model.path)
+        spec_config = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config else None
         self.model = build_model(config.model, config.dtype, config.device, config.max_model_len, config.kernel_backend)
-        self.runner = ModelRunner(config, self.model)
+        draft_models = load_draft_models(spec_config, config, self.model) if spec_config is not None else {}
+        self.runner = ModelRunner(config, self.model, draft_models,
+                                  spec_config.num_speculative_tokens if spec_config is not None else 0)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len)
         self.groups: dict[str, list[Request]] = {}
@@ -69,7 +72,7 @@ class LLMEngine:
         self.model_config.think_end_token_id = self.think_end_id
         self.num_preemptions = 0
         self._ids = itertools.count()
-        self.spec = SpeculativeDecoder(SpeculativeConfig.from_dict(config.speculative_config)) if config.speculative_config else None
+        self.spec = SpeculativeDecoder(spec_config, self.runner.drafters) if spec_config is not None else None
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -191,6 +194,8 @@ class LLMEngine:
             for request in running:
                 request.draft = None
             return
+        asking: list[Request] = []
+        limits: list[int] = []
         for request in running:
             request.draft = None
             if request.is_prefilling or request.params.prompt_logprobs is not None:
@@ -201,7 +206,10 @@ class LLMEngine:
             budget = request.params.thinking_token_budget
             if budget is not None and request.thinking:
                 limit = min(limit, budget - request.thinking_tokens - 1)  # the forced </think> is never drafted over
-            draft = self.spec.propose(request.seq_id, request.all_token_ids, limit)
+            asking.append(request)
+            limits.append(limit)
+        drafts = self.spec.propose_batch([(r.seq_id, r.all_token_ids, n) for r, n in zip(asking, limits)])
+        for request, draft in zip(asking, drafts):
             request.draft = draft if len(draft) else None
 
     def _budget_spent(self, request: Request) -> bool:
@@ -322,7 +330,7 @@ class LLMEngine:
             num_requests_running=len(self.scheduler.running), num_requests_waiting=len(self.scheduler.waiting),
             kv_cache_usage=bm.usage, free_blocks=bm.num_free_blocks, total_blocks=bm.num_blocks,
             prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits, num_preemptions=self.num_preemptions,
-            spec_decode=self.spec.stats.as_dict(self.spec.config.method) if self.spec is not None else {})
+            spec_decode=self.spec.stats_dict() if self.spec is not None else {})
 
 
 def default_device() -> torch.device:

@@ -1,13 +1,16 @@
 """Turns a scheduled step into tensors, runs the model and samples.
 
 It owns the KV cache tensors (allocated once from a block budget and bound to the attention layers) and builds the
-step's ForwardBatch from the requests' block tables.
+step's ForwardBatch from the requests' block tables. With a draft model (MTP, EAGLE-3) it also runs that model after
+each step over what the step kept (`DraftRunner`), which is what the draft-model proposers draft from.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +23,8 @@ from reasoning_engine.kernels import kernel_module
 from reasoning_engine.layers.sampler import Sampler, SamplingMetadata, top_logprobs
 from reasoning_engine.models.base import CausalLM
 from reasoning_engine.outputs import Logprob
+from reasoning_engine.speculative.decoder import DraftModel, ProposeItem
+from reasoning_engine.speculative.draft import Draft
 from reasoning_engine.speculative.verify import verify_greedy, verify_sampled
 
 logger = logging.getLogger(__name__)
@@ -45,20 +50,34 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def cache_bytes_per_token(layers: Sequence[torch.nn.Module], dtype: torch.dtype) -> int:
+    """Bytes one token takes in the caches of these attention layers."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    return sum(torch.Size(shape).numel() * size for attn in layers for shape in attn.cache_shape(1, 1))
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: CausalLM) -> None:
+    def __init__(self, config: EngineConfig, model: CausalLM, draft_models: Mapping[str, DraftModel] | None = None,
+                 max_draft_tokens: int = 0) -> None:
+        """`draft_models` (speculative methods mtp / eagle3 -> model) each get a cache beside the target's and run
+        after every step; `max_draft_tokens` bounds their drafts (num_speculative_tokens)."""
         self.config = config
         self.model = model
         self.device = config.device
         self.block_size = config.block_size
         self.sampler = Sampler(config.seed)
         self.attention_ops = kernel_module("attention", config.kernel_backend)
-        self.num_blocks = self._num_blocks()
-        self._allocate_cache()
+        draft_models = dict(draft_models or {})
+        self.aux_layers = sorted({i for m in draft_models.values() for i in m.aux_layers})
+        self.num_blocks = self._num_blocks(list(draft_models.values()))
+        self.kv_caches = self.allocate_caches(self.model.attention_layers(), self.num_blocks)
+        self.drafters = {method: DraftRunner(method, m, self, max_draft_tokens) for method, m in draft_models.items()}
 
-    def _num_blocks(self) -> int:
+    def _num_blocks(self, draft_models: list[DraftModel]) -> int:
         c = self.config
-        per_block = c.model.kv_cache_bytes_per_token(c.dtype) * c.block_size
+        per_token = c.model.kv_cache_bytes_per_token(c.dtype)
+        per_token += sum(cache_bytes_per_token(m.attention_layers(), c.dtype) for m in draft_models)
+        per_block = per_token * c.block_size
         if c.kv_cache_blocks is not None:
             blocks = c.kv_cache_blocks
         elif c.kv_cache_memory is not None:
@@ -75,18 +94,22 @@ class ModelRunner:
                 f"give more KV cache memory or a smaller max_model_len")
         return blocks
 
-    def _allocate_cache(self) -> None:
-        self.kv_caches: list[list[torch.Tensor]] = []
-        for attn in self.model.attention_layers():
+    def allocate_caches(self, layers: Sequence[torch.nn.Module], num_blocks: int) -> list[list[torch.Tensor]]:
+        """Allocate and bind the paged caches of these attention layers (the target's, or a draft model's)."""
+        kv_caches: list[list[torch.Tensor]] = []
+        for attn in layers:
             caches = [torch.zeros(shape, dtype=self.config.dtype, device=self.device)
-                      for shape in attn.cache_shape(self.num_blocks, self.block_size)]
+                      for shape in attn.cache_shape(num_blocks, self.block_size)]
             attn.bind_cache(caches)
-            self.kv_caches.append(caches)
-        total = sum(t.numel() * t.element_size() for caches in self.kv_caches for t in caches)
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.block_size, total / 2**20)
+            kv_caches.append(caches)
+        total = sum(t.numel() * t.element_size() for caches in kv_caches for t in caches)
+        logger.info("KV cache: %d blocks of %d tokens for %d layers (%.1f MiB)", num_blocks, self.block_size,
+                    len(kv_caches), total / 2**20)
+        return kv_caches
 
     def move_kv(self, block_table: list[int], moves: list[tuple[int, int]]) -> None:
-        """Copy cache entries between token positions of one sequence (accepted draft-tree nodes into place)."""
+        """Copy cache entries between token positions of one sequence (accepted draft-tree nodes into place). Draft
+        models' caches need no move: their pass after the step writes the accepted positions in place."""
         bs = self.block_size
         src = torch.tensor([block_table[a // bs] * bs + a % bs for a, _ in moves], device=self.device)
         dst = torch.tensor([block_table[b // bs] * bs + b % bs for _, b in moves], device=self.device)
@@ -144,16 +167,25 @@ class ModelRunner:
                     logits_rows.append(sample_rows[-1][0])
             else:
                 sample_rows.append([])
-        max_blocks = max(len(item.request.block_table) for item in scheduled)
-        tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int32)
-        for i, item in enumerate(scheduled):
-            tables[i, : len(item.request.block_table)] = torch.tensor(item.request.block_table, dtype=torch.int32)
+        batch = self.make_batch(input_ids, positions, slots, query_lens, seq_lens,
+                                [item.request.block_table for item in scheduled], logits_rows,
+                                tree_parts if any(item.num_draft_tokens for item in scheduled) else None)
+        return batch, sample_rows, prompt_rows
+
+    def make_batch(self, input_ids: list[int], positions: list[int], slots: list[int], query_lens: list[int],
+                   seq_lens: list[int], block_tables: list[list[int]], logits_rows: list[int] | None = None,
+                   tree_parts: list[torch.Tensor] | None = None) -> ForwardBatch:
+        """A ForwardBatch over the paged caches, its attention metadata built once for all layers. `tree_parts`: per
+        sequence, which of its query tokens each may see (draft trees); None for causal order."""
+        dev = self.device
+        tables = torch.zeros(len(block_tables), max(len(t) for t in block_tables), dtype=torch.int32)
+        for i, table in enumerate(block_tables):
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
         query_start = [0]
         for n in query_lens:
             query_start.append(query_start[-1] + n)
-        dev = self.device
         tree_mask = None
-        if any(item.num_draft_tokens for item in scheduled):
+        if tree_parts is not None:
             tree_mask = torch.zeros(len(input_ids), max(query_lens), dtype=torch.bool)
             for part, row0 in zip(tree_parts, query_start):
                 tree_mask[row0 : row0 + part.shape[0], : part.shape[1]] = part
@@ -165,21 +197,22 @@ class ModelRunner:
             query_start_loc=torch.tensor(query_start, dtype=torch.long, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
             block_tables=tables.to(dev),
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            logits_indices=torch.tensor(logits_rows or [], dtype=torch.long, device=dev),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             tree_mask=tree_mask,
         )
-        batch.attn_metadata = self.attention_ops.prepare_attention(batch, bs)
-        return batch, sample_rows, prompt_rows
+        batch.attn_metadata = self.attention_ops.prepare_attention(batch, self.block_size)
+        return batch
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], forced: dict[int, int]) -> list[StepResult]:
         """Run one step. `forced` maps a scheduled index to a token it must emit (thinking budget)."""
         batch, sample_rows, prompt_rows = self.prepare(scheduled)
-        hidden = self.model(batch)
+        aux_hidden = dict.fromkeys(self.aux_layers) if self.aux_layers else None
+        hidden = self.model(batch, aux_hidden)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         row_of = {row: i for i, row in enumerate(batch.logits_indices.tolist())}
         results = [StepResult() for _ in scheduled]
@@ -199,7 +232,51 @@ class ModelRunner:
                 results[i] = self._verify(item.request, logits[[row_of[r] for r in sample_rows[i]]])
             if prompt_rows[i] >= 0:
                 results[i].prompt_logprobs = self._prompt_logprobs(item, logits[prompt_rows[i]:])
+        if self.drafters:
+            self._run_drafters(scheduled, batch, hidden, aux_hidden or {}, results)
         return results
+
+    def _run_drafters(self, scheduled: list[ScheduledRequest], batch: ForwardBatch, hidden: torch.Tensor,
+                      aux_hidden: dict[int, torch.Tensor], results: list[StepResult]) -> None:
+        """After sampling: the draft models' pass over every position this step keeps. Position t is paired with the
+        token after it: the next prompt token, the sampled token for the last position, or for a verified draft the
+        accepted tokens and the bonus token (rejected nodes are left out: their slots are rewritten later)."""
+        bs = self.block_size
+        rows: list[int] = []  # rows of the step's hidden states whose positions are kept
+        next_ids: list[int] = []
+        starts: list[int] = []
+        query_lens: list[int] = []
+        finals: list[DraftFinal] = []
+        row0 = 0
+        for item, result in zip(scheduled, results):
+            request, start, before = item.request, item.request.num_computed_tokens, len(next_ids)
+            if item.num_draft_tokens:
+                rows += [row0] + [row0 + 1 + node for node in result.accepted_nodes]
+                next_ids += result.token_ids
+            else:
+                stop = start + item.num_tokens
+                rows += range(row0, row0 + item.num_tokens)
+                next_ids += request.all_token_ids[start + 1 : stop] + (result.token_ids[:1] or [request.token_at(stop)])
+            row0 += item.num_tokens
+            kept = len(next_ids) - before
+            starts.append(start)
+            query_lens.append(kept)
+            if result.token_ids:
+                end = start + kept
+                finals.append(DraftFinal(request.seq_id, len(next_ids) - 1, end, request.block_table[: -(-end // bs)]))
+        if batch.tree_mask is None:  # no draft verified: the same positions as the target's batch
+            draft_batch = dataclasses.replace(batch, input_ids=torch.tensor(next_ids, dtype=torch.long, device=self.device))
+        else:
+            index = torch.tensor(rows, device=hidden.device)
+            hidden, aux_hidden = hidden[index], {i: t[index] for i, t in aux_hidden.items()}
+            tables = [item.request.block_table for item in scheduled]
+            spans = [range(start, start + n) for start, n in zip(starts, query_lens)]
+            draft_batch = self.make_batch(
+                next_ids, [p for span in spans for p in span],
+                [table[p // bs] * bs + p % bs for table, span in zip(tables, spans) for p in span],
+                query_lens, [span.stop for span in spans], tables)
+        for drafter in self.drafters.values():
+            drafter.observe(draft_batch, hidden, aux_hidden, finals)
 
     def _verify(self, request: Request, logits: torch.Tensor) -> StepResult:
         """Accept the longest valid part of the request's draft tree; rows: root then one per draft node."""
@@ -273,3 +350,123 @@ class ModelRunner:
         if len(request.output_token_ids) + extra >= request.params.min_tokens:
             return []
         return sorted(set(request.eos_token_ids) | set(request.params.stop_token_ids))
+
+
+@dataclass
+class DraftFinal:
+    """A request whose step produced tokens: its row in the draft pass and where its next draft starts."""
+
+    seq_id: str
+    row: int
+    position: int  # the new root's position: every position below it is now in the caches
+    block_table: list[int]  # the request's blocks holding those positions
+
+
+@dataclass
+class DraftState:
+    """What a request's next draft starts from, left by the draft model's pass over the request's last step."""
+
+    position: int
+    block_table: list[int]
+    features: torch.Tensor  # [hidden] carried from position - 1
+    token: int  # the first draft token, predicted at position - 1
+    prob: float  # the draft model's probability of it
+
+
+class DraftRunner:
+    """Runs a `DraftModel` (MTP layer, EAGLE-3 head) beside the target and proposes its greedy chains: a `Proposer`.
+
+    Its KV cache mirrors the target's block ids and slots, so a position's draft entry lives, is shared through the
+    prefix cache and is recycled with the target's. After each target step `observe` runs the draft model over every
+    position the step kept, which fills that cache and leaves each request that got new tokens a `DraftState`: the
+    first draft token and the carried features. `propose_batch` continues the chains of all asked requests together,
+    one draft-model forward per draft position; those positions lie beyond what the target has computed, so they write
+    to the request's own partly filled last block or to scratch blocks past the shared ones (`scratch_per_seq` per
+    request of the batch), and the next `observe` overwrites whatever the target keeps.
+
+    A prefix-cache hit reuses the draft entries of the request that computed the blocks; the entry of the hit's last
+    position was paired with that request's next token, which may differ. That only costs draft quality.
+    """
+
+    def __init__(self, method: str, model: DraftModel, runner: ModelRunner, max_draft_tokens: int) -> None:
+        self.method = method
+        self.model = model
+        self.runner = runner
+        bs = runner.block_size
+        self.scratch_per_seq = -(-max(max_draft_tokens - 1, 0) // bs)
+        self.scratch_start = runner.num_blocks
+        num_blocks = runner.num_blocks + runner.config.max_num_seqs * self.scratch_per_seq
+        self.kv_caches = runner.allocate_caches(model.attention_layers(), num_blocks)
+        self.states: dict[str, DraftState] = {}
+
+    def observe(self, batch: ForwardBatch, hidden: torch.Tensor, aux_hidden: Mapping[int, torch.Tensor],
+                finals: list[DraftFinal]) -> None:
+        """Run the draft model over a step's kept positions (batch.input_ids: the token after each position)."""
+        head_input, carried = self.model(batch, self.model.target_features(hidden, aux_hidden), batch.input_ids)
+        if not finals:
+            return
+        rows = torch.tensor([f.row for f in finals], device=head_input.device)
+        tokens, probs = self.model.greedy(head_input[rows])
+        for final, token, prob, features in zip(finals, tokens.tolist(), probs.tolist(), carried[rows]):
+            self.states[final.seq_id] = DraftState(final.position, final.block_table, features, token, prob)
+
+    # ---- Proposer ----
+    def start_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+        """Nothing to do: the request's state comes from the draft pass over its steps."""
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_draft_tokens: int) -> Draft:
+        return self.propose_batch([(request_id, token_ids, max_draft_tokens)])[0]
+
+    @torch.inference_mode()
+    def propose_batch(self, items: Sequence[ProposeItem]) -> list[Draft]:
+        """Greedy chains, scored by their expected accepted length under the draft's own probabilities (the sum over
+        depths of the product of the probabilities so far). A request whose state is not from its last token (it
+        has not finished a step since) gets no draft. The items are running requests, at most max_num_seqs."""
+        drafts = [Draft.empty() for _ in items]
+        live: list[tuple[int, DraftState, int]] = []
+        for i, (seq_id, tokens, n) in enumerate(items):
+            state = self.states.get(seq_id)
+            if n > 0 and state is not None and len(tokens) == state.position + 1:
+                live.append((i, state, n))
+        if not live:
+            return drafts
+        chains = {i: ([state.token], [state.prob]) for i, state, _ in live}
+        longer = [(i, state, n) for i, state, n in live if n > 1]
+        chained = [(i, state, n, self._chain_table(slot, state, n)) for slot, (i, state, n) in enumerate(longer)]
+        features = torch.stack([state.features for _, state, _, _ in chained]) if chained else None
+        bs = self.runner.block_size
+        depth = 1
+        while chained:
+            # draft token `depth` sits at position + depth; the draft model reads it at the position before
+            positions = [state.position + depth - 1 for _, state, _, _ in chained]
+            batch = self.runner.make_batch(
+                [chains[i][0][-1] for i, _, _, _ in chained], positions,
+                [table[p // bs] * bs + p % bs for p, (_, _, _, table) in zip(positions, chained)],
+                [1] * len(chained), [p + 1 for p in positions], [table for _, _, _, table in chained])
+            head_input, features = self.model(batch, features, batch.input_ids)
+            tokens, probs = self.model.greedy(head_input)
+            for (i, _, _, _), token, prob in zip(chained, tokens.tolist(), probs.tolist()):
+                chains[i][0].append(token)
+                chains[i][1].append(prob)
+            depth += 1
+            keep = [j for j, (_, _, n, _) in enumerate(chained) if n > depth]
+            chained = [chained[j] for j in keep]
+            features = features[keep]
+        for i, _, _ in live:
+            tokens, probs = chains[i]
+            expected = torch.tensor(probs, dtype=torch.float64).cumprod(0).sum().item()
+            drafts[i] = Draft.path(tokens, score=expected)
+        return drafts
+
+    def _chain_table(self, index: int, state: DraftState, length: int) -> list[int]:
+        """The request's blocks, then the scratch blocks of chain slot `index` for draft positions past them."""
+        bs = self.runner.block_size
+        needed = -(-(state.position + length - 1) // bs) - len(state.block_table)
+        scratch = self.scratch_start + index * self.scratch_per_seq
+        return state.block_table + list(range(scratch, scratch + max(needed, 0)))
+
+    def on_tokens_accepted(self, request_id: str, new_token_ids: Sequence[int]) -> None:
+        """Nothing to do: the next draft pass sees what was accepted."""
+
+    def finish_request(self, request_id: str, learn: bool = True) -> None:
+        self.states.pop(request_id, None)

@@ -8,7 +8,7 @@ fills (`WeightTarget`); loading then checks every shape and that every parameter
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +16,9 @@ from torch import nn
 
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.config import ModelConfig
+from reasoning_engine.layers.moe import Router
 from reasoning_engine.layers.norm import RMSNorm
+from reasoning_engine.layers.rotary import RotaryEmbedding
 
 Slicer = Callable[[torch.Tensor], torch.Tensor]
 
@@ -76,11 +78,18 @@ class CausalLM(nn.Module):
     def attention_layers(self) -> list[nn.Module]:
         return [layer.self_attn for layer in self.layers]
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for every token of the step."""
+    def forward(self, batch: ForwardBatch, aux_hidden: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for every token of the step.
+
+        `aux_hidden` serves draft heads that read intermediate features (EAGLE-3, Li et al., 2025, arXiv:2503.01840):
+        for each layer index that is a key of it, the residual stream that layer outputs is stored under that key.
+        Without it (the usual case) nothing is kept.
+        """
         x = self.embed_tokens(batch.input_ids)
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             x = layer(batch.positions, x, batch)
+            if aux_hidden is not None and index in aux_hidden:
+                aux_hidden[index] = x
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -92,8 +101,11 @@ class CausalLM(nn.Module):
         return WeightTarget(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters(remove_duplicate=False))
-        filled: dict[str, int] = {}
+        tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        load_parameters(self, self._text_model_weights(weights), self._map_checkpoint_name, self.config.path, tied)
+
+    def _text_model_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The text model's tensors, named without the checkpoint's text-model prefix; vision tower and buffers skipped."""
         prefix, skipped = self.config.weight_prefix, self.config.skipped_prefixes
         for name, tensor in weights:
             if skipped and name.startswith(skipped):
@@ -102,28 +114,55 @@ class CausalLM(nn.Module):
                 if not name.startswith(prefix):
                     raise ValueError(f"unexpected tensor {name!r}: text model tensors are expected under {prefix!r}")
                 name = name[len(prefix):]
-            if self.ignored.search(name):
-                continue
-            local = name[len("model."):] if name.startswith("model.") else name
-            target = self.map_weight(local)
-            if target is None:
-                continue
-            if target.param not in params:
-                raise ValueError(f"unexpected tensor {name!r} in the checkpoint: the model has no parameter {target.param!r}")
-            param = params[target.param]
-            dest = target.slicer(param.data) if target.slicer else param.data
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            filled[target.param] = filled.get(target.param, 0) + tensor.numel()
-        tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
-        missing = [p for p, t in params.items() if p not in tied and filled.get(p, 0) < t.numel()]
-        if missing:
-            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-            raise ValueError(f"checkpoint {self.config.path} is missing tensors for: {shown}")
-        for module in self.modules():
-            if hasattr(module, "process_weights_after_loading"):
-                module.process_weights_after_loading()
+            if not self.ignored.search(name):
+                yield name, tensor
+
+    def _map_checkpoint_name(self, name: str) -> WeightTarget | None:
+        return self.map_weight(name[len("model."):] if name.startswith("model.") else name)
+
+
+def load_parameters(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                    map_weight: Callable[[str], WeightTarget | None], source: object, tied: Collection[str] = ()) -> None:
+    """Copy each checkpoint tensor into the parameter slice `map_weight` names for it (None: skip the tensor).
+
+    Shared by the models and the draft models (MTP layers, EAGLE-3 heads), so every loader checks the same things:
+    each tensor fits its slice, and at the end every parameter but the `tied` ones was filled completely (`source`
+    names the checkpoint in that error). Then modules derive what they precompute from their weights.
+    """
+    params = dict(module.named_parameters(remove_duplicate=False))
+    filled: dict[str, int] = {}
+    for name, tensor in weights:
+        target = map_weight(name)
+        if target is None:
+            continue
+        if target.param not in params:
+            raise ValueError(f"unexpected tensor {name!r} in the checkpoint: the model has no parameter {target.param!r}")
+        param = params[target.param]
+        dest = target.slicer(param.data) if target.slicer else param.data
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        filled[target.param] = filled.get(target.param, 0) + tensor.numel()
+    missing = [p for p, t in params.items() if p not in tied and filled.get(p, 0) < t.numel()]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint {source} is missing tensors for: {shown}")
+    for sub in module.modules():
+        if hasattr(sub, "process_weights_after_loading"):
+            sub.process_weights_after_loading()
+
+
+def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Real, uninitialised storage in `dtype` on `device` for a module built on the meta device (every parameter is
+    then loaded, so random init would be wasted work). Routers stay float32, as the published models compute routing;
+    rotary tables (plain tensors, not cast with the weights) move to the device."""
+    module = module.to_empty(device=device).to(dtype)
+    for sub in module.modules():
+        if isinstance(sub, Router):
+            sub.float()
+        elif isinstance(sub, RotaryEmbedding):
+            sub.to_device(device)
+    return module
 
 
 def gqa_target(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> WeightTarget:

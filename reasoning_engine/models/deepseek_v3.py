@@ -2,7 +2,7 @@
 MoE layers with shared experts. The routing differs by family (noaux_tc sigmoid for V3/K2, softmax greedy for V2).
 
 Tensors of the multi-token-prediction layers (index >= num_hidden_layers) are skipped here; the speculative decoder
-loads them on its own.
+loads them on its own (speculative/mtp.py), building them with `decoder_layer` and mapping them with `map_layer_weight`.
 """
 
 from __future__ import annotations
@@ -45,36 +45,48 @@ def _mlp(config: ModelConfig, index: int) -> nn.Module:
     return SparseMoE(router, experts, shared)
 
 
+def rotary_embedding(config: ModelConfig, max_positions: int) -> RotaryEmbedding:
+    raw = config.raw
+    interleaved = config.family == "deepseek_v2" or bool(raw.get("rope_interleave", True))
+    return RotaryEmbedding(raw["qk_rope_head_dim"], config.rope_theta, config.rope_scaling,
+                           config.max_position_embeddings, max_positions, interleaved=interleaved)
+
+
+def decoder_layer(config: ModelConfig, index: int, rotary: RotaryEmbedding) -> DecoderLayer:
+    """Layer `index` of the stack: MLA attention, then a dense MLP or the MoE. MTP layers (index >= num_hidden_layers)
+    are built the same way."""
+    raw = config.raw
+    rope_dim, nope_dim = raw["qk_rope_head_dim"], raw["qk_nope_head_dim"]
+    scale = (rope_dim + nope_dim) ** -0.5 * yarn_softmax_scale(config.rope_scaling)
+    attn = MLAttention(config.hidden_size, config.num_attention_heads, raw.get("q_lora_rank"), raw["kv_lora_rank"],
+                       nope_dim, rope_dim, raw["v_head_dim"], rotary, config.rms_norm_eps, scale,
+                       bias=bool(raw.get("attention_bias", False)))
+    return DecoderLayer(attn, _mlp(config, index), config.hidden_size, config.rms_norm_eps)
+
+
+def map_layer_weight(name: str, q_lora_rank: int | None) -> WeightTarget:
+    """`layers.N.*` tensors into our fused layouts: q_a_proj and kv_a_proj_with_mqa into fused_qkv_a_proj (when the
+    query is low-rank), gate/up into gate_up_proj, routed experts into the stacked w13 / w2."""
+    if q_lora_rank is not None:
+        attn = re.fullmatch(r"(layers\.\d+\.self_attn)\.(q_a_proj|kv_a_proj_with_mqa)\.(weight|bias)", name)
+        if attn:
+            fused = f"{attn.group(1)}.fused_qkv_a_proj.{attn.group(3)}"
+            if attn.group(2) == "q_a_proj":
+                return WeightTarget(fused, rows(0, q_lora_rank))
+            return WeightTarget(fused, lambda t: t[q_lora_rank:])
+    return mlp_target(name)
+
+
 class DeepseekV3ForCausalLM(CausalLM):
     """Also runs deepseek_v2, kimi_k2 and kimi_k25 (their text model)."""
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
-        raw = config.raw
-        rope_dim, nope_dim = raw["qk_rope_head_dim"], raw["qk_nope_head_dim"]
-        interleaved = config.family == "deepseek_v2" or bool(raw.get("rope_interleave", True))
-        rotary = RotaryEmbedding(rope_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings,
-                                 max_positions, interleaved=interleaved)
-        scale = (rope_dim + nope_dim) ** -0.5 * yarn_softmax_scale(config.rope_scaling)
-        layers = [
-            DecoderLayer(
-                MLAttention(config.hidden_size, config.num_attention_heads, raw.get("q_lora_rank"), raw["kv_lora_rank"],
-                            nope_dim, rope_dim, raw["v_head_dim"], rotary, config.rms_norm_eps, scale,
-                            bias=bool(raw.get("attention_bias", False))),
-                _mlp(config, i), config.hidden_size, config.rms_norm_eps)
-            for i in range(config.num_hidden_layers)
-        ]
-        super().__init__(config, layers)
-        self.q_lora_rank = raw.get("q_lora_rank")
+        rotary = rotary_embedding(config, max_positions)
+        super().__init__(config, [decoder_layer(config, i, rotary) for i in range(config.num_hidden_layers)])
+        self.q_lora_rank = config.raw.get("q_lora_rank")
 
     def map_weight(self, name: str) -> WeightTarget | None:
         match = re.match(r"layers\.(\d+)\.", name)
         if match and int(match.group(1)) >= self.config.num_hidden_layers:
             return None  # MTP layers
-        if self.q_lora_rank is not None:
-            attn = re.fullmatch(r"(layers\.\d+\.self_attn)\.(q_a_proj|kv_a_proj_with_mqa)\.(weight|bias)", name)
-            if attn:
-                fused = f"{attn.group(1)}.fused_qkv_a_proj.{attn.group(3)}"
-                if attn.group(2) == "q_a_proj":
-                    return WeightTarget(fused, rows(0, self.q_lora_rank))
-                return WeightTarget(fused, lambda t: t[self.q_lora_rank:])
-        return mlp_target(name)
+        return map_layer_weight(name, self.q_lora_rank)

@@ -8,9 +8,7 @@ import torch
 
 from reasoning_engine.config import ModelConfig
 from reasoning_engine.layers import use_kernel_backend
-from reasoning_engine.layers.moe import Router
-from reasoning_engine.layers.rotary import RotaryEmbedding
-from reasoning_engine.models.base import CausalLM
+from reasoning_engine.models.base import CausalLM, materialize
 from reasoning_engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from reasoning_engine.models.llama import LlamaForCausalLM
 from reasoning_engine.models.qwen3 import Qwen3ForCausalLM
@@ -35,14 +33,9 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, m
     cls = FAMILIES[config.family]
     with torch.device("meta"):
         model = cls(config, max_positions)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialize(model, dtype, device)
     if config.tie_word_embeddings:  # to_empty gave each module its own tensor: share them again
         model.lm_head.weight = model.embed_tokens.weight
-    for module in model.modules():
-        if isinstance(module, Router):  # routing stays float32, as the published models compute it
-            module.float()
-        elif isinstance(module, RotaryEmbedding):
-            module.to_device(device)
     if config.skipped_prefixes:
         logger.info("%s: skipping the vision tower (%s) until multimodal input lands; serving the text model",
                     config.model_type, ", ".join(config.skipped_prefixes))

@@ -3,6 +3,7 @@
 Every route parses its JSON itself (so broken JSON and wrong types are 400s naming the parameter, never FastAPI's
 422), every error is an OpenAI error object, and every engine request is aborted when its client goes away.
 Authentication and the body-size limit are plain ASGI middleware, so they guard every route, unknown ones included.
+The browser playground (playground.py) is mounted at `/`; its static files are public, its API calls are not.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from reasoning_engine.server.chat_template import check_template_kwargs, render_
 from reasoning_engine.server.errors import APIError, bad_request, error_body, from_validation_error
 from reasoning_engine.server.metrics import ServerMetrics
 from reasoning_engine.server.parsing import resolve_reasoning_parser, resolve_tool_parser
+from reasoning_engine.server.playground import PUBLIC_PATHS as PLAYGROUND_PUBLIC_PATHS
+from reasoning_engine.server.playground import mount_playground
 from reasoning_engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -61,7 +64,7 @@ class ServerConfig:
     tool_call_parser: str = "auto"
     max_thinking_tokens: int | None = None  # default thinking budget for requests that set none
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    public_paths: tuple[str, ...] = ("/health",)  # reachable without the API key
+    public_paths: tuple[str, ...] = ("/health", *PLAYGROUND_PUBLIC_PATHS)  # reachable without the API key
     shutdown_engine: bool = True  # shut the engine down when the app stops (False when apps share an engine)
 
 
@@ -300,6 +303,7 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
             raise bad_request(f"token ids must be in [0, {serving.vocab_size})", param="tokens")
         return JSONResponse({"prompt": tokenizer.decode(req.tokens)})
 
+    mount_playground(app)
     return app
 
 

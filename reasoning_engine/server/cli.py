@@ -129,7 +129,8 @@ def serve_command(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser, max_thinking_tokens=args.max_thinking_tokens,
         max_body_bytes=args.max_body_bytes))
     serving = app.state.serving
-    print(f"Serving {', '.join(serving.model_names)} at http://{args.host}:{args.port}/v1 "
+    print(f"Serving {', '.join(serving.model_names)} at http://{args.host}:{args.port}/v1, playground at "
+          f"http://{args.host}:{args.port}/ "
           f"(context {serving.max_model_len}, reasoning parser {serving.reasoning_parser or 'none'}, "
           f"tool-call parser {serving.tool_parser or 'none'}, API key {'required' if args.api_key else 'off'})",
           flush=True)

@@ -53,6 +53,8 @@ class _EngineCollector(Collector):
         """`{"num_drafts": 3, "num_accepted_tokens_per_pos": [5, 2]}` -> spec_decode_num_drafts_total and a
         per-position counter labelled `position`."""
         for key, value in sorted(counters.items()):
+            if not isinstance(value, (int, float, list)):  # the method name, per-method breakdowns
+                continue
             labels = ["model_name", "position"] if isinstance(value, list) else ["model_name"]
             family = CounterMetricFamily(f"{PREFIX}spec_decode_{key}", f"Speculative decoding: {key}.", labels=labels)
             if isinstance(value, list):

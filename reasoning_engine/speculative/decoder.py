@@ -3,17 +3,35 @@
 Draft length adapts per request: it doubles (up to num_speculative_tokens) while whole drafts are accepted and drops
 to one more than what was accepted after a rejection. Speculation backs off entirely when the running batch is larger
 than `max_batch_size`: verification then costs more than the extra tokens save.
+
+Proposers come in two kinds. Text proposers (ngram, lookup, suffix) draft from token sequences alone. Draft-model
+proposers (mtp, eagle3) run a small network beside the target over its hidden states; the engine loads their
+`DraftModel` here (`load_draft_models`), the model runner runs it and hands back a proposer. `hybrid` drafts with two
+or more of either kind and keeps, per request and step, the draft expected to gain the most.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from reasoning_engine.speculative.draft import Draft, Proposer
 
-METHODS = ("ngram", "lookup", "suffix")
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from reasoning_engine.batch import ForwardBatch
+    from reasoning_engine.config import EngineConfig
+    from reasoning_engine.models.base import CausalLM
+
+TEXT_METHODS = ("ngram", "lookup", "suffix")
+MODEL_METHODS = ("mtp", "eagle3")
+METHODS = (*TEXT_METHODS, *MODEL_METHODS, "hybrid")
+
+ProposeItem = tuple[str, Sequence[int], int]  # (request id, its tokens, draft budget)
 
 
 @dataclass
@@ -22,7 +40,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 8
     max_batch_size: int = 16
     state_dir: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
+    model: str | None = None  # eagle3: the draft checkpoint folder
+    methods: tuple[str, ...] = ()  # hybrid: the proposers it chooses between
+    options: dict[str, Any] = field(default_factory=dict)  # the proposer's own options (hybrid: one dict per method)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SpeculativeConfig:
@@ -35,24 +55,199 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, 64], got {k!r}")
         max_batch = raw.pop("max_batch_size", 16)
         state_dir = raw.pop("state_dir", None)
-        return cls(method=method, num_speculative_tokens=k, max_batch_size=max_batch, state_dir=state_dir, options=raw)
+        model = raw.pop("model", None)
+        methods: tuple[str, ...] = ()
+        if method == "hybrid":
+            listed = raw.pop("methods", None)
+            if (not isinstance(listed, list) or len(listed) < 2 or len(set(listed)) != len(listed)
+                    or any(m not in METHODS or m == "hybrid" for m in listed)):
+                raise ValueError("speculative_config.methods must list two or more different methods of "
+                                 f"{', '.join(METHODS[:-1])} for method 'hybrid', got {listed!r}")
+            methods = tuple(listed)
+            bad = [k for k, v in raw.items() if k not in methods or not isinstance(v, dict)]
+            if bad:
+                raise ValueError(f"speculative_config: with method 'hybrid', options go in one object per listed "
+                                 f"method (e.g. {{'suffix': {{...}}}}); unexpected {', '.join(map(repr, bad))}")
+        elif method in MODEL_METHODS and raw:
+            raise ValueError(f"speculative_config: method {method!r} takes no option {', '.join(map(repr, raw))}")
+        config = cls(method=method, num_speculative_tokens=k, max_batch_size=max_batch, state_dir=state_dir,
+                     model=model, methods=methods, options=raw)
+        if "eagle3" in config.model_methods() and not isinstance(model, str):
+            raise ValueError("speculative_config.model must name the EAGLE-3 draft checkpoint folder for method 'eagle3'")
+        return config
+
+    def model_methods(self) -> list[str]:
+        """The draft-model methods this config runs, directly or inside a hybrid."""
+        return [m for m in (self.methods or (self.method,)) if m in MODEL_METHODS]
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    if config.method == "ngram":
+class DraftModel(Protocol):
+    """A draft network run beside the target over its own paged KV cache: DeepSeek's MTP layer (mtp.py) or an EAGLE-3
+    head (eagle3.py). Position t of a sequence pairs features of the target at t with token t + 1 and predicts token
+    t + 2; chained drafting feeds the draft's own carried features back in place of the target's."""
+
+    # target layers whose output the draft reads (CausalLM.forward's aux_hidden); () when it reads the final hidden
+    aux_layers: tuple[int, ...]
+
+    def attention_layers(self) -> list[nn.Module]: ...
+
+    def target_features(self, hidden: torch.Tensor, aux_hidden: Mapping[int, torch.Tensor]) -> torch.Tensor:
+        """Rows of the target's final-normed hidden states (and of its aux layers) -> the draft's input features."""
+        ...
+
+    def __call__(self, batch: ForwardBatch, features: torch.Tensor,
+                 input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One position per row: returns the head's input and the features carried to the next chained position."""
+        ...
+
+    def greedy(self, head_input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The argmax token of each row as a target vocabulary id, and the draft's probability of it."""
+        ...
+
+
+def load_draft_models(config: SpeculativeConfig, engine_config: EngineConfig, target: CausalLM) -> dict[str, DraftModel]:
+    """Build and load the draft models the config's methods need (none for text proposers)."""
+    models: dict[str, DraftModel] = {}
+    for method in config.model_methods():
+        if method == "mtp":
+            from reasoning_engine.speculative.mtp import load_mtp
+
+            models[method] = load_mtp(target, engine_config)
+        else:
+            from reasoning_engine.speculative.eagle3 import load_eagle3
+
+            models[method] = load_eagle3(config.model, target, engine_config)
+    return models
+
+
+def _text_proposer(method: str, options: dict[str, Any], state_dir: str | None) -> Proposer:
+    if method == "ngram":
         from reasoning_engine.speculative.ngram import NgramProposer
 
-        return NgramProposer(**config.options)
-    if config.method == "lookup":
+        return NgramProposer(**options)
+    if method == "lookup":
         from reasoning_engine.speculative.lookup import LookupProposer
 
-        return LookupProposer(**config.options)
+        return LookupProposer(**options)
     from reasoning_engine.speculative.suffix_tree import SuffixConfig, SuffixProposer
 
-    proposer = SuffixProposer(SuffixConfig(**config.options))
-    if config.state_dir:
-        proposer.load(config.state_dir)
+    proposer = SuffixProposer(SuffixConfig(**options))
+    if state_dir and (Path(state_dir) / "suffix_state.json").is_file():  # a first start has nothing saved yet
+        proposer.load(state_dir)
     return proposer
+
+
+def make_proposer(config: SpeculativeConfig, draft_proposers: Mapping[str, Proposer] | None = None) -> Proposer:
+    """The config's proposer; `draft_proposers` are the model runner's proposers for the draft-model methods."""
+    draft_proposers = draft_proposers or {}
+
+    def single(method: str, options: dict[str, Any]) -> Proposer:
+        if method in MODEL_METHODS:
+            return draft_proposers[method]
+        return _text_proposer(method, options, config.state_dir)
+
+    if config.method == "hybrid":
+        return HybridProposer({m: single(m, config.options.get(m, {})) for m in config.methods})
+    return single(config.method, config.options)
+
+
+def propose_many(proposer: Proposer, items: Sequence[ProposeItem]) -> list[Draft]:
+    """Drafts for several requests; proposers that batch their work (draft models) get all of them at once."""
+    batched = getattr(proposer, "propose_batch", None)
+    if batched is not None:
+        return batched(items)
+    return [proposer.propose(seq_id, tokens, n) for seq_id, tokens, n in items]
+
+
+@dataclass
+class MethodEstimate:
+    """Running acceptance of one method's verified drafts, for the hybrid's choice and the per-method metrics."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    predicted: float = 0.0  # sum of the scores of scored drafts
+    accepted_scored: int = 0  # tokens accepted from scored drafts
+
+    def expected(self, draft: Draft) -> float:
+        """Expected accepted length: the draft's own score times this method's calibration (accepted / predicted so
+        far), or, when the proposer gives no score, the method's mean accepted length per draft. Both start from a
+        prior of one token, so a method that has not been tried yet looks worth trying."""
+        if not len(draft):
+            return 0.0
+        if draft.score > 0:
+            return draft.score * (self.accepted_scored + 1.0) / (self.predicted + 1.0)
+        return min(float(len(draft)), (self.accepted_tokens + 1.0) / (self.drafts + 1.0))
+
+    def update(self, draft: Draft, accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += len(draft)
+        self.accepted_tokens += accepted
+        if draft.score > 0:
+            self.predicted += draft.score
+            self.accepted_scored += accepted
+
+    def as_dict(self) -> dict[str, float]:
+        return {"drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+                "mean_acceptance_length": (self.accepted_tokens + self.drafts) / self.drafts if self.drafts else 0.0}
+
+
+class HybridProposer:
+    """Per request and step, the draft of the sub-proposer with the higher expected accepted length.
+
+    Every sub-proposer drafts for every request (each keeps its own view of the sequence, so any can take over at the
+    next step); `MethodEstimate.expected` ranks the drafts and ties go to the method listed first. What the target
+    accepted of the chosen draft, reported through `on_tokens_accepted`, updates that method's estimate.
+    """
+
+    method = "hybrid"
+
+    def __init__(self, proposers: Mapping[str, Proposer]) -> None:
+        self.proposers = dict(proposers)
+        self.estimates = {m: MethodEstimate() for m in self.proposers}
+        self.chosen: dict[str, tuple[str, Draft]] = {}
+
+    def start_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+        for proposer in self.proposers.values():
+            proposer.start_request(request_id, prompt_token_ids)
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_draft_tokens: int) -> Draft:
+        return self.propose_batch([(request_id, token_ids, max_draft_tokens)])[0]
+
+    def propose_batch(self, items: Sequence[ProposeItem]) -> list[Draft]:
+        candidates = {m: propose_many(p, items) for m, p in self.proposers.items()}
+        drafts: list[Draft] = []
+        for i, (seq_id, _, _) in enumerate(items):
+            best = max(self.proposers, key=lambda m: (self.estimates[m].expected(candidates[m][i]),
+                                                      -list(self.proposers).index(m)))
+            draft = candidates[best][i]
+            if len(draft):
+                self.chosen[seq_id] = (best, draft)
+            else:
+                self.chosen.pop(seq_id, None)
+            drafts.append(draft)
+        return drafts
+
+    def on_tokens_accepted(self, request_id: str, new_token_ids: Sequence[int]) -> None:
+        chosen = self.chosen.pop(request_id, None)
+        if chosen is not None:
+            method, draft = chosen
+            self.estimates[method].update(draft, len(draft.match(new_token_ids)))
+        for proposer in self.proposers.values():
+            proposer.on_tokens_accepted(request_id, new_token_ids)
+
+    def finish_request(self, request_id: str, learn: bool = True) -> None:
+        self.chosen.pop(request_id, None)
+        for proposer in self.proposers.values():
+            proposer.finish_request(request_id, learn=learn)
+
+    def save(self, state_dir: str) -> None:
+        for proposer in self.proposers.values():
+            if hasattr(proposer, "save"):
+                proposer.save(state_dir)
+
+    def method_stats(self) -> dict[str, dict[str, float]]:
+        return {m: e.as_dict() for m, e in self.estimates.items()}
 
 
 @dataclass
@@ -72,9 +267,9 @@ class SpecStats:
 
 
 class SpeculativeDecoder:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, draft_proposers: Mapping[str, Proposer] | None = None) -> None:
         self.config = config
-        self.proposer = make_proposer(config)
+        self.proposer = make_proposer(config, draft_proposers)
         self.stats = SpecStats()
         self.draft_len: dict[str, int] = {}
 
@@ -83,14 +278,19 @@ class SpeculativeDecoder:
         self.draft_len[seq_id] = max(1, self.config.num_speculative_tokens // 2)
 
     def propose(self, seq_id: str, token_ids: Sequence[int], limit: int) -> Draft:
-        length = min(self.draft_len.get(seq_id, 1), limit)
-        if length <= 0:
-            return Draft.empty()
-        draft = self.proposer.propose(seq_id, token_ids, length)
-        if len(draft):
-            self.stats.drafts += 1
-            self.stats.draft_tokens += len(draft)
-        return draft
+        return self.propose_batch([(seq_id, token_ids, limit)])[0]
+
+    def propose_batch(self, items: Sequence[ProposeItem]) -> list[Draft]:
+        """Drafts for several requests at once, each within its adaptive length and its `limit`."""
+        asked = [(seq_id, tokens, min(self.draft_len.get(seq_id, 1), limit)) for seq_id, tokens, limit in items]
+        wanted = [i for i, (_, _, n) in enumerate(asked) if n > 0]
+        drafts = [Draft.empty() for _ in items]
+        for i, draft in zip(wanted, propose_many(self.proposer, [asked[i] for i in wanted])):
+            drafts[i] = draft
+            if len(draft):
+                self.stats.drafts += 1
+                self.stats.draft_tokens += len(draft)
+        return drafts
 
     def record(self, seq_id: str, draft: Draft, accepted: list[int], new_tokens: Sequence[int]) -> None:
         """After verification: update statistics, the adaptive length and the proposer's view of the sequence."""
@@ -114,3 +314,10 @@ class SpeculativeDecoder:
     def save_state(self) -> None:
         if self.config.state_dir and hasattr(self.proposer, "save"):
             self.proposer.save(self.config.state_dir)
+
+    def stats_dict(self) -> dict[str, Any]:
+        """Engine metrics: totals, and per method for a hybrid."""
+        stats = self.stats.as_dict(self.config.method)
+        if hasattr(self.proposer, "method_stats"):
+            stats["per_method"] = self.proposer.method_stats()
+        return stats

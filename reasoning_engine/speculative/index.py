@@ -15,8 +15,12 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+import numpy as np
+
 MASK = (1 << 64) - 1
 BASE = 0x9E3779B97F4A7C15
+BASE_INVERSE = pow(BASE, -1, 1 << 64)
+BULK_MIN = 64  # appends at least this long (prompts, finished outputs) hash with numpy
 SEGMENT_SHIFT = 32
 OFFSET_MASK = (1 << SEGMENT_SHIFT) - 1
 
@@ -26,10 +30,10 @@ def power(n: int) -> int:
     return pow(BASE, n, 1 << 64)
 
 
-def prefix_hashes(tokens: Iterable[int], start: int = 0) -> list[int]:
-    """[h_0, h_1, ...] with h_i the hash of the first i tokens (h_0 = `start`)."""
-    prefix = [start]
-    h = start
+def prefix_hashes(tokens: Iterable[int]) -> list[int]:
+    """[h_0, h_1, ...] with h_i the hash of the first i tokens."""
+    prefix = [0]
+    h = 0
     for token in tokens:
         h = (h * BASE + token + 1) & MASK
         prefix.append(h)
@@ -78,12 +82,15 @@ class NgramIndex:
         self.prefixes.pop(segment, None)
 
     def append(self, segment: int, tokens: Iterable[int]) -> None:
+        tokens = tokens if isinstance(tokens, list) else list(tokens)
+        if len(tokens) >= BULK_MIN:
+            self._append_bulk(segment, tokens)
+            return
         seg = self.segments[segment]
         prefix = self.prefixes[segment]
         base = segment << SEGMENT_SHIFT
         columns = list(zip(self.orders, self.powers, self.tables))
         h = prefix[-1]
-        before = len(seg)
         for token in tokens:
             h = (h * BASE + token + 1) & MASK
             seg.append(token)
@@ -101,7 +108,46 @@ class NgramIndex:
                     table[key] = [found, pos]
                 else:
                     found.append(pos)
-        self.num_tokens += len(seg) - before
+        self.num_tokens += len(tokens)
+
+    def _append_bulk(self, segment: int, tokens: list[int]) -> None:
+        """The same tables as the token-by-token loop, with the hashes computed as uint64 arrays (wrapping mod 2**64).
+
+        h_(s+i+1) = h_s * B^(i+1) + B^i * sum_(j<=i) (t_j + 1) * B^-j, so the prefix hashes are one cumulative sum; only
+        the dict inserts stay in Python, which halves the cost of indexing a long prompt.
+        """
+        seg = self.segments[segment]
+        prefix = self.prefixes[segment]
+        start, count = len(seg), len(tokens)
+        powers = np.full(count + 1, BASE, dtype=np.uint64)
+        powers[0] = 1
+        powers = np.multiply.accumulate(powers)
+        inverse = np.full(count, BASE_INVERSE, dtype=np.uint64)
+        inverse[0] = 1
+        inverse = np.multiply.accumulate(inverse)
+        weighted = (np.asarray(tokens, dtype=np.uint64) + np.uint64(1)) * inverse
+        hashes = np.uint64(prefix[-1]) * powers[1:] + powers[:count] * np.cumsum(weighted, dtype=np.uint64)
+        keep = min(start, self.orders[-1])  # earlier prefix hashes the first windows reach back to
+        window = np.concatenate([np.array(prefix[len(prefix) - 1 - keep:], dtype=np.uint64), hashes])
+        seg.extend(tokens)
+        prefix.extend(hashes.tolist())
+        base = segment << SEGMENT_SHIFT
+        for n, n_power, table in zip(self.orders, self.powers, self.tables):
+            first = max(start + 1, n)
+            if first > start + count:
+                continue
+            ends = np.arange(first - start + keep, count + keep + 1)
+            keys = (window[ends] - window[ends - n] * np.uint64(n_power)).tolist()
+            get = table.get
+            for key, pos in zip(keys, range(base | first, (base | (start + count)) + 1)):
+                found = get(key)
+                if found is None:
+                    table[key] = pos
+                elif found.__class__ is int:
+                    table[key] = [found, pos]
+                else:
+                    found.append(pos)
+        self.num_tokens += count
 
     def drop_segment(self, segment: int) -> None:
         """Forget a segment and every position in it (eviction of the oldest outputs)."""
@@ -112,20 +158,15 @@ class NgramIndex:
         for n, n_power, table in zip(self.orders, self.powers, self.tables):
             for end in range(n, len(seg) + 1):
                 key = window_key(prefix, end, n, n_power)
-                found = table[key]
-                if found.__class__ is int:
+                found = table.get(key)
+                pos = base | end
+                if found == pos:
                     del table[key]
-                else:
-                    found.remove(base | end)
+                elif found.__class__ is list and pos in found:  # not found only after a 64-bit hash collision
+                    found.remove(pos)
                     if not found:
                         del table[key]
         self.num_tokens -= len(seg)
-
-    def token_at(self, pos: int) -> int | None:
-        """The token at a packed position, None past the end of its segment."""
-        seg = self.segments[pos >> SEGMENT_SHIFT]
-        offset = pos & OFFSET_MASK
-        return seg[offset] if offset < len(seg) else None
 
 
 def latest_before(found: int | list[int] | None, end: int) -> int | None:

@@ -9,6 +9,7 @@ accounting independently of the usage it read.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -38,16 +39,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _serve_command() -> list[str]:
-    """`reasoning-engine serve` through the top-level CLI when the server is registered there, else through the
-    server's own entry point (the same command function)."""
-    from reasoning_engine import commands
-
-    if "reasoning_engine.server.cli" in commands._MODULES:
-        return [sys.executable, "-m", "reasoning_engine.cli", "serve"]
-    return [sys.executable, "-m", "reasoning_engine.server.cli", "serve"]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if (BUNDLED_MODEL_DIR / "config.json").is_file():
@@ -58,9 +49,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = _free_port()
     log = tmp_path_factory.mktemp("bench_server") / "server.log"
     with log.open("w") as sink:
-        proc = subprocess.Popen([*_serve_command(), str(model), "--host", "127.0.0.1", "--port", str(port),
-                                 "--device", "cpu", "--max-model-len", str(context), "--log-level", "warning", *extra],
-                                stdout=sink, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", "reasoning_engine.cli", "serve", str(model), "--host", "127.0.0.1",
+                                 "--port", str(port), "--device", "cpu", "--max-model-len", str(context),
+                                 "--log-level", "warning", *extra],
+                                stdout=sink, stderr=subprocess.STDOUT,
+                                # one OpenMP thread: on a shared, oversubscribed CPU torch's default slows it 5-30x
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120

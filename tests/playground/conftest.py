@@ -76,7 +76,7 @@ def serve(model_args: list[str]) -> Iterator[Callable[..., Served]]:
         port = _free_port()
         log = tempfile.TemporaryFile("w+")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "reasoning_engine.server.cli", "serve", *model_args, "--host", "127.0.0.1",
+            [sys.executable, "-m", "reasoning_engine.cli", "serve", *model_args, "--host", "127.0.0.1",
              "--port", str(port), "--device", "cpu", "--kv-cache-blocks", "128", "--block-size", "16",
              "--log-level", "warning", *options],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)

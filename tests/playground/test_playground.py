@@ -1,7 +1,7 @@
 """The playground page in real headless Chromium against a real `reasoning-engine serve`.
 
 Answers are checked only with the bundled tiny model (greedy); the mechanics (streaming, figures, stop, errors,
-API key, narrow screens, Markdown) run with any model.
+API key, speculative decoding, narrow screens, contrast, Markdown) run with any model.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def test_reply_streams_thinking_and_live_figures(page: Page, served: Served) -> 
 
     expect(page.locator(".turn.user .bubble")).to_have_text("What is 347\n+ 589?")
     expect(page.locator(".turn.assistant .thinking")).to_be_visible()
-    assert page.locator(".turn.assistant .thinking-text").inner_text().strip()
+    assert (page.locator(".turn.assistant .thinking-text").text_content() or "").strip()
     assert re.fullmatch(r"\d+(\.\d+)? tok/s", figure(page, "tps"))
     assert re.fullmatch(r"\d+ ms|\d+\.\d\d s", figure(page, "ttft"))
     reasoning, answer = int(figure(page, "reasoning")), int(figure(page, "answer"))
@@ -103,7 +103,7 @@ def test_answers_after_thinking_and_keeps_the_conversation(page: Page, served: S
     states = page.evaluate("window.thinkingStates")
     assert any(s["visible"] and s["open"] and s["thinking"] and not s["answer"] for s in states), states
     assert not page.locator(".turn.assistant .thinking").evaluate("d => d.open")  # folded once the answer came
-    assert page.locator(".turn.assistant .thinking-text").inner_text().strip()
+    assert (page.locator(".turn.assistant .thinking-text").text_content() or "").strip()
     assert re.fullmatch(r"\d+(\.\d+)? tok/s", figure(page, "tps"))
     assert re.fullmatch(r"\d+ ms|\d+\.\d\d s", figure(page, "ttfat"))
     assert int(figure(page, "reasoning")) > 0 and int(figure(page, "answer")) > 0
@@ -246,6 +246,39 @@ def test_page_is_labelled_for_assistive_technology(page: Page, served: Served) -
         .filter(el => !el.closest('[hidden]') && !(el.labels && el.labels.length))
         .map(el => el.id)""")
     assert unlabelled == []
+
+
+# WCAG contrast of each element's text colour on the first opaque background behind it.
+CONTRASTS = """selectors => {
+  const rgb = c => c.match(/[\\d.]+/g).map(Number);
+  const lum = ([r, g, b]) => [r, g, b].map(v => v / 255)
+    .map(v => v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4)
+    .reduce((sum, v, i) => sum + v * [0.2126, 0.7152, 0.0722][i], 0);
+  const background = el => {
+    for (; el; el = el.parentElement) {
+      const c = rgb(getComputedStyle(el).backgroundColor);
+      if (c.length === 3 || c[3] === 1) return c;
+    }
+    return [255, 255, 255];
+  };
+  return selectors.flatMap(sel => [...document.querySelectorAll(sel)].map(el => {
+    const [a, b] = [lum(rgb(getComputedStyle(el).color)), lum(background(el))].sort((x, y) => y - x);
+    return [sel, Math.round(100 * (a + 0.05) / (b + 0.05)) / 100];
+  }));
+}"""
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_text_contrast(page: Page, served: Served, scheme: str) -> None:
+    page.emulate_media(color_scheme=scheme)
+    open_playground(page, served, max_tokens="10")
+    ask(page, "What is 2 + 3?")
+    wait_for_replies(page, 1)
+    selectors = ["h1", ".subtitle", "label", ".hint", "button", ".turn.user .bubble", ".thinking summary",
+                 ".thinking-text", ".figures dt", ".figures dd", ".reply-status", "#prompt"]
+    ratios = page.evaluate(CONTRASTS, selectors)
+    assert {sel for sel, _ in ratios} == set(selectors)
+    assert [r for r in ratios if r[1] < 4.5] == [], ratios
 
 
 MARKDOWN_CASES = [

@@ -395,7 +395,8 @@ def test_default_body_limit_is_8_mib(fake_server: Any) -> None:
 def test_api_key(fake_server: Any) -> None:
     _, url = fake_server("</think>ok", api_key="s3cret")
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
-    for path in ("/v1/models", "/metrics", "/v1/nowhere"):
+    assert httpx.get(f"{url}/", timeout=30).status_code == 200, "the playground page holds no secret"
+    for path in ("/v1/models", "/metrics", "/v1/nowhere", "/playground/info"):
         response = httpx.get(url + path, timeout=30)
         assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     assert _post(url, {"prompt": "x"}, "/tokenize").status_code == 401

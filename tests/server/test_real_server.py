@@ -47,12 +47,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return BUNDLED or save_random_checkpoint(tmp_path_factory.mktemp("random_kimi_llama"))
 
 
+def context_length(model_dir: Path, cap: int = 1024) -> int:
+    return min(cap, json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", cap))
+
+
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> Iterator[Any]:
     from reasoning_engine.engine.async_engine import AsyncLLM
 
-    llm = AsyncLLM(model=str(model_dir), device="cpu", max_model_len=1024, kv_cache_blocks=128, block_size=16,
-                   max_num_seqs=8)
+    llm = AsyncLLM(model=str(model_dir), device="cpu", max_model_len=context_length(model_dir), kv_cache_blocks=128,
+                   block_size=16, max_num_seqs=8)
     yield llm
     llm.shutdown_sync()
 
@@ -219,7 +223,8 @@ def test_concurrent_streams(client: openai.OpenAI, model_name: str) -> None:
 
 
 def test_disconnect_frees_blocks_and_metrics(server: LiveServer, model_name: str) -> None:
-    body = {"model": model_name, "messages": MSG, "max_tokens": 600, "stream": True, "ignore_eos": True}
+    context = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+    body = {"model": model_name, "messages": MSG, "max_tokens": context - 100, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         for _ in range(8):
@@ -269,13 +274,15 @@ def test_sigterm_finishes_in_flight_stream_then_exits(model_dir: Path) -> None:
     port = _free_port()
     env = {**os.environ, "REASONING_ENGINE_API_KEY": "k"}
     proc = subprocess.Popen([sys.executable, "-m", "reasoning_engine.server.cli", "serve", str(model_dir), "--port",
-                             str(port), "--device", "cpu", "--max-model-len", "512", "--kv-cache-blocks", "64",
+                             str(port), "--device", "cpu", "--max-model-len", str(context_length(model_dir, 512)),
+                             "--kv-cache-blocks", "64",
                              "--log-level", "info"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         assert wait_for(lambda: _healthy(url), timeout=120), "server did not come up"
         assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
+        assert httpx.get(f"{url}/", timeout=10).status_code == 200, "the playground page is public"
         body = {"messages": MSG, "max_tokens": 60, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60,
                           headers={"Authorization": "Bearer k"}) as response:
@@ -307,7 +314,7 @@ def _healthy(url: str) -> bool:
 @needs_bundled
 def test_bundled_model_answers_with_thinking(client: openai.OpenAI, model_name: str) -> None:
     assert model_name == "tiny-reasoner"
-    result = client.chat.completions.create(model=model_name, messages=MSG, max_tokens=400, temperature=0)
+    result = client.chat.completions.create(model=model_name, messages=MSG, temperature=0)
     message = result.choices[0].message
     assert message.reasoning_content, "the bundled model thinks first"
     assert "936" in (message.content or "")
@@ -322,7 +329,7 @@ CALCULATOR = [{"type": "function", "function": {
 @needs_bundled
 def test_bundled_model_calls_the_calculator(client: openai.OpenAI, model_name: str) -> None:
     messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 4821 * 377?"}]
-    kwargs = {"model": model_name, "tools": CALCULATOR, "max_tokens": 400, "temperature": 0}
+    kwargs = {"model": model_name, "tools": CALCULATOR, "temperature": 0}
     streamed = stream_chat(client, messages=messages, **kwargs)
     assert streamed["finish"] == "tool_calls"
     call = streamed["calls"][0]

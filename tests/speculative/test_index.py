@@ -13,7 +13,7 @@ def test_positions_follow_each_ngram_occurrence():
     base = segment << SEGMENT_SHIFT
     assert index.tables[1][key([5, 6], 2)] == [base | 2, base | 4]
     assert index.tables[0][key([7], 1)] == base | 5
-    assert index.token_at(base | 2) == 5 and index.token_at(base | 5) is None
+    assert index.segments[segment] == [5, 6, 5, 6, 7] and index.num_tokens == 5
 
 
 def test_ngrams_do_not_span_segments_and_drop_restores():
@@ -48,3 +48,20 @@ def test_context_store_reuses_a_finished_conversation():
     assert reused is finished and reused.tokens == [1, 2, 3, 4, 5, 6] and reused.prompt_len == 6
     fresh = store.start("c", [1, 2, 3, 4, 5, 6])
     assert fresh is not reused
+
+
+def test_bulk_append_builds_the_same_tables_as_token_by_token():
+    import random
+
+    from reasoning_engine.speculative.index import BULK_MIN
+
+    rng = random.Random(0)
+    tokens = [rng.randrange(40) for _ in range(5 * BULK_MIN)] + [2**40 + 7, 0, 0, 0]
+    one_by_one, bulk = NgramIndex([1, 2, 3, 5, 8]), NgramIndex([1, 2, 3, 5, 8])
+    a, b = one_by_one.open_segment(), bulk.open_segment()
+    for t in tokens:
+        one_by_one.append(a, [t])
+    bulk.append(b, tokens[:3])  # a short start, then a bulk append that reaches back into it
+    bulk.append(b, tokens[3:])
+    assert one_by_one.tables == bulk.tables and one_by_one.prefixes == bulk.prefixes
+    assert one_by_one.num_tokens == bulk.num_tokens == len(tokens)

@@ -220,7 +220,7 @@ class LLMEngine:
         blocks_before = request.num_computed_tokens // self.config.block_size
         was_prefilling = request.num_computed_tokens < request.num_prompt_tokens
         if result.accepted_nodes is not None:
-            self._keep_accepted(request, result.accepted_nodes)
+            self._keep_accepted(request, result.accepted_nodes, result.token_ids)
         else:
             request.num_computed_tokens += num_tokens
         if result.prompt_logprobs is not None:
@@ -244,9 +244,10 @@ class LLMEngine:
             if self.spec is not None:
                 self.spec.finish(request.seq_id, learn=True)
 
-    def _keep_accepted(self, request: Request, accepted: list[int]) -> None:
+    def _keep_accepted(self, request: Request, accepted: list[int], new_tokens: list[int]) -> None:
         """After verification: the root and the accepted draft nodes hold valid K/V; move tree nodes that are not
-        already in place to consecutive slots, then give back blocks that only held rejected nodes."""
+        already in place to consecutive slots, then give back blocks that only held rejected nodes. `new_tokens`
+        (accepted draft tokens and the target's next token) is what the proposer learns from."""
         draft, root = request.draft, request.num_computed_tokens
         moves = [(root + 1 + node, root + 1 + i) for i, node in enumerate(accepted) if node != i]
         if moves:
@@ -254,7 +255,6 @@ class LLMEngine:
         request.num_computed_tokens = root + 1 + len(accepted)
         self.block_manager.truncate(request, request.num_computed_tokens)
         if self.spec is not None:
-            new_tokens = [draft.token_ids[n] for n in accepted]
             self.spec.record(request.seq_id, draft, accepted, new_tokens)
             request.spec_draft_tokens += len(draft)
             request.spec_accepted_tokens += len(accepted)

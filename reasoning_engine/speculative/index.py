@@ -267,3 +267,18 @@ class ContextStore:
             if len(self._finished) > self.reuse_capacity:
                 self._finished.pop(0)
         return context
+
+
+class ContextProposer:
+    """The request lifecycle shared by proposers that only look inside each request's own context (ngram, lookup)."""
+
+    contexts: ContextStore
+
+    def start_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+        self.contexts.start(request_id, prompt_token_ids)
+
+    def on_tokens_accepted(self, request_id: str, new_token_ids: Sequence[int]) -> None:
+        self.contexts.get(request_id).extend(new_token_ids)
+
+    def finish_request(self, request_id: str, learn: bool = True) -> None:
+        self.contexts.finish(request_id)

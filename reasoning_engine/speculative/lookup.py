@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from reasoning_engine.speculative.draft import Draft
-from reasoning_engine.speculative.index import ContextStore, common_suffix, window_key
+from reasoning_engine.speculative.index import ContextProposer, ContextStore, common_suffix, window_key
 
 
-class LookupProposer:
+class LookupProposer(ContextProposer):
     method = "lookup"
 
     def __init__(self, max_match: int = 256, scan_limit: int = 32, reuse_capacity: int = 8) -> None:
@@ -23,15 +23,6 @@ class LookupProposer:
         self.max_match = max_match
         self.scan_limit = scan_limit
         self.contexts = ContextStore(orders, reuse_capacity)
-
-    def start_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
-        self.contexts.start(request_id, prompt_token_ids)
-
-    def on_tokens_accepted(self, request_id: str, new_token_ids: Sequence[int]) -> None:
-        self.contexts.get(request_id).extend(new_token_ids)
-
-    def finish_request(self, request_id: str, learn: bool = True) -> None:
-        self.contexts.finish(request_id)
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_draft_tokens: int) -> Draft:
         context = self.contexts.sync(request_id, token_ids)

@@ -9,25 +9,16 @@ from __future__ import annotations
 from typing import Sequence
 
 from reasoning_engine.speculative.draft import Draft
-from reasoning_engine.speculative.index import ContextStore, latest_before, window_key
+from reasoning_engine.speculative.index import ContextProposer, ContextStore, latest_before, window_key
 
 
-class NgramProposer:
+class NgramProposer(ContextProposer):
     method = "ngram"
 
     def __init__(self, max_n: int = 4, min_n: int = 1, reuse_capacity: int = 8) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.contexts = ContextStore(range(min_n, max_n + 1), reuse_capacity)
-
-    def start_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
-        self.contexts.start(request_id, prompt_token_ids)
-
-    def on_tokens_accepted(self, request_id: str, new_token_ids: Sequence[int]) -> None:
-        self.contexts.get(request_id).extend(new_token_ids)
-
-    def finish_request(self, request_id: str, learn: bool = True) -> None:
-        self.contexts.finish(request_id)
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_draft_tokens: int) -> Draft:
         context = self.contexts.sync(request_id, token_ids)

@@ -156,7 +156,12 @@ def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device) -> 
     """Real, uninitialised storage in `dtype` on `device` for a module built on the meta device (every parameter is
     then loaded, so random init would be wasted work). Routers stay float32, as the published models compute routing;
     rotary tables (plain tensors, not cast with the weights) move to the device."""
-    module = module.to_empty(device=device).to(dtype)
+    for sub in module.modules():
+        for name, param in list(sub.named_parameters(recurse=False)):
+            # plain torch.empty per parameter: nn.Module.to_empty pulls in sympy (~500 modules, ~140 MiB) via meta shapes
+            setattr(sub, name, nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False))
+        for name, buffer in list(sub.named_buffers(recurse=False)):
+            sub.register_buffer(name, torch.empty(buffer.shape, dtype=buffer.dtype, device=device))
     for sub in module.modules():
         if isinstance(sub, Router):
             sub.float()

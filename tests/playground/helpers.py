@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "artifacts" / "playground"
@@ -19,7 +18,6 @@ def bundled_model_dir() -> Path | None:
 
 
 BUNDLED = bundled_model_dir()
-needs_bundled = pytest.mark.skipif(BUNDLED is None, reason="the bundled tiny model's files are not built yet")
 
 
 @dataclass

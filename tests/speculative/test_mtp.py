@@ -190,7 +190,6 @@ def test_a_checkpoint_without_mtp_layers_is_rejected(deepseek_dir: Path, llama_d
             LLM(path, dtype="float32", device="cpu", speculative_config=MTP)
 
 
-@pytest.mark.skipif(not (BUNDLED_MODEL_DIR / "config.json").is_file(), reason="the bundled model is not built")
 def test_bundled_model_drafts_with_its_trained_mtp_layer() -> None:
     from reasoning_engine.tiny.data import eval_samples
 

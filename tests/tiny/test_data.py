@@ -67,4 +67,4 @@ def test_letter_count_words_are_spelled_letter_by_letter() -> None:
     tok = AutoTokenizer.from_pretrained(BUNDLED_MODEL_DIR)
     for word in letter_count_words():
         pieces = tok.convert_ids_to_tokens(tok(f"in '{word}'?").input_ids)
-        assert pieces[-len(word) - 2: -1] == ["'", *word], (word, pieces)
+        assert any(pieces[i : i + len(word) + 1] == ["'", *word] for i in range(len(pieces))), (word, pieces)

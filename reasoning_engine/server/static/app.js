@@ -2,14 +2,15 @@
 import { renderMarkdown } from "/static/markdown.js";
 
 const KEY_STORAGE = "reasoning-engine.api-key"; // sessionStorage: the key lives as long as this tab
+// The calculator as the bundled model learned it (reasoning_engine/tiny/data.py, calculator_tool()).
 const CALCULATOR_TOOL = [{
   type: "function",
   function: {
     name: "calculator",
-    description: "Evaluate an arithmetic expression.",
+    description: "Evaluate an arithmetic expression and return the result.",
     parameters: {
       type: "object",
-      properties: { expression: { type: "string", description: "for example 4821 * 377" } },
+      properties: { expression: { type: "string", description: "The expression to evaluate, e.g. 12 * 34" } },
       required: ["expression"],
     },
   },
@@ -31,6 +32,7 @@ const state = {
   controller: null, // AbortController of the reply in flight
   epoch: 0, // bumped by "New chat", so a reply stopped by it stays out of the new conversation
   speculative: null, // the server's speculative setting, null when off
+  fields: 0, // numbers the tool-result fields, for their label ids
 };
 
 class APIError extends Error {
@@ -314,7 +316,8 @@ async function specCounters() {
 // ---- sending --------------------------------------------------------------------------------------------------
 
 // `pending`: the messages this turn adds (a user message, or tool results); they join the history with the reply,
-// so a failed request leaves the history as it was. `onFail` undoes the turn's own display.
+// so a failed request leaves the history as it was. `onFail` undoes the turn's own display. Resolves to whether
+// the turn joined the conversation.
 async function run(pending, onFail) {
   let body;
   try {
@@ -322,7 +325,7 @@ async function run(pending, onFail) {
   } catch (error) {
     showError(error.message);
     onFail();
-    return;
+    return false;
   }
   hideError();
   const epoch = state.epoch;
@@ -346,7 +349,7 @@ async function run(pending, onFail) {
     outcome = error.name === "AbortError" ? "stopped" : error;
   }
   try {
-    if (epoch === state.epoch) await settle(reply, outcome, pending, onFail, specBefore);
+    return epoch === state.epoch && await settle(reply, outcome, pending, onFail, specBefore);
   } finally {
     setBusy(null); // last, so assistive technology reads the finished reply once
   }
@@ -359,7 +362,7 @@ async function settle(reply, outcome, pending, onFail, specBefore) {
     onFail();
     if (outcome.status === 401) askForKey();
     else if (outcome instanceof Error) showError(describe(outcome));
-    return;
+    return false;
   }
   state.history.push(...pending, reply.message());
   if (outcome === "stopped") {
@@ -374,6 +377,7 @@ async function settle(reply, outcome, pending, onFail, specBefore) {
     if (after) reply.showSpeculative(after.accepted - specBefore.accepted, after.drafted - specBefore.drafted);
   }
   reply.render();
+  return true;
 }
 
 function setBusy(controller) {
@@ -415,7 +419,7 @@ function offerToolResults(reply) {
   reply.setStatus("The model called a tool. Enter each result and send it back.", "info");
   cards.forEach((card, index) => {
     const field = card.querySelector(".tool-result");
-    const id = `tool-result-${crypto.randomUUID()}`;
+    const id = `tool-result-${(state.fields += 1)}`;
     field.querySelector("label").htmlFor = id;
     field.querySelector("textarea").id = id;
     field.hidden = false;
@@ -425,17 +429,22 @@ function offerToolResults(reply) {
   button.type = "button";
   button.textContent = cards.length > 1 ? "Send results" : "Send result";
   reply.q(".tool-calls").append(button);
-  button.addEventListener("click", () => {
+  button.addEventListener("click", async () => {
     if (state.controller) return;
     const results = reply.toolCalls.map((call, index) => ({
       role: "tool", tool_call_id: call.id, content: cards[index].querySelector("textarea").value,
     }));
     button.disabled = true;
     cards.forEach((card) => { card.querySelector("textarea").readOnly = true; });
-    run(results, () => {
+    const sent = await run(results, () => {
       button.disabled = false;
       cards.forEach((card) => { card.querySelector("textarea").readOnly = false; });
     });
+    if (sent) {
+      button.remove();
+      reply.setStatus(cards.length > 1 ? "Results sent back." : "Result sent back.", "info");
+      if (document.activeElement === document.body) ui.prompt.focus(); // the focused button is gone
+    }
   });
 }
 

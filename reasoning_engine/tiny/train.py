@@ -149,7 +149,17 @@ def write_generation_config(out_dir: Path, eos_id: int, pad_id: int) -> None:
         f.write("\n")
 
 
-def train(args: TrainArgs) -> None:
+def save_state(path: Path, model: TinyDeepseekV3, opt: torch.optim.Optimizer, step: int, tokens_seen: int,
+               data_rng: random.Random, queue: list) -> None:
+    """Everything needed to continue the run bit-for-bit: weights, routing biases, optimizer, data stream."""
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "tokens_seen": tokens_seen,
+                "rng": data_rng.getstate(), "queue": queue}, tmp)
+    tmp.replace(path)
+
+
+def train(args: TrainArgs, resume: bool = False) -> None:
+    """Build the tokenizer, train, and write the checkpoint; with resume, continue from checkpoint_dir/state.pt."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     start = time.time()
@@ -168,12 +178,22 @@ def train(args: TrainArgs) -> None:
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
     data_rng = random.Random(args.seed)
     queue: list = []
+    first_step, tokens_seen = 0, 0
+    state_path = args.checkpoint_dir / "state.pt"
+    if resume:
+        state = torch.load(state_path, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        data_rng.setstate(state["rng"])
+        queue, first_step, tokens_seen = state["queue"], state["step"], state["tokens_seen"]
+        print(f"resuming at step {first_step}", flush=True)
     args.log_file.parent.mkdir(parents=True, exist_ok=True)
-    tokens_seen = 0
-    with open(args.log_file, "w", newline="") as log_f:
+    with open(args.log_file, "a" if resume else "w", newline="") as log_f:
         log = csv.writer(log_f)
-        log.writerow(["step", "loss", "mtp_loss", "lr", "tokens", "elapsed_s", "max_expert_load"])
-        bar = tqdm(range(args.steps), desc="train", dynamic_ncols=True)
+        if not resume:
+            log.writerow(["step", "loss", "mtp_loss", "lr", "tokens", "elapsed_s", "max_expert_load"])
+        bar = tqdm(range(first_step, args.steps), desc="train", dynamic_ncols=True, initial=first_step,
+                   total=args.steps)
         for step in bar:
             if not queue:
                 queue = batches_from_pool(tokenized_pool(data_rng, tokenizer, args.pool_size),
@@ -198,6 +218,7 @@ def train(args: TrainArgs) -> None:
                 save_tokenizer(tokenizer, args.checkpoint_dir, MAX_MODEL_LEN)
                 save_checkpoint(model, args.checkpoint_dir)
                 write_generation_config(args.checkpoint_dir, eos_id, pad_id)
+                save_state(state_path, model, opt, step + 1, tokens_seen, data_rng, queue)
     model.eval()
     save_checkpoint(model, args.out_dir)
     write_generation_config(args.out_dir, eos_id, pad_id)
@@ -216,13 +237,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-file", type=Path, default=Path("artifacts/tiny/train_log.csv"))
     parser.add_argument("--save-every", type=int, default=0, help="also save an intermediate checkpoint every N steps")
     parser.add_argument("--checkpoint-dir", type=Path, default=Path("artifacts/tiny/checkpoint"))
+    parser.add_argument("--resume", action="store_true", help="continue from the last --save-every state")
     ns = parser.parse_args(argv)
     steps = ns.steps if ns.steps is not None else (20 if ns.quick else 5000)
     out_dir = ns.out_dir or (Path("artifacts/tiny/quick") if ns.quick else BUNDLED_MODEL_DIR)
     train(TrainArgs(steps=steps, tokens_per_batch=ns.tokens_per_batch, lr=ns.lr, warmup=min(100, steps // 10 + 1),
                     weight_decay=0.05, pool_size=256 if ns.quick else 2048, seed=ns.seed, threads=ns.threads,
                     out_dir=out_dir, log_file=ns.log_file, save_every=ns.save_every,
-                    checkpoint_dir=ns.checkpoint_dir))
+                    checkpoint_dir=ns.checkpoint_dir), resume=ns.resume)
 
 
 if __name__ == "__main__":

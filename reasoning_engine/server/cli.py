@@ -37,6 +37,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     engine = serve.add_argument_group("engine")
     engine.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     engine.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
+    engine.add_argument("--kernel-backend", default=None, choices=("torch", "triton"),
+                        help="kernels: triton (default on CUDA) or the torch reference path (default on CPU)")
     engine.add_argument("--kv-cache-blocks", type=int, default=None)
     engine.add_argument("--block-size", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=None)
@@ -70,7 +72,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
         "kv_cache_blocks": args.kv_cache_blocks, "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_batched_tokens": args.max_num_batched_tokens, "kernel_backend": args.kernel_backend,
     }
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     if args.no_enable_prefix_caching:

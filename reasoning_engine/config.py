@@ -182,6 +182,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     seed: int = 0
     kernel_backend: str = "torch"
+    # CUDA graphs for decode batches are captured on CUDA unless enforce_eager (always eager on CPU).
+    enforce_eager: bool = False
+    # "auto": weights from the checkpoint; "dummy": random weights from config.json alone (benchmarks, like vLLM's).
+    load_format: str = "auto"
     speculative_config: dict[str, Any] | None = None
     tokenizer: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -197,3 +201,5 @@ class EngineConfig:
             raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
         if self.kernel_backend not in ("torch", "triton"):
             raise ValueError(f"kernel_backend must be 'torch' or 'triton', got {self.kernel_backend!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")

@@ -25,7 +25,7 @@ FAMILIES: dict[str, type[CausalLM]] = {
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
-                kernel_backend: str = "torch") -> CausalLM:
+                kernel_backend: str = "torch", load_format: str = "auto") -> CausalLM:
     """Instantiate the family's module (no random init: every parameter is then filled from the checkpoint)."""
     from reasoning_engine.models.weights import iter_checkpoint_weights
     from reasoning_engine.models.quantization import parse_quant_config

@@ -25,11 +25,10 @@ from reasoning_engine.tiny.chat_format import (
     TOOL_CALLS_END,
     render_chat,
 )
+from reasoning_engine.tiny.tokenizer import BARE_WORDS
 
 TRAIN_SEED = 1234
 EVAL_SEED = 98765
-
-PLACES = ["ones", "tens", "hundreds", "thousands"]
 
 # Lower-case words for letter counting. Words holding a pair that the tokenizer merges outside quotes (see
 # tokenizer.BARE_WORDS) are dropped by letter_count_words(), so every quoted word is spelled one letter per token.
@@ -135,46 +134,50 @@ def _user(text: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": text}]
 
 
-def _digits_rev(n: int, width: int) -> list[int]:
-    return [(n // 10**i) % 10 for i in range(width)]
-
-
 def _num(rng: random.Random, lo_digits: int, hi_digits: int) -> int:
     d = rng.randint(lo_digits, hi_digits)
     return rng.randint(10 ** (d - 1), 10**d - 1)
 
 
+def _prefix(n: int, drop: int) -> str:
+    """n without its last `drop` digits ("0" once none are left): the part still to be processed."""
+    text = str(n)[: len(str(n)) - drop] if drop < len(str(n)) else ""
+    return text or "0"
+
+
 def addition_steps(a: int, b: int) -> str:
-    """Column addition from the ones place, one line per column with its carry."""
+    """Column addition from the ones place. Each line restates what is left of both numbers, so the digits to add
+    are the last ones just written, and keeps the running result, so every step copies from the line above."""
     width = max(len(str(a)), len(str(b)))
-    da, db = _digits_rev(a, width), _digits_rev(b, width)
-    lines, carry = [], 0
+    lines, carry, result = [], 0, ""
     for i in range(width):
-        s = da[i] + db[i] + carry
-        expr = f"{da[i]}+{db[i]}" + (f"+{carry}" if carry else "")
-        line = f"{PLACES[i]}: {expr}={s}, write {s % 10}"
-        carry = s // 10
-        lines.append(line + (f" carry {carry}" if carry else ""))
+        x, y = (a // 10**i) % 10, (b // 10**i) % 10
+        total = x + y + carry
+        result = str(total % 10) + result
+        expr = f"{x}+{y}" + ("+1" if carry else "")
+        carry = total // 10
+        lines.append(f"{_prefix(a, i)} + {_prefix(b, i)}: {expr}={total}, " + ("carry 1, " if carry else "")
+                     + f"digits {result}")
     if carry:
-        lines.append(f"{PLACES[width]}: write {carry}")
+        lines.append(f"carry 1: digits 1{result}")
     return "\n".join(lines)
 
 
 def subtraction_steps(a: int, b: int) -> str:
-    """Column subtraction (a >= b) from the ones place; a borrow shows as a leading 1 on the top digit."""
-    width = len(str(a))
-    da, db = _digits_rev(a, width), _digits_rev(b, width)
-    lines, borrow = [], 0
-    for i in range(width):
-        top = f"{da[i]}" + (f"-{borrow}" if borrow else "")
-        if da[i] - borrow >= db[i]:
-            r = da[i] - borrow - db[i]
-            lines.append(f"{PLACES[i]}: {top}-{db[i]}={r}")
-            borrow = 0
+    """Column subtraction (a >= b) from the ones place; a borrow shows as a leading 1 on the top digit. Lines restate
+    what is left of both numbers and keep the running digits, like addition_steps."""
+    lines, borrow, result = [], 0, ""
+    for i in range(len(str(a))):
+        x, y = (a // 10**i) % 10, (b // 10**i) % 10
+        top = f"{x}" + ("-1" if borrow else "")
+        if x - borrow >= y:
+            r, expr, borrow_out = x - borrow - y, f"{top}-{y}", 0
         else:
-            r = 10 + da[i] - borrow - db[i]
-            lines.append(f"{PLACES[i]}: 1{top}-{db[i]}={r}, borrow 1")
-            borrow = 1
+            r, expr, borrow_out = 10 + x - borrow - y, f"1{top}-{y}", 1
+        result = str(r) + result
+        lines.append(f"{_prefix(a, i)} - {_prefix(b, i)}: {expr}={r}, " + ("borrow 1, " if borrow_out else "")
+                     + f"digits {result}")
+        borrow = borrow_out
     return "\n".join(lines)
 
 
@@ -199,8 +202,8 @@ def gen_subtraction(rng: random.Random) -> Sample:
     if a >= b:
         reasoning = f"{subtraction_steps(a, b)}\nSo {a} - {b} = {d}."
     else:
-        reasoning = (f"{a} is less than {b}, so the result is negative: -({b} - {a}).\n"
-                     f"{subtraction_steps(b, a)}\nSo {b} - {a} = {-d} and {a} - {b} = {d}.")
+        reasoning = (f"{a} < {b}, so {a} - {b} = -({b} - {a}).\n{subtraction_steps(b, a)}\n"
+                     f"So {b} - {a} = {-d} and {a} - {b} = {d}.")
     return Sample("subtraction", _user(q), reasoning, f"{a} - {b} = {d}.", d)
 
 
@@ -213,18 +216,19 @@ def gen_multiplication(rng: random.Random) -> Sample:
         "Multiply {x} by {y}.", "What is the product of {x} and {y}?", "Compute {x}*{y}.",
     ]).format(x=x, y=y)
     ones, tens = a % 10, a // 10
-    p1 = ones * b
-    carry = p1 // 10
+    low = ones * b
+    carry = low // 10
+    high = tens * b + carry
     lines = [f"{b} * {a} = {a} * {b}."] if swapped else []
-    lines.append(f"ones: {ones}*{b}={p1}, write {p1 % 10}" + (f" carry {carry}" if carry else ""))
-    p2 = tens * b + carry
-    lines.append(f"tens: {tens}*{b}" + (f"+{carry}" if carry else "") + f"={p2}, write {p2}")
+    lines.append(f"{a} * {b}: {ones}*{b}={low}, " + (f"carry {carry}, " if carry else "") + f"digits {low % 10}")
+    lines.append(f"{tens} * {b}: {tens}*{b}" + (f"+{carry}" if carry else "") + f"={high}, digits {high}{low % 10}")
     p = a * b
     reasoning = "\n".join(lines) + f"\nSo {x} * {y} = {p}."
     return Sample("multiplication", _user(q), reasoning, f"{x} * {y} = {p}.", p)
 
 
 def gen_sorting(rng: random.Random) -> Sample:
+    """Selection sort: each line restates the numbers left and picks the smallest."""
     n = rng.randint(4, 6)
     nums = rng.sample(range(1, 100), n)
     listed = ", ".join(map(str, nums))
@@ -232,32 +236,28 @@ def gen_sorting(rng: random.Random) -> Sample:
         "Sort these numbers: {l}", "Sort these numbers: {l}.", "Sort these numbers from smallest to largest: {l}",
         "Put these numbers in ascending order: {l}", "Arrange in increasing order: {l}", "Sort: {l}",
     ]).format(l=listed)
-    buckets = []
-    for t in range(10):
-        members = sorted(x for x in nums if x // 10 == t)
-        buckets.append(f"{t}:" + "".join(f" {x}" for x in members))
+    left, lines = list(nums), []
+    while left:
+        low = min(left)
+        lines.append(f"{', '.join(map(str, left))}: smallest {low}")
+        left.remove(low)
     ordered = sorted(nums)
     out = ", ".join(map(str, ordered))
-    reasoning = "By tens digit:\n" + "\n".join(buckets) + f"\nSo the order is {out}."
+    reasoning = "\n".join(lines) + f"\nSo the order is {out}."
     return Sample("sorting", _user(q), reasoning, out, ordered)
-
-
-_LETTER_WORDS: list[str] | None = None
 
 
 def letter_count_words() -> list[str]:
     """WORDS minus those the tokenizer would not spell one letter per token (deduplicated, order kept)."""
-    global _LETTER_WORDS
-    if _LETTER_WORDS is None:
-        from reasoning_engine.tiny.tokenizer import BARE_WORDS
+    banned = {w[:2] for w in BARE_WORDS}
+    return [w for w in dict.fromkeys(WORDS) if not any(p in w for p in banned)]
 
-        banned = {w[:2] for w in BARE_WORDS}
-        _LETTER_WORDS = [w for w in dict.fromkeys(WORDS) if not any(p in w for p in banned)]
-    return _LETTER_WORDS
+
+LETTER_WORDS = letter_count_words()
 
 
 def gen_letters(rng: random.Random) -> Sample:
-    word = rng.choice(letter_count_words())
+    word = rng.choice(LETTER_WORDS)
     letter = rng.choice(word) if rng.random() < 0.75 else rng.choice("abcdefghijklmnopqrstuvwxyz")
     q = rng.choice([
         "How many times does the letter '{c}' appear in '{w}'?", "How many '{c}'s are in '{w}'?",
@@ -303,14 +303,14 @@ def gen_comparison(rng: random.Random) -> Sample:
     ).format(a=a, b=b)
     sa, sb = str(a), str(b)
     if len(sa) != len(sb):
-        lines = f"{a} has {len(sa)} digits and {b} has {len(sb)} digits."
+        lines = f"{a} vs {b}: {len(sa)} digits vs {len(sb)} digits"
     else:
         steps = []
-        for x, y in zip(sa, sb):
-            steps.append(f"{x}{'=' if x == y else ('>' if x > y else '<')}{y}")
+        for i, (x, y) in enumerate(zip(sa, sb)):
+            steps.append(f"{sa[i:]} vs {sb[i:]}: {x}{'=' if x == y else ('>' if x > y else '<')}{y}")
             if x != y:
                 break
-        lines = f"Both have {len(sa)} digits. From the left: {', '.join(steps)}."
+        lines = "\n".join(steps)
     if a == b:
         reasoning, content, expected = lines + "\nThey are equal.", f"They are equal: {a} = {b}.", "equal"
     else:
@@ -337,7 +337,7 @@ def _tool_list(rng: random.Random) -> list[dict[str, Any]]:
 
 CALL_REASONING = [
     "{a} * {b} is a large product, so I will use the calculator.",
-    "This needs an exact product of big numbers. I'll call the calculator.",
+    "{a} * {b} needs an exact product of big numbers. I'll call the calculator.",
 ]
 
 

@@ -21,12 +21,15 @@ import csv  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import random  # noqa: E402
+import multiprocessing  # noqa: E402
 import time  # noqa: E402
+from concurrent.futures import Future, ProcessPoolExecutor  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from reasoning_engine.tiny import BUNDLED_MODEL_DIR  # noqa: E402
@@ -56,6 +59,9 @@ class TrainArgs:
     log_file: Path
     save_every: int
     checkpoint_dir: Path
+    max_minutes: float = 60.0
+    device: str = "cpu"
+    data_workers: int = 0
 
 
 def model_config(vocab_size: int, eos_id: int, pad_id: int) -> TinyConfig:
@@ -64,31 +70,33 @@ def model_config(vocab_size: int, eos_id: int, pad_id: int) -> TinyConfig:
         vocab_size=vocab_size, hidden_size=256, intermediate_size=384, moe_intermediate_size=64,
         num_hidden_layers=4, num_nextn_predict_layers=1, num_attention_heads=8,
         n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
-        routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=128, kv_lora_rank=64,
+        routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=192, kv_lora_rank=128,
         qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, rope_theta=1000.0,
         max_position_embeddings=MAX_MODEL_LEN,
         eos_token_id=eos_id, pad_token_id=pad_id,
     )
 
 
-def tokenized_pool(rng: random.Random, tokenizer, size: int) -> list[tuple[list[int], int]]:
-    """`size` fresh samples as (prompt + completion ids, prompt length); the prompt ends at an added token
-    (``<think>`` or ``</think>``), so encoding the two parts separately equals encoding their concatenation."""
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def pool_batches(seed: int, index: int, size: int, tokens_per_batch: int, tokenizer: Tokenizer) -> list[Batch]:
+    """The `index`-th pool of `size` fresh samples, tokenized and cut into length-bucketed, right-padded batches of
+    (input_ids, valid-token mask, loss mask on completion tokens). Each pool has its own seed, so the data stream is
+    the same whether pools are made in this process or by workers."""
+    rng = random.Random(seed * 1_000_003 + index)
     samples = [training_sample(rng) for _ in range(size)]
+    # A prompt ends at an added token (<think> or </think>), so encoding the two parts separately equals encoding
+    # their concatenation.
     prompts = tokenizer.encode_batch([s.prompt() for s in samples])
     completions = tokenizer.encode_batch([s.completion() for s in samples])
-    return [(p.ids + c.ids, len(p.ids)) for p, c in zip(prompts, completions)]
-
-
-def batches_from_pool(pool: list[tuple[list[int], int]], tokens_per_batch: int, pad_id: int,
-                      rng: random.Random) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Length-bucketed, right-padded batches: (input_ids, valid-token mask, loss mask on completion tokens)."""
+    pool = [(p.ids + c.ids, len(p.ids)) for p, c in zip(prompts, completions)]
+    pad_id = tokenizer.token_to_id(PAD)
     order = sorted(range(len(pool)), key=lambda i: len(pool[i][0]))
     groups: list[list[int]] = []
     current: list[int] = []
     for i in order:
-        length = len(pool[i][0])
-        if current and length * (len(current) + 1) > tokens_per_batch:
+        if current and len(pool[i][0]) * (len(current) + 1) > tokens_per_batch:
             groups.append(current)
             current = []
         current.append(i)
@@ -110,36 +118,91 @@ def batches_from_pool(pool: list[tuple[list[int], int]], tokens_per_batch: int, 
     return out
 
 
+_WORKER_TOKENIZER: Tokenizer | None = None
+
+
+def _init_worker(tokenizer_json: str) -> None:
+    global _WORKER_TOKENIZER
+    torch.set_num_threads(1)
+    _WORKER_TOKENIZER = Tokenizer.from_str(tokenizer_json)
+
+
+def _worker_pool(seed: int, index: int, size: int, tokens_per_batch: int) -> list[Batch]:
+    assert _WORKER_TOKENIZER is not None
+    return pool_batches(seed, index, size, tokens_per_batch, _WORKER_TOKENIZER)
+
+
+class BatchStream:
+    """Batches pool after pool; with workers, the next pools are generated in other processes while training runs
+    (on a GPU the Python data generator, not the model, would otherwise set the pace)."""
+
+    def __init__(self, tokenizer: Tokenizer, args: TrainArgs, first_pool: int = 0) -> None:
+        self.tokenizer, self.args, self.next_pool = tokenizer, args, first_pool
+        self.queue: list[Batch] = []
+        self.executor = None
+        self.pending: list[Future] = []
+        if args.data_workers > 0:
+            self.executor = ProcessPoolExecutor(args.data_workers, mp_context=multiprocessing.get_context("spawn"),
+                                                initializer=_init_worker, initargs=(tokenizer.to_str(),))
+            for _ in range(2 * args.data_workers):
+                self._submit()
+
+    def _submit(self) -> None:
+        a = self.args
+        self.pending.append(self.executor.submit(_worker_pool, a.seed, self.next_pool, a.pool_size, a.tokens_per_batch))
+        self.next_pool += 1
+
+    def next(self) -> Batch:
+        while not self.queue:
+            if self.executor is None:
+                a = self.args
+                self.queue = pool_batches(a.seed, self.next_pool, a.pool_size, a.tokens_per_batch, self.tokenizer)
+                self.next_pool += 1
+            else:
+                self.queue = self.pending.pop(0).result()
+                self._submit()
+        return self.queue.pop()
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(cancel_futures=True)
+
+
 def losses(model: TinyDeepseekV3, ids: torch.Tensor, valid: torch.Tensor,
            target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean next-token loss and mean MTP (t+2) loss over the completion tokens."""
     logits, mtp_logits = model(ids, token_mask=valid, with_mtp=True)
     v = logits.shape[-1]
     main_mask = target[:, 1:]
-    main = F.cross_entropy(logits[:, :-1][main_mask].view(-1, v), ids[:, 1:][main_mask])
+    main = F.cross_entropy(logits[:, :-1][main_mask].view(-1, v).float(), ids[:, 1:][main_mask])
     mtp_mask = target[:, 2:]
-    mtp = F.cross_entropy(mtp_logits[:, :-1][mtp_mask].view(-1, v), ids[:, 2:][mtp_mask])
+    mtp = F.cross_entropy(mtp_logits[:, :-1][mtp_mask].view(-1, v).float(), ids[:, 2:][mtp_mask])
     return main, mtp
 
 
 @torch.no_grad()
-def update_routing_bias(model: TinyDeepseekV3, speed: float) -> float:
+def update_routing_bias(model: TinyDeepseekV3, speed: float) -> torch.Tensor:
     """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded ones; returns the worst
-    max/mean load ratio over the MoE layers for the log."""
-    worst = 0.0
+    max/mean load ratio over the MoE layers (a tensor, so a GPU run does not wait for it every step)."""
+    worst = torch.zeros(())
     for moe in model.moe_layers():
         counts = moe.last_counts
         mean = counts.mean()
         moe.gate.e_score_correction_bias += speed * torch.sign(mean - counts)
-        worst = max(worst, (counts.max() / mean.clamp(min=1)).item())
+        worst = torch.maximum(worst.to(counts.device), counts.max() / mean.clamp(min=1))
     return worst
 
 
-def lr_at(step: int, args: TrainArgs) -> float:
+def progress(step: int, elapsed_s: float, args: TrainArgs) -> float:
+    """Fraction of the run done: by steps, or by wall time when the time limit comes first, so the schedule always
+    finishes its decay within max_minutes."""
+    return max(step / args.steps, elapsed_s / (60 * args.max_minutes))
+
+
+def lr_at(step: int, done: float, args: TrainArgs) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+    return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, done))))
 
 
 def write_generation_config(out_dir: Path, eos_id: int, pad_id: int) -> None:
@@ -149,12 +212,18 @@ def write_generation_config(out_dir: Path, eos_id: int, pad_id: int) -> None:
         f.write("\n")
 
 
+def save_model(model: TinyDeepseekV3, tokenizer: Tokenizer, out_dir: Path, eos_id: int, pad_id: int) -> None:
+    save_tokenizer(tokenizer, out_dir, MAX_MODEL_LEN)
+    save_checkpoint(model, out_dir)
+    write_generation_config(out_dir, eos_id, pad_id)
+
+
 def save_state(path: Path, model: TinyDeepseekV3, opt: torch.optim.Optimizer, step: int, tokens_seen: int,
-               data_rng: random.Random, queue: list) -> None:
-    """Everything needed to continue the run bit-for-bit: weights, routing biases, optimizer, data stream."""
+               next_pool: int, queue: list[Batch], elapsed_s: float) -> None:
+    """Everything needed to continue the run: weights, routing biases, optimizer, position in the data stream."""
     tmp = path.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "tokens_seen": tokens_seen,
-                "rng": data_rng.getstate(), "queue": queue}, tmp)
+                "next_pool": next_pool, "queue": queue, "elapsed_s": elapsed_s}, tmp)
     tmp.replace(path)
 
 
@@ -162,75 +231,91 @@ def train(args: TrainArgs, resume: bool = False) -> None:
     """Build the tokenizer, train, and write the checkpoint; with resume, continue from checkpoint_dir/state.pt."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    device = torch.device(args.device)
     start = time.time()
     print(f"building tokenizer -> {args.out_dir}", flush=True)
     tokenizer = build_tokenizer(corpus_for_vocab(20000, args.seed + 1))
     save_tokenizer(tokenizer, args.out_dir, MAX_MODEL_LEN)
     eos_id, pad_id = tokenizer.token_to_id(IM_END), tokenizer.token_to_id(PAD)
     cfg = model_config(tokenizer.get_vocab_size(), eos_id, pad_id)
-    model = TinyDeepseekV3(cfg)
+    model = TinyDeepseekV3(cfg).to(device)
     params = sum(p.numel() for p in model.parameters())
     print(f"vocab {cfg.vocab_size}, parameters {params:,} (+{2 * cfg.vocab_size * cfg.hidden_size:,} MTP copies "
-          f"in the checkpoint)", flush=True)
+          f"in the checkpoint), device {device}", flush=True)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed" in n]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
-    data_rng = random.Random(args.seed)
-    queue: list = []
-    first_step, tokens_seen = 0, 0
+    first_step, tokens_seen, first_pool, queue, spent = 0, 0, 0, [], 0.0
     state_path = args.checkpoint_dir / "state.pt"
     if resume:
-        state = torch.load(state_path, weights_only=False)
+        state = torch.load(state_path, weights_only=False, map_location=device)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
-        data_rng.setstate(state["rng"])
-        queue, first_step, tokens_seen = state["queue"], state["step"], state["tokens_seen"]
+        first_step, tokens_seen, first_pool = state["step"], state["tokens_seen"], state["next_pool"]
+        queue, spent = state["queue"], state["elapsed_s"]
         print(f"resuming at step {first_step}", flush=True)
+    stream = BatchStream(tokenizer, args, first_pool)
+    stream.queue = queue
+    # bf16 autocast on CUDA; CPU trains in float32 (autocast there is slower than plain float32 on small matrices).
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     args.log_file.parent.mkdir(parents=True, exist_ok=True)
+    train_start = time.time() - spent
+    step = first_step
     with open(args.log_file, "a" if resume else "w", newline="") as log_f:
         log = csv.writer(log_f)
         if not resume:
             log.writerow(["step", "loss", "mtp_loss", "lr", "tokens", "elapsed_s", "max_expert_load"])
-        bar = tqdm(range(first_step, args.steps), desc="train", dynamic_ncols=True, initial=first_step,
-                   total=args.steps)
-        for step in bar:
-            if not queue:
-                queue = batches_from_pool(tokenized_pool(data_rng, tokenizer, args.pool_size),
-                                          args.tokens_per_batch, pad_id, data_rng)
-            ids, valid, target = queue.pop()
+        bar = tqdm(total=args.steps, initial=first_step, desc="train", dynamic_ncols=True, mininterval=2.0)
+        while True:
+            done = progress(step, time.time() - train_start, args)
+            if done >= 1.0:
+                break
+            ids, valid, target = (t.to(device, non_blocking=True) for t in stream.next())
+            lr = lr_at(step, done, args)
             for group in opt.param_groups:
-                group["lr"] = lr_at(step, args)
-            main, mtp = losses(model, ids, valid, target)
+                group["lr"] = lr
+            with autocast:
+                main, mtp = losses(model, ids, valid, target)
             loss = main + MTP_WEIGHT * mtp
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            load = update_routing_bias(model, BIAS_UPDATE_SPEED * lr_at(max(step, args.warmup), args) / args.lr)
+            load = update_routing_bias(model, BIAS_UPDATE_SPEED * lr_at(max(step, args.warmup), done, args) / args.lr)
             tokens_seen += int(valid.sum())
-            bar.set_postfix(loss=f"{main.item():.3f}", mtp=f"{mtp.item():.3f}", load=f"{load:.2f}")
-            log.writerow([step, f"{main.item():.4f}", f"{mtp.item():.4f}", f"{lr_at(step, args):.2e}", tokens_seen,
-                          f"{time.time() - start:.0f}", f"{load:.2f}"])
-            if step % 25 == 0:
+            step += 1
+            bar.update(1)
+            if step % 25 == 0 or step == first_step + 1:
+                main_v, mtp_v, load_v = main.item(), mtp.item(), load.item()
+                bar.set_postfix(loss=f"{main_v:.3f}", mtp=f"{mtp_v:.3f}", load=f"{load_v:.2f}")
+                log.writerow([step, f"{main_v:.4f}", f"{mtp_v:.4f}", f"{lr:.2e}", tokens_seen,
+                              f"{time.time() - start:.0f}", f"{load_v:.2f}"])
                 log_f.flush()
-            if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-                save_tokenizer(tokenizer, args.checkpoint_dir, MAX_MODEL_LEN)
-                save_checkpoint(model, args.checkpoint_dir)
-                write_generation_config(args.checkpoint_dir, eos_id, pad_id)
-                save_state(state_path, model, opt, step + 1, tokens_seen, data_rng, queue)
+            if args.save_every and step % args.save_every == 0:
+                save_model(model, tokenizer, args.checkpoint_dir, eos_id, pad_id)
+                save_state(state_path, model, opt, step, tokens_seen, stream.next_pool, stream.queue,
+                           time.time() - train_start)
+        bar.close()
+    stream.close()
     model.eval()
-    save_checkpoint(model, args.out_dir)
-    write_generation_config(args.out_dir, eos_id, pad_id)
-    print(f"done in {(time.time() - start) / 60:.1f} min, {tokens_seen:,} tokens; saved to {args.out_dir}", flush=True)
+    save_model(model.cpu(), tokenizer, args.out_dir, eos_id, pad_id)
+    print(f"done in {(time.time() - start) / 60:.1f} min, {step} steps, {tokens_seen:,} tokens; saved to "
+          f"{args.out_dir}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default 5000; --quick: 20)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default 4500; --quick: 20)")
+    parser.add_argument("--max-minutes", type=float, default=60.0,
+                        help="wall-time limit; the learning-rate schedule ends by then even if steps remain")
     parser.add_argument("--quick", action="store_true", help="smoke test: few steps, writes to artifacts/tiny/quick")
     parser.add_argument("--tokens-per-batch", type=int, default=2048)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--pool-size", type=int, default=2048, help="samples generated at once (then bucketed)")
+    parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
+    parser.add_argument("--data-workers", type=int, default=0, help="processes generating data ahead (0: inline)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=TRAIN_SEED)
     parser.add_argument("--out-dir", type=Path, default=None, help="default: the bundled assets directory")
@@ -239,12 +324,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint-dir", type=Path, default=Path("artifacts/tiny/checkpoint"))
     parser.add_argument("--resume", action="store_true", help="continue from the last --save-every state")
     ns = parser.parse_args(argv)
-    steps = ns.steps if ns.steps is not None else (20 if ns.quick else 5000)
+    steps = ns.steps if ns.steps is not None else (20 if ns.quick else 4500)
     out_dir = ns.out_dir or (Path("artifacts/tiny/quick") if ns.quick else BUNDLED_MODEL_DIR)
-    train(TrainArgs(steps=steps, tokens_per_batch=ns.tokens_per_batch, lr=ns.lr, warmup=min(100, steps // 10 + 1),
-                    weight_decay=0.05, pool_size=256 if ns.quick else 2048, seed=ns.seed, threads=ns.threads,
+    device = ns.device if ns.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    train(TrainArgs(steps=steps, tokens_per_batch=ns.tokens_per_batch, lr=ns.lr, warmup=min(ns.warmup, steps // 10 + 1),
+                    weight_decay=0.05, pool_size=256 if ns.quick else ns.pool_size, seed=ns.seed, threads=ns.threads,
                     out_dir=out_dir, log_file=ns.log_file, save_every=ns.save_every,
-                    checkpoint_dir=ns.checkpoint_dir), resume=ns.resume)
+                    checkpoint_dir=ns.checkpoint_dir, max_minutes=ns.max_minutes, device=device,
+                    data_workers=ns.data_workers), resume=ns.resume)
 
 
 if __name__ == "__main__":

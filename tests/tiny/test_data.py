@@ -31,11 +31,12 @@ def test_reference_completions_pass_the_checker(task: str) -> None:
 
 
 def test_column_steps() -> None:
-    assert addition_steps(347, 589) == ("ones: 7+9=16, write 6 carry 1\ntens: 4+8+1=13, write 3 carry 1\n"
-                                        "hundreds: 3+5+1=9, write 9")
-    assert addition_steps(95, 7) == "ones: 5+7=12, write 2 carry 1\ntens: 9+0+1=10, write 0 carry 1\nhundreds: write 1"
-    assert subtraction_steps(903, 458) == ("ones: 13-8=5, borrow 1\ntens: 10-1-5=4, borrow 1\n"
-                                           "hundreds: 9-1-4=4")
+    assert addition_steps(347, 589) == ("347 + 589: 7+9=16, carry 1, digits 6\n34 + 58: 4+8+1=13, carry 1, digits 36\n"
+                                        "3 + 5: 3+5+1=9, digits 936")
+    assert addition_steps(95, 7) == ("95 + 7: 5+7=12, carry 1, digits 2\n9 + 0: 9+0+1=10, carry 1, digits 02\n"
+                                     "carry 1: digits 102")
+    assert subtraction_steps(903, 458) == ("903 - 458: 13-8=5, borrow 1, digits 5\n90 - 45: 10-1-5=4, borrow 1, "
+                                           "digits 45\n9 - 4: 9-1-4=4, digits 445")
 
 
 def test_samples_render_like_full_conversations() -> None:

@@ -10,11 +10,14 @@ Routing follows each family's published definition:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from reasoning_engine.kernels import kernel_module
+from reasoning_engine.kernels.fused_moe import MoEQuant
 from reasoning_engine.layers.activation import silu_and_mul
 
 
@@ -75,19 +78,69 @@ class Router(nn.Module):
         return weights * self.scaling, ids
 
 
+@dataclass(frozen=True)
+class ExpertQuant:
+    """The quantized format routed-expert weights are kept in (a `MoEQuant` without its tensors): "w4a16" (INT4
+    packed eight per int32, one scale per `group_size` input channels) or "fp8_block" (float8_e4m3fn, one float32
+    scale per `block_shape` tile)."""
+
+    method: str
+    group_size: int = 32
+    block_shape: tuple[int, int] = (128, 128)
+
+    def __post_init__(self) -> None:
+        if self.method not in ("w4a16", "fp8_block"):
+            raise ValueError(f"ExpertQuant.method must be 'w4a16' or 'fp8_block', got {self.method!r}")
+
+
 class Experts(nn.Module):
-    """Routed experts stacked as w13 [E, 2I, H] (gate then up) and w2 [E, H, I]."""
+    """Routed experts stacked as w13 [E, 2I, H] (gate then up) and w2 [E, H, I].
+
+    With `quant` the weights stay in the checkpoint's quantized format and the fused-MoE kernel dequantizes them on
+    the fly (the torch reference per expert, Triton in registers), so INT4 experts take about a quarter of their bf16
+    bytes. Layouts are those of `kernels.fused_moe`, the checkpoint's per-expert tensors stacked:
+    - w4a16: w13 int32 [E, 2I, H/8], w2 int32 [E, H, I/8]; w13_scale [E, 2I, H/g], w2_scale [E, H, I/g] in bf16, the
+      published scale dtype (H and I must be multiples of 8).
+    - fp8_block (bn, bk): w13 float8_e4m3fn [E, 2I, H], w2 [E, H, I]; float32 w13_scale [E, 2 ceil(I/bn), ceil(H/bk)]
+      (the gate's block rows, then the up's) and w2_scale [E, ceil(H/bn), ceil(I/bk)].
+    `fixed_dtypes` names the parameters whose storage dtype `models.base.materialize` must keep.
+    """
 
     kernel_family = "moe"
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, quant: ExpertQuant | None = None) -> None:
         super().__init__()
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.quant = quant
         self.ops = kernel_module(self.kernel_family, "torch")
+        w13_shape, w2_shape = (num_experts, 2 * intermediate_size, hidden_size), (num_experts, hidden_size, intermediate_size)
+        if quant is None:
+            self.w13 = nn.Parameter(torch.empty(w13_shape))
+            self.w2 = nn.Parameter(torch.empty(w2_shape))
+            self.fixed_dtypes: frozenset[str] = frozenset()
+            return
+        if quant.method == "w4a16":
+            if hidden_size % 8 or intermediate_size % 8:
+                raise ValueError(f"INT4 experts need hidden_size and moe_intermediate_size divisible by 8 (eight values "
+                                 f"per int32), got {hidden_size} and {intermediate_size}")
+            weights = {"w13": (w13_shape, 8, torch.int32), "w2": (w2_shape, 8, torch.int32)}
+            scales = {name: (*shape[:2], -(-shape[2] // quant.group_size)) for name, (shape, _, _) in weights.items()}
+            scale_dtype = torch.bfloat16
+        else:
+            bn, bk = quant.block_shape
+            weights = {"w13": (w13_shape, 1, torch.float8_e4m3fn), "w2": (w2_shape, 1, torch.float8_e4m3fn)}
+            scales = {"w13": (num_experts, 2 * -(-intermediate_size // bn), -(-hidden_size // bk)),
+                      "w2": (num_experts, -(-hidden_size // bn), -(-intermediate_size // bk))}
+            scale_dtype = torch.float32
+        for name, (shape, pack, dtype) in weights.items():
+            setattr(self, name, nn.Parameter(torch.empty(*shape[:2], shape[2] // pack, dtype=dtype), requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(torch.empty(scales[name], dtype=scale_dtype), requires_grad=False))
+        self.fixed_dtypes = frozenset(("w13", "w2", "w13_scale", "w2_scale"))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return self.ops.fused_moe(x, self.w13, self.w2, weights, ids)
+        quant = None
+        if self.quant is not None:
+            quant = MoEQuant(self.quant.method, self.w13_scale, self.w2_scale, self.quant.group_size, self.quant.block_shape)
+        return self.ops.fused_moe(x, self.w13, self.w2, weights, ids, quant)
 
 
 class SparseMoE(nn.Module):

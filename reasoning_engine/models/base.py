@@ -16,7 +16,7 @@ from torch import nn
 
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.config import ModelConfig
-from reasoning_engine.layers.moe import Router
+from reasoning_engine.layers.moe import Experts, Router
 from reasoning_engine.layers.norm import RMSNorm
 from reasoning_engine.layers.rotary import RotaryEmbedding
 
@@ -100,6 +100,12 @@ class CausalLM(nn.Module):
         """Family-specific: where a checkpoint tensor (name without the 'model.' prefix) goes; None to skip it."""
         return WeightTarget(name)
 
+    def packed_weights(self) -> Callable[[str], bool]:
+        """`keep_packed` for `weights.iter_checkpoint_weights`: whether a quantized checkpoint tensor (name as stored)
+        fills a routed-expert parameter kept quantized, so it is read as its stored parts instead of dequantized."""
+        prefix, packed = self.config.weight_prefix, packed_targets(self, self._map_checkpoint_name)
+        return lambda name: name.startswith(prefix) and packed(name[len(prefix):])
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
         load_parameters(self, self._text_model_weights(weights), self._map_checkpoint_name, self.config.path, tied)
@@ -126,10 +132,12 @@ def load_parameters(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor
     """Copy each checkpoint tensor into the parameter slice `map_weight` names for it (None: skip the tensor).
 
     Shared by the models and the draft models (MTP layers, EAGLE-3 heads), so every loader checks the same things:
-    each tensor fits its slice, and at the end every parameter but the `tied` ones was filled completely (`source`
+    each tensor fits its slice (in dtype too where a module keeps `fixed_dtypes`: packed codes and scales are never
+    cast), and at the end every parameter but the `tied` ones was filled completely (`source`
     names the checkpoint in that error). Then modules derive what they precompute from their weights.
     """
     params = dict(module.named_parameters(remove_duplicate=False))
+    fixed = {f"{path}.{name}".lstrip(".") for path, sub in module.named_modules() for name in getattr(sub, "fixed_dtypes", ())}
     filled: dict[str, int] = {}
     for name, tensor in weights:
         target = map_weight(name)
@@ -141,25 +149,48 @@ def load_parameters(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor
         dest = target.slicer(param.data) if target.slicer else param.data
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        if target.param in fixed and tensor.dtype != dest.dtype:  # packed codes and their scales are never cast
+            raise ValueError(f"tensor {name!r} is stored as {tensor.dtype}, but {target.param!r} keeps {dest.dtype}")
         dest.copy_(tensor)
         filled[target.param] = filled.get(target.param, 0) + tensor.numel()
     missing = [p for p, t in params.items() if p not in tied and filled.get(p, 0) < t.numel()]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint {source} is missing tensors for: {shown}")
+    process_weights_after_loading(module)
+
+
+def process_weights_after_loading(module: nn.Module) -> None:
+    """Let modules derive what they precompute from their weights, once these are final (loaded or dummy)."""
     for sub in module.modules():
         if hasattr(sub, "process_weights_after_loading"):
             sub.process_weights_after_loading()
 
 
+def packed_targets(module: nn.Module, map_weight: Callable[[str], WeightTarget | None]) -> Callable[[str], bool]:
+    """Whether the checkpoint tensor `name` maps (through `map_weight`) into the weights of an `Experts` that keeps
+    them quantized."""
+    packed = {f"{path}.{param}" for path, sub in module.named_modules()
+              if isinstance(sub, Experts) and sub.quant is not None for param in ("w13", "w2")}
+
+    def keep(name: str) -> bool:
+        target = map_weight(name) if packed else None
+        return target is not None and target.param in packed
+
+    return keep
+
+
 def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """Real, uninitialised storage in `dtype` on `device` for a module built on the meta device (every parameter is
-    then loaded, so random init would be wasted work). Routers stay float32, as the published models compute routing;
-    rotary tables (plain tensors, not cast with the weights) move to the device."""
+    then loaded, so random init would be wasted work). Parameters a module lists in `fixed_dtypes` (packed quantized
+    experts and their scales) keep the dtype they were built with; routers stay float32, as the published models
+    compute routing; rotary tables (plain tensors, not cast with the weights) move to the device."""
     for sub in module.modules():
+        fixed = getattr(sub, "fixed_dtypes", frozenset())
         for name, param in list(sub.named_parameters(recurse=False)):
             # plain torch.empty per parameter: nn.Module.to_empty pulls in sympy (~500 modules, ~140 MiB) via meta shapes
-            setattr(sub, name, nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False))
+            storage = torch.empty(param.shape, dtype=param.dtype if name in fixed else dtype, device=device)
+            setattr(sub, name, nn.Parameter(storage, requires_grad=False))
         for name, buffer in list(sub.named_buffers(recurse=False)):
             sub.register_buffer(name, torch.empty(buffer.shape, dtype=buffer.dtype, device=device))
     for sub in module.modules():
@@ -190,11 +221,14 @@ def mlp_target(name: str) -> WeightTarget:
 
 
 def expert_target(name: str) -> WeightTarget | None:
-    """`layers.N.mlp.experts.E.{gate,up,down}_proj.weight` -> a slice of the stacked w13 / w2."""
-    match = re.fullmatch(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name)
+    """`layers.N.mlp.experts.E.{gate,up,down}_proj.weight` -> a slice of the stacked w13 / w2; for experts kept
+    quantized, `weight_packed` (INT4) goes there too and `weight_scale` / `weight_scale_inv` into w13_scale / w2_scale
+    (the gate's scale rows, then the up's)."""
+    match = re.fullmatch(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight|weight_packed|weight_scale|weight_scale_inv)", name)
     if not match:
         return None
     expert, kind = int(match.group(2)), match.group(3)
+    suffix = "_scale" if match.group(4).startswith("weight_scale") else ""
     if kind == "down":
-        return WeightTarget(f"{match.group(1)}.w2", lambda t: t[expert])
-    return WeightTarget(f"{match.group(1)}.w13", expert_half(expert, kind))
+        return WeightTarget(f"{match.group(1)}.w2{suffix}", lambda t: t[expert])
+    return WeightTarget(f"{match.group(1)}.w13{suffix}", expert_half(expert, kind))

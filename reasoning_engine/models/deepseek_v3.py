@@ -16,6 +16,7 @@ from reasoning_engine.layers.attention import MLAttention
 from reasoning_engine.layers.moe import Experts, GatedMLP, Router, SparseMoE
 from reasoning_engine.layers.rotary import RotaryEmbedding, yarn_softmax_scale
 from reasoning_engine.models.base import CausalLM, DecoderLayer, WeightTarget, mlp_target, rows
+from reasoning_engine.models.quantization import expert_quant, parse_quant_config
 
 
 def _is_moe_layer(config: ModelConfig, index: int) -> bool:
@@ -39,7 +40,8 @@ def _mlp(config: ModelConfig, index: int) -> nn.Module:
         topk_method=config.get("topk_method", "noaux_tc" if v3 else "greedy"),
         correction_bias=v3 and config.get("topk_method", "noaux_tc") == "noaux_tc",
     )
-    experts = Experts(num_experts, config.hidden_size, config.raw["moe_intermediate_size"])
+    experts = Experts(num_experts, config.hidden_size, config.raw["moe_intermediate_size"],
+                      expert_quant(parse_quant_config(config.raw), index))
     n_shared = config.get("n_shared_experts", 0) or 0
     shared = GatedMLP(config.hidden_size, config.raw["moe_intermediate_size"] * n_shared) if n_shared else None
     return SparseMoE(router, experts, shared)

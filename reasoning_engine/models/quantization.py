@@ -11,10 +11,12 @@ Two published formats are read:
   float32 ``[ceil(out / bo), ceil(in / bi)]`` for ``weight_block_size: [bo, bi]``; dense weight = ``fp8 * scale`` of
   its block, edge blocks partial.
 
-The CPU path dequantizes to the compute dtype at load (see `weights.iter_checkpoint_weights`); the GPU path can keep the
-packed tensors and use `QuantConfig.is_quantized` to know which layers to allocate packed. The inverse writers
-(quantizing dense weights into these formats) live with the tests in ``tests/models/quant_writer.py``: the engine only
-reads published checkpoints.
+Routed experts stay quantized in the engine (`expert_quant` picks the format their `layers.moe.Experts` keeps; the
+fused-MoE kernels dequantize on the fly), which is where nearly all the bytes of these models are. Every other
+quantized linear (attention, dense MLP, shared experts) is dequantized to the compute dtype at load
+(`weights.iter_checkpoint_weights`): dense GEMMs have no quantized kernel here and those layers are a small share of
+the model. The inverse writers (quantizing dense weights into these formats) live with the tests in
+``tests/models/quant_writer.py``: the engine only reads published checkpoints.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from reasoning_engine.layers.moe import ExpertQuant
 
 SUPPORTED_QUANT_METHODS = ("compressed-tensors", "fp8")
 INT4_PACK_FACTOR = 8  # 4-bit values per int32
@@ -135,6 +139,37 @@ def _parse_fp8(raw: dict[str, Any]) -> QuantConfig:
     return QuantConfig(method="fp8", block=(block[0], block[1]), ignore=ignore)
 
 
+def expert_quant(quant: QuantConfig | None, layer: int) -> ExpertQuant | None:
+    """The format the routed experts of decoder layer `layer` stay in, or None when they are not quantized (they are
+    then dense, dequantized at load if stored quantized)."""
+    if quant is None:
+        return None
+    if not all(quant.is_quantized(f"model.layers.{layer}.mlp.experts.0.{proj}_proj") for proj in ("gate", "up", "down")):
+        return None
+    if quant.method == "fp8":
+        return ExpertQuant("fp8_block", block_shape=quant.block)
+    return ExpertQuant("w4a16", group_size=quant.group_size)
+
+
+def int4_logical_shape(
+    packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor | tuple[int, int] | list[int], group_size: int
+) -> tuple[int, int]:
+    """The ``[out, in]`` a pack-quantized layer stands for, checked against its ``weight_packed`` and ``weight_scale``."""
+    values = shape.tolist() if isinstance(shape, torch.Tensor) else list(shape)
+    if len(values) != 2:
+        raise ValueError(f"weight_shape must hold [out, in], got {values}")
+    rows, cols = (int(v) for v in values)
+    groups = math.ceil(cols / group_size)
+    if packed.dtype != torch.int32 or tuple(packed.shape) != (rows, math.ceil(cols / INT4_PACK_FACTOR)):
+        raise ValueError(
+            f"weight_packed must be int32 of shape {(rows, math.ceil(cols / INT4_PACK_FACTOR))} for weight_shape "
+            f"{[rows, cols]}, got {packed.dtype} {tuple(packed.shape)}"
+        )
+    if tuple(scale.shape) != (rows, groups):
+        raise ValueError(f"weight_scale must have shape {(rows, groups)} for weight_shape {[rows, cols]} and group size {group_size}, got {tuple(scale.shape)}")
+    return rows, cols
+
+
 def dequantize_int4_pack(
     packed: torch.Tensor,
     scale: torch.Tensor,
@@ -146,15 +181,8 @@ def dequantize_int4_pack(
 
     The product ``q * scale`` is formed in float32 (exact for bf16 scales) and rounded once to ``dtype``.
     """
-    rows, cols = (int(v) for v in (shape.tolist() if isinstance(shape, torch.Tensor) else shape))
+    rows, cols = int4_logical_shape(packed, scale, shape, group_size)
     groups = math.ceil(cols / group_size)
-    if packed.dtype != torch.int32 or tuple(packed.shape) != (rows, math.ceil(cols / INT4_PACK_FACTOR)):
-        raise ValueError(
-            f"weight_packed must be int32 of shape {(rows, math.ceil(cols / INT4_PACK_FACTOR))} for weight_shape "
-            f"{[rows, cols]}, got {packed.dtype} {tuple(packed.shape)}"
-        )
-    if tuple(scale.shape) != (rows, groups):
-        raise ValueError(f"weight_scale must have shape {(rows, groups)} for weight_shape {[rows, cols]} and group size {group_size}, got {tuple(scale.shape)}")
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
     nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # arithmetic shift, then the mask keeps one nibble
     q = nibbles.reshape(rows, -1)[:, :cols].to(torch.float32) - INT4_OFFSET

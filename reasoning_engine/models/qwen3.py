@@ -9,6 +9,7 @@ from reasoning_engine.layers.attention import GQAttention
 from reasoning_engine.layers.moe import Experts, GatedMLP, Router, SparseMoE
 from reasoning_engine.layers.rotary import RotaryEmbedding
 from reasoning_engine.models.base import CausalLM, DecoderLayer, WeightTarget, gqa_target
+from reasoning_engine.models.quantization import expert_quant, parse_quant_config
 
 
 def _is_moe_layer(config: ModelConfig, index: int) -> bool:
@@ -21,7 +22,8 @@ def _mlp(config: ModelConfig, index: int) -> nn.Module:
     if config.family == "qwen3_moe" and _is_moe_layer(config, index):
         router = Router(config.hidden_size, config.raw["num_experts"], config.raw["num_experts_per_tok"], "softmax",
                         norm_topk_prob=bool(config.get("norm_topk_prob", False)))
-        experts = Experts(config.raw["num_experts"], config.hidden_size, config.raw["moe_intermediate_size"])
+        experts = Experts(config.raw["num_experts"], config.hidden_size, config.raw["moe_intermediate_size"],
+                          expert_quant(parse_quant_config(config.raw), index))
         return SparseMoE(router, experts, None)
     return GatedMLP(config.hidden_size, config.raw["intermediate_size"])
 

@@ -26,10 +26,14 @@ FAMILIES: dict[str, type[CausalLM]] = {
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
                 kernel_backend: str = "torch", load_format: str = "auto") -> CausalLM:
-    """Instantiate the family's module (no random init: every parameter is then filled from the checkpoint)."""
-    from reasoning_engine.models.weights import iter_checkpoint_weights
+    """Instantiate the family's module and fill it: from the checkpoint's safetensors (`load_format` "auto"; no
+    random init, every parameter is loaded) or with random weights from config.json alone ("dummy")."""
+    from reasoning_engine.models.dummy import init_dummy_weights
     from reasoning_engine.models.quantization import parse_quant_config
+    from reasoning_engine.models.weights import iter_checkpoint_weights
 
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     cls = FAMILIES[config.family]
     with torch.device("meta"):
         model = cls(config, max_positions)
@@ -39,7 +43,10 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, m
     if config.skipped_prefixes:
         logger.info("%s: skipping the vision tower (%s) until multimodal input lands; serving the text model",
                     config.model_type, ", ".join(config.skipped_prefixes))
-    quant = parse_quant_config(config.raw)
-    model.load_weights(iter_checkpoint_weights(config.path, quant, dtype))
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        quant = parse_quant_config(config.raw)
+        model.load_weights(iter_checkpoint_weights(config.path, quant, dtype, keep_packed=model.packed_weights()))
     use_kernel_backend(model, kernel_backend)
     return model.eval()

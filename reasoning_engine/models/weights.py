@@ -6,14 +6,16 @@ reopened after a bounded number of bytes has been read from it: resident file pa
 RSS stays near the size of the loaded weights. Every yielded tensor owns its memory (never a view of the mapping).
 
 Quantized layers are dequantized on the fly (see `quantization`): the consumer sees the logical ``X.weight`` as a
-dense tensor and never the ``weight_packed`` / ``weight_scale`` / ``weight_scale_inv`` companions.
+dense tensor and never the ``weight_packed`` / ``weight_scale`` / ``weight_scale_inv`` companions, except for the
+layers it asks to keep packed (``keep_packed``: the routed experts the model stores quantized), which come as their
+stored parts, checked and in their stored dtypes.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,13 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from reasoning_engine.models.quantization import QuantConfig, dequantize_fp8_block, dequantize_int4_pack
+from reasoning_engine.models.quantization import (
+    INT4_PACK_FACTOR,
+    QuantConfig,
+    dequantize_fp8_block,
+    dequantize_int4_pack,
+    int4_logical_shape,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -170,12 +178,15 @@ def iter_checkpoint_weights(
     dtype: torch.dtype,
     prefix_strip: str | None = None,
     progress: bool = True,
+    keep_packed: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every logical tensor of the checkpoint in ``model_dir``.
 
     Floating-point tensors (and dequantized ones) come in ``dtype``; integer tensors keep theirs. With
     ``prefix_strip`` (e.g. ``"language_model."``) only tensors under that prefix are yielded, without it; the others
-    (a vision tower) are skipped and counted in one log line.
+    (a vision tower) are skipped and counted in one log line. A quantized ``X.weight`` for which ``keep_packed(name)``
+    holds is yielded as its stored parts instead: ``X.weight_packed`` (int32) and ``X.weight_scale`` for INT4,
+    ``X.weight`` (float8_e4m3fn) and ``X.weight_scale_inv`` (float32) for block FP8.
     """
     locations = checkpoint_files(model_dir)
     plan = plan_checkpoint(locations, quant)
@@ -188,10 +199,40 @@ def iter_checkpoint_weights(
     total = sum(p.stat().st_size for p in set(locations.values()))
     files = _MappedFiles(max(MIN_RESIDENT_BYTES, min(MAX_RESIDENT_BYTES, total // 20)))
     for entry in tqdm(plan, desc="Loading weights", unit="tensor", disable=not progress):
-        tensor = _read(entry, locations, files, quant, dtype)
-        files.release_full()
         name = entry.name[len(prefix_strip):] if prefix_strip else entry.name
-        yield name, tensor
+        if entry.kind != "plain" and keep_packed is not None and keep_packed(name):
+            parts = _read_packed(entry, name, locations, files, quant)
+        else:
+            parts = [(name, _read(entry, locations, files, quant, dtype))]
+        files.release_full()
+        yield from parts
+
+
+def _read_packed(
+    entry: CheckpointTensor, name: str, locations: dict[str, Path], files: _MappedFiles, quant: QuantConfig | None
+) -> list[tuple[str, torch.Tensor]]:
+    """A quantized layer's stored parts as the packed expert parameters take them, named after ``name``'s layer."""
+    assert quant is not None
+    base = name[: -len(".weight")]
+    parts = [files.get(locations[p], p) for p in entry.parts]
+    if entry.kind == "int4":
+        packed, scale, shape = parts
+        try:
+            cols = int4_logical_shape(packed, scale, shape, quant.group_size)[1]
+        except ValueError as exc:
+            raise ValueError(f"cannot read {entry.name!r}: {exc}") from exc
+        if cols % INT4_PACK_FACTOR:
+            raise ValueError(f"{entry.name!r} has {cols} input channels: kept packed, they must be a multiple of 8")
+        return [(f"{base}.weight_packed", packed.clone()), (f"{base}.weight_scale", scale.clone())]
+    weight, scale_inv = _fp8_parts(entry, parts)
+    return [(f"{base}.weight", weight.clone()), (f"{base}.weight_scale_inv", scale_inv.clone())]
+
+
+def _fp8_parts(entry: CheckpointTensor, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    weight, scale_inv = parts
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{entry.parts[0]!r} has a weight_scale_inv but is stored as {weight.dtype}, not float8_e4m3fn")
+    return weight, scale_inv
 
 
 def _read(
@@ -201,17 +242,13 @@ def _read(
     if entry.kind == "int4":
         assert quant is not None
         packed, scale, shape = parts
-        if shape.numel() != 2:
-            raise ValueError(f"{entry.parts[2]!r} must hold [out, in], got {shape.tolist()}")
         try:
             return dequantize_int4_pack(packed, scale, shape, quant.group_size, dtype)
         except ValueError as exc:
             raise ValueError(f"cannot dequantize {entry.name!r}: {exc}") from exc
     if entry.kind == "fp8":
         assert quant is not None
-        weight, scale_inv = parts
-        if weight.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"{entry.parts[0]!r} has a weight_scale_inv but is stored as {weight.dtype}, not float8_e4m3fn")
+        weight, scale_inv = _fp8_parts(entry, parts)
         try:
             return dequantize_fp8_block(weight, scale_inv, quant.block, dtype)
         except ValueError as exc:

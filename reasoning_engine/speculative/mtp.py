@@ -17,7 +17,7 @@ Drafts are greedy, hence point masses, so verification stays exact.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -27,7 +27,7 @@ from reasoning_engine.config import EngineConfig, ModelConfig
 from reasoning_engine.layers import use_kernel_backend
 from reasoning_engine.layers.norm import RMSNorm
 from reasoning_engine.layers.rotary import RotaryEmbedding
-from reasoning_engine.models.base import CausalLM, DecoderLayer, WeightTarget, load_parameters, materialize
+from reasoning_engine.models.base import CausalLM, DecoderLayer, WeightTarget, load_parameters, materialize, packed_targets
 from reasoning_engine.models.deepseek_v3 import decoder_layer, map_layer_weight
 from reasoning_engine.models.quantization import parse_quant_config
 from reasoning_engine.models.weights import checkpoint_files, iter_checkpoint_weights
@@ -84,11 +84,13 @@ class MTPDraftModel(nn.Module):
         return tokens, (top - logits.logsumexp(dim=-1)).exp()
 
 
-def _mtp_weights(config: ModelConfig, prefix: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _mtp_weights(config: ModelConfig, prefix: str, dtype: torch.dtype,
+                 packed: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
     """The first MTP layer's tensors only (the per-tensor reader skips the rest of the checkpoint), renamed to
-    `layers.0.*` so the main model's fused-layout mapping applies."""
+    `layers.0.*` so the main model's fused-layout mapping applies; `packed` says which stay quantized (by new name)."""
     quant = parse_quant_config(config.raw)
-    for name, tensor in iter_checkpoint_weights(config.path, quant, dtype, prefix_strip=prefix, progress=False):
+    for name, tensor in iter_checkpoint_weights(config.path, quant, dtype, prefix_strip=prefix, progress=False,
+                                                keep_packed=lambda n: packed(f"layers.0.{n}")):
         yield f"layers.0.{name}", tensor
 
 
@@ -109,6 +111,7 @@ def load_mtp(target: CausalLM, engine_config: EngineConfig) -> MTPDraftModel:
     def map_weight(name: str) -> WeightTarget:
         return map_layer_weight(name, q_lora_rank)
 
-    load_parameters(model, _mtp_weights(config, layer_prefix, engine_config.dtype), map_weight, config.path)
+    weights = _mtp_weights(config, layer_prefix, engine_config.dtype, packed_targets(model, map_weight))
+    load_parameters(model, weights, map_weight, config.path)
     use_kernel_backend(model, engine_config.kernel_backend)
     return model.eval()

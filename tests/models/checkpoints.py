@@ -91,6 +91,11 @@ VARIANTS: dict[str, Variant] = {
     "deepseek_v3_fp8": Variant("deepseek_v3", dict(
         hidden_size=192, intermediate_size=320, moe_intermediate_size=160, num_hidden_layers=2, kv_lora_rank=64,
         q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32), quant="fp8", shards=2),
+    # with an MTP layer, whose routed experts the speculative decoder also keeps packed
+    "deepseek_v3_fp8_mtp": Variant("deepseek_v3", dict(
+        hidden_size=192, intermediate_size=320, moe_intermediate_size=160, num_hidden_layers=2, kv_lora_rank=64,
+        q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, num_nextn_predict_layers=1),
+        quant="fp8", mtp=True),
     "kimi_k2_int4": Variant("deepseek_v3", _KIMI, layout="kimi_k2", quant="int4"),
     "kimi_k25_int4": Variant("deepseek_v3", _KIMI, layout="kimi_k25", quant="int4", shards=3),
 }

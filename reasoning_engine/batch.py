@@ -26,6 +26,10 @@ class ForwardBatch:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     tree_mask: torch.Tensor | None = None  # [T, max_query_len] bool: query t may see query j of its own sequence
+    # True for a CUDA-graph decode batch (engine/cuda_graph.py): its tensors are rewritten between replays, so the
+    # host-side lengths (max_seq_len, seq_lens_cpu) are the bound max_model_len, not this step's; kernels must take
+    # the lengths from the tensors and size their launches from the batch size and that bound alone.
+    static_shapes: bool = False
     attn_metadata: Any = None  # backend-specific tensors built once per step from the fields above (kernels/)
 
     @property

@@ -17,13 +17,14 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: from the checkpoint)")
     parser.add_argument("--device", default=None, help="cpu | cuda (default: best available)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode batches")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from reasoning_engine import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed,
                             skip_special_tokens=False if args.chat else True)
     if args.chat:

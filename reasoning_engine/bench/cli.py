@@ -81,6 +81,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     tput.add_argument("--concurrency", type=int, default=8, help="sequences batched together (default 8)")
     tput.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     tput.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
+    tput.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode batches")
     tput.add_argument("--compare", choices=("transformers",), default=None)
     tput.add_argument("--seed", type=int, default=0)
     tput.add_argument("--json", dest="json_path", default=None)
@@ -219,7 +220,7 @@ def throughput_command(args: argparse.Namespace) -> int:
             return 2
     try:
         summary = throughput(args.model, args.input_tokens, args.output_tokens, args.num_prompts, args.concurrency,
-                             args.dtype, args.device, args.compare, args.seed)
+                             args.dtype, args.device, args.compare, args.seed, enforce_eager=args.enforce_eager)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -50,10 +50,11 @@ def random_prompts(vocab_size: int, special_ids: set[int], input_tokens: int, co
 
 
 def run_engine(model: str, prompts: list[list[int]], warmup: list[list[int]], output_tokens: int, concurrency: int,
-               dtype: str | None, device: str | None, max_model_len: int) -> ThroughputResult:
+               dtype: str | None, device: str | None, max_model_len: int, enforce_eager: bool = False) -> ThroughputResult:
     from reasoning_engine import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, device=device, max_num_seqs=concurrency, max_model_len=max_model_len)
+    llm = LLM(model, dtype=dtype, device=device, max_num_seqs=concurrency, max_model_len=max_model_len,
+              enforce_eager=enforce_eager)
     params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in warmup],
                  SamplingParams(temperature=0.0, max_tokens=min(4, output_tokens), ignore_eos=True))
@@ -91,7 +92,8 @@ def run_transformers(model: str, prompts: list[list[int]], warmup: list[list[int
 
 
 def throughput(model: str, input_tokens: int, output_tokens: int, num_prompts: int, concurrency: int,
-               dtype: str | None, device: str | None, compare: str | None, seed: int) -> dict[str, Any]:
+               dtype: str | None, device: str | None, compare: str | None, seed: int,
+               enforce_eager: bool = False) -> dict[str, Any]:
     """Run the engine (and transformers when asked) on the same prompts; the result as a JSON-ready dict."""
     from reasoning_engine.llm import build_engine_config
 
@@ -106,7 +108,7 @@ def throughput(model: str, input_tokens: int, output_tokens: int, num_prompts: i
     needed = input_tokens + output_tokens
     if needed > engine_config.max_model_len:
         raise ValueError(f"input + output tokens ({needed}) exceed the model's context ({engine_config.max_model_len})")
-    results = [run_engine(model, prompts, warmup, output_tokens, concurrency, dtype, device, needed)]
+    results = [run_engine(model, prompts, warmup, output_tokens, concurrency, dtype, device, needed, enforce_eager)]
     if compare == "transformers":
         pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
         results.append(run_transformers(model, prompts, warmup, output_tokens, concurrency, engine_config.dtype,
@@ -114,7 +116,8 @@ def throughput(model: str, input_tokens: int, output_tokens: int, num_prompts: i
     summary: dict[str, Any] = {
         "model": model, "input_tokens": input_tokens, "output_tokens": output_tokens, "num_prompts": num_prompts,
         "concurrency": concurrency, "dtype": str(engine_config.dtype).removeprefix("torch."),
-        "device": str(engine_config.device), "seed": seed, "results": [r.as_dict() for r in results],
+        "device": str(engine_config.device), "seed": seed, "enforce_eager": enforce_eager,
+        "results": [r.as_dict() for r in results],
     }
     if len(results) == 2:
         summary["speedup_output_tps"] = results[0].output_tps / results[1].output_tps

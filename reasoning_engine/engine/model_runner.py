@@ -1,8 +1,9 @@
 """Turns a scheduled step into tensors, runs the model and samples.
 
 It owns the KV cache tensors (allocated once from a block budget and bound to the attention layers) and builds the
-step's ForwardBatch from the requests' block tables. With a draft model (MTP, EAGLE-3) it also runs that model after
-each step over what the step kept (`DraftRunner`), which is what the draft-model proposers draft from.
+step's ForwardBatch from the requests' block tables. On CUDA with the Triton kernels, decode steps replay CUDA graphs
+captured at start (`cuda_graph.py`); everything else runs eagerly. With a draft model (MTP, EAGLE-3) it also runs that
+model after each step over what the step kept (`DraftRunner`), which is what the draft-model proposers draft from.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.config import EngineConfig
+from reasoning_engine.engine.cuda_graph import CudaGraphRunner, cuda_graphs_enabled
 from reasoning_engine.engine.request import Request
 from reasoning_engine.engine.scheduler import ScheduledRequest
 from reasoning_engine.kernels import kernel_module
@@ -70,8 +72,20 @@ class ModelRunner:
         draft_models = dict(draft_models or {})
         self.aux_layers = sorted({i for m in draft_models.values() for i in m.aux_layers})
         self.num_blocks = self._num_blocks(list(draft_models.values()))
-        self.kv_caches = self.allocate_caches(self.model.attention_layers(), self.num_blocks)
+        # one block past those the BlockManager hands out: padding rows of CUDA-graph decode batches write there
+        self.padding_block = self.num_blocks
+        self.kv_caches = self.allocate_caches(self.model.attention_layers(), self.num_blocks + 1)
         self.drafters = {method: DraftRunner(method, m, self, max_draft_tokens) for method, m in draft_models.items()}
+        # EAGLE-3 reads intermediate layers, which a captured forward does not return: its steps stay eager
+        self.decode_graphs: CudaGraphRunner | None = None
+        if cuda_graphs_enabled(config) and not self.aux_layers:
+            self.decode_graphs = CudaGraphRunner(model, config, self.padding_block, capture=True)
+
+    @property
+    def cuda_graph_batch_sizes(self) -> list[int]:
+        """Decode batch sizes replayed from captured CUDA graphs; [] when every step runs eagerly (CPU, torch
+        kernels, enforce_eager, EAGLE-3). A step of n sequences replays the smallest of these >= n."""
+        return self.decode_graphs.captured_batch_sizes if self.decode_graphs is not None else []
 
     def _num_blocks(self, draft_models: list[DraftModel]) -> int:
         c = self.config
@@ -212,7 +226,10 @@ class ModelRunner:
         """Run one step. `forced` maps a scheduled index to a token it must emit (thinking budget)."""
         batch, sample_rows, prompt_rows = self.prepare(scheduled)
         aux_hidden = dict.fromkeys(self.aux_layers) if self.aux_layers else None
-        hidden = self.model(batch, aux_hidden)
+        if self.decode_graphs is not None and aux_hidden is None and self.decode_graphs.can_run(batch):
+            hidden = self.decode_graphs.run(batch)
+        else:
+            hidden = self.model(batch, aux_hidden)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         row_of = {row: i for i, row in enumerate(batch.logits_indices.tolist())}
         results = [StepResult() for _ in scheduled]

@@ -27,7 +27,7 @@ class TorchAttentionMetadata:
     mask: torch.Tensor  # [B, Qmax, L] bool, True where a query may attend
     query_rows: torch.Tensor  # [T] position of each token in the padded [B * Qmax] query layout
     padded: bool  # False when every sequence has exactly Qmax query tokens (no scatter needed)
-    needs_mask: bool  # False for a single sequence decoding one token: it sees every key
+    needs_mask: bool  # False for a single sequence decoding one token over its own length: it sees every key
     biases: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)  # additive masks per head group
 
     def bias(self, group: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -70,7 +70,8 @@ def prepare_attention(batch: ForwardBatch, block_size: int) -> TorchAttentionMet
     # padding query rows see key 0 so softmax stays finite; their outputs are dropped
     mask[:, :, 0] |= ~(qpos < query_lens)
     padded = any(n != qmax for n in batch.query_lens_cpu)
-    needs_mask = not (num_seqs == 1 and qmax == 1)
+    # a single decoding sequence sees every key, unless the key axis is the static bound rather than its length
+    needs_mask = batch.static_shapes or not (num_seqs == 1 and qmax == 1)
     return TorchAttentionMetadata(kv_index=kv_index.reshape(-1), mask=mask, query_rows=query_rows, padded=padded,
                                   needs_mask=needs_mask)
 

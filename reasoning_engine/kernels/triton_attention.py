@@ -7,7 +7,8 @@ Kernels
   (so a cache tile is read once for the whole group), and one slice of the context; it keeps an online softmax
   (Milakov & Gimelshein, 2018; FlashAttention, Dao et al., 2022) and writes a normalised partial output with its
   log-sum-exp. `_decode_reduce_kernel` merges the slices. The number of slices is fixed per step (not per sequence),
-  so the launch grid depends only on the batch size: each sequence divides its own length into that many slices.
+  so the launch grid depends only on the batch size: each sequence divides its own length into that many slices, and
+  a slice past a short sequence's end only marks itself empty (cheap, so a CUDA graph can fix a count for long ones).
 - varlen prefill / extend / verification (`_prefill_kernel`): FlashAttention-2 tiling (Dao, 2023) over the ragged
   batch; queries are the last query_len tokens of each sequence, so the causal bound for query i is its absolute
   position context_len + i and chunked prefill needs nothing special. An optional draft-tree mask restricts which of
@@ -46,9 +47,11 @@ class TritonAttentionMetadata:
 
 
 def prepare_attention(batch: ForwardBatch, block_size: int, num_splits: int | None = None) -> TritonAttentionMetadata:
-    """Per-step metadata shared by all layers. `num_splits` fixes the decode split count (a captured CUDA graph needs
-    the same grid at every replay); by default it is a power of two that grows with the context and shrinks with the
-    batch (a power of two keeps the number of compiled variants of the merge kernel small)."""
+    """Per-step metadata shared by all layers. `num_splits` fixes the decode split count; by default it is a power of
+    two that grows with the context and shrinks with the batch (a power of two keeps the number of compiled variants
+    of the merge kernel small). A captured CUDA graph needs the same grid at every replay: its batch has
+    `static_shapes`, whose max_seq_len is the bound max_model_len, so the count depends on the batch size alone.
+    Nothing here reads a tensor's values, so this runs inside the capture and its conversions replay with the graph."""
     if num_splits is None:
         wanted = min(triton.cdiv(max(batch.max_seq_len, 1), _SPLIT_MIN_TOKENS), triton.cdiv(_TARGET_PROGRAMS, max(batch.num_seqs, 1)))
         num_splits = triton.next_power_of_2(max(wanted, 1))
@@ -114,6 +117,12 @@ def _decode_partial_kernel(
     per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
+    part_row = (seq * num_heads + heads).to(tl.int64) * num_splits + split
+    if start >= end:
+        # a slice past this sequence's end (the split count is the batch's, or a CUDA graph's bound): no keys, so
+        # only its log-sum-exp, which tells the merge to skip it
+        tl.store(part_lse_ptr + part_row, tl.full([BLOCK_G], float("-inf"), tl.float32), mask=g_ok)
+        return
 
     d1 = tl.arange(0, BLOCK_D1)
     dv = tl.arange(0, BLOCK_DV)
@@ -150,7 +159,6 @@ def _decode_partial_kernel(
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    part_row = (seq * num_heads + heads).to(tl.int64) * num_splits + split
     tl.store(part_lse_ptr + part_row, lse, mask=g_ok)
     tl.store(part_out_ptr + part_row[:, None] * DV + dv[None, :], out, mask=g_ok[:, None] & (dv < DV)[None, :])
 
@@ -167,7 +175,8 @@ def _decode_reduce_kernel(
     base = (seq * num_heads + head).to(tl.int64) * num_splits
     lse = tl.load(part_lse_ptr + base + s, mask=s < num_splits, other=float("-inf"))
     weights = tl.exp2(lse - tl.max(lse, axis=0))
-    parts = tl.load(part_out_ptr + (base + s)[:, None] * DV + dv[None, :], mask=(s < num_splits)[:, None] & (dv < DV)[None, :], other=0.0)
+    used = lse > float("-inf")  # empty slices wrote no output (their weight is 0)
+    parts = tl.load(part_out_ptr + (base + s)[:, None] * DV + dv[None, :], mask=used[:, None] & (dv < DV)[None, :], other=0.0)
     out = tl.sum(weights[:, None] * parts, axis=0) / tl.sum(weights, axis=0)
     tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + dv, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
 

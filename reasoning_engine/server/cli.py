@@ -39,6 +39,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     engine.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
     engine.add_argument("--kernel-backend", default=None, choices=("torch", "triton"),
                         help="kernels: triton (default on CUDA) or the torch reference path (default on CPU)")
+    engine.add_argument("--enforce-eager", action="store_true",
+                        help="run every step eagerly: no CUDA graphs for decode batches (captured by default on CUDA "
+                             "with the triton kernels)")
     engine.add_argument("--kv-cache-blocks", type=int, default=None)
     engine.add_argument("--block-size", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=None)
@@ -77,6 +80,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     if args.no_enable_prefix_caching:
         kwargs["enable_prefix_caching"] = False
+    if args.enforce_eager:
+        kwargs["enforce_eager"] = True
     if args.speculative_config:
         spec = json.loads(args.speculative_config)
         if not isinstance(spec, dict):

@@ -1,5 +1,6 @@
 """Triton paged attention against the torch reference (`kernels/attention.py`) and a dense per-sequence reference."""
 
+import dataclasses
 import math
 
 import pytest
@@ -155,6 +156,24 @@ def test_decode_split_count_does_not_change_result(device):
     ]
     assert_close(outs[1], outs[0])
     assert_close(outs[2], outs[0])
+
+
+@pytest.mark.parametrize("lens", [[37], [150, 2, 9]])
+def test_static_shape_decode_matches_exact_lengths(device, lens):
+    """A CUDA-graph decode batch (`static_shapes`): host lengths are the bound max_model_len and the block tables are
+    that wide, with stale ids past each sequence's blocks. Triton (mostly empty slices) and the torch reference
+    (masking a single sequence too) must give what the batch with exact lengths gives."""
+    batch, q, k_cache, v_cache = gqa_case(lens, [1] * len(lens), 16, 4, 2, 16, torch.float32, device)
+    bound = 4096
+    wide = torch.randint(0, k_cache.shape[0], (batch.num_seqs, bound // 16), dtype=torch.int32, device=device)
+    wide[:, : batch.block_tables.shape[1]] = batch.block_tables
+    static = dataclasses.replace(batch, block_tables=wide, max_seq_len=bound, seq_lens_cpu=[bound] * batch.num_seqs,
+                                 static_shapes=True)
+    assert triton_attention.prepare_attention(static, 16).num_splits == 32
+    for module in (triton_attention, attention):
+        exact = module.paged_attention(q, k_cache, v_cache, batch, module.prepare_attention(batch, 16), 0.25)
+        out = module.paged_attention(q, k_cache, v_cache, static, module.prepare_attention(static, 16), 0.25)
+        assert_close(out, exact)
 
 
 def test_empty_batch(device):

@@ -70,8 +70,8 @@ def model_config(vocab_size: int, eos_id: int, pad_id: int) -> TinyConfig:
         vocab_size=vocab_size, hidden_size=256, intermediate_size=384, moe_intermediate_size=64,
         num_hidden_layers=4, num_nextn_predict_layers=1, num_attention_heads=8,
         n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
-        routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=192, kv_lora_rank=128,
-        qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, rope_theta=1000.0,
+        routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=128, kv_lora_rank=64,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, rope_theta=10000.0,
         max_position_embeddings=MAX_MODEL_LEN,
         eos_token_id=eos_id, pad_token_id=pad_id,
     )

@@ -98,7 +98,7 @@ def test_answers_after_thinking_and_keeps_the_conversation(page: Page, served: S
     page.evaluate(RECORD_THINKING)
     ask(page, "What is 347 + 589?")
     wait_for_replies(page, 1)
-    expect(page.locator(".turn.assistant .answer")).not_to_be_empty()
+    expect(page.locator(".turn.assistant .answer")).to_contain_text("936")
     states = page.evaluate("window.thinkingStates")
     assert any(s["visible"] and s["open"] and s["thinking"] and not s["answer"] for s in states), states
     assert not page.locator(".turn.assistant .thinking").evaluate("d => d.open")  # folded once the answer came
@@ -128,7 +128,7 @@ def test_tool_call_card_and_result_sent_back(page: Page, served: Served) -> None
     card = page.locator(".tool-call")
     expect(card).to_have_count(1)
     expect(card.locator(".tool-name")).to_have_text("calculator")
-    assert re.fullmatch(r"\d+ \* \d+", json.loads(card.locator(".tool-args").inner_text())["expression"])
+    assert json.loads(card.locator(".tool-args").inner_text()) == {"expression": "4821 * 377"}
     card.get_by_label("Result").fill("1817517")
     with page.expect_request("**/v1/chat/completions") as sent:
         page.get_by_role("button", name="Send result").click()
@@ -137,7 +137,7 @@ def test_tool_call_card_and_result_sent_back(page: Page, served: Served) -> None
     messages = json.loads(sent.value.post_data)["messages"]
     assert messages[-1]["role"] == "tool" and messages[-1]["content"] == "1817517"
     assert messages[-1]["tool_call_id"] == messages[-2]["tool_calls"][0]["id"]
-    expect(page.locator(".turn.assistant .answer").nth(1)).not_to_be_empty()
+    expect(page.locator(".turn.assistant .answer").nth(1)).to_contain_text("1817517")
 
 
 def _force_long_generation(route: Route) -> None:

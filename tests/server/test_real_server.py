@@ -8,7 +8,6 @@ model to answer correctly (the calculator call) run only with the bundled model.
 from __future__ import annotations
 
 import json
-import re
 import os
 import signal
 import subprocess
@@ -332,7 +331,7 @@ def test_bundled_model_calls_the_calculator(client: openai.OpenAI, model_name: s
     assert streamed["finish"] == "tool_calls"
     call = streamed["calls"][0]
     assert call["name"] == "calculator" and call["id"].startswith("functions.calculator:")
-    assert re.fullmatch(r"\d+ \* \d+", json.loads(call["arguments"])["expression"])
+    assert json.loads(call["arguments"]) == {"expression": "4821 * 377"}
 
     result = client.chat.completions.create(messages=messages, **kwargs)
     message = result.choices[0].message
@@ -347,4 +346,4 @@ def test_bundled_model_calls_the_calculator(client: openai.OpenAI, model_name: s
     answer = client.chat.completions.create(messages=messages, **kwargs)
     assert answer.choices[0].finish_reason == "stop"
     assert (answer.choices[0].message.reasoning_content or "").strip()  # it thinks about the tool result
-    assert (answer.choices[0].message.content or "").strip()
+    assert "1817517" in (answer.choices[0].message.content or "")

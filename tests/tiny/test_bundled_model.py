@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import random
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from reasoning_engine.tiny import BUNDLED_MODEL_DIR
-from reasoning_engine.tiny.data import GENERATORS, Sample, calculator_tool
+from reasoning_engine.tiny.data import GENERATORS, Sample, calculator_tool, check_answer
 from reasoning_engine.tiny.eval import parse_completion
 from reasoning_engine.tiny.model import load_checkpoint
 
@@ -108,16 +107,24 @@ def _samples() -> list[Sample]:
     return out
 
 
+# Tasks at or above their accuracy target on the eval (docs/tiny-reasoner.md): these answers must be right. The others
+# (below target) must still think first and answer in the right form.
+EXACT = {"addition", "comparison", "calculator"}
+
+
 def _check(samples: list[Sample], texts: list[str]) -> None:
-    """Every reply thinks first, then answers (or, with the tool offered, makes one well-formed calculator call)."""
+    """Every reply thinks first, then answers (or, with the tool offered, makes one calculator call); the tasks in
+    EXACT answer correctly."""
     for s, text in zip(samples, texts):
         parsed = parse_completion(text)
         assert parsed.has_thinking, text
         if s.task == "calculator":
             assert [c["name"] for c in parsed.tool_calls] == ["calculator"], text
-            assert re.fullmatch(r"\d+ \* \d+", json.loads(parsed.tool_calls[0]["arguments"])["expression"]), text
+            assert json.loads(parsed.tool_calls[0]["arguments"]) == {"expression": "4821 * 377"}, text
         else:
             assert parsed.content.strip() and not parsed.tool_calls, text
+        if s.task in EXACT:
+            assert check_answer(s, parsed.content, parsed.tool_calls), text
 
 
 def test_greedy_replies_think_then_answer_with_transformers(hf_model, tokenizer) -> None:

@@ -183,13 +183,15 @@ class ModelRunner:
                 sample_rows.append([])
         batch = self.make_batch(input_ids, positions, slots, query_lens, seq_lens,
                                 [item.request.block_table for item in scheduled], logits_rows,
-                                tree_parts if any(item.num_draft_tokens for item in scheduled) else None)
+                                tree_parts if any(item.num_draft_tokens for item in scheduled) else None,
+                                with_attention=False)
         return batch, sample_rows, prompt_rows
 
     def make_batch(self, input_ids: list[int], positions: list[int], slots: list[int], query_lens: list[int],
                    seq_lens: list[int], block_tables: list[list[int]], logits_rows: list[int] | None = None,
-                   tree_parts: list[torch.Tensor] | None = None) -> ForwardBatch:
-        """A ForwardBatch over the paged caches, its attention metadata built once for all layers. `tree_parts`: per
+                   tree_parts: list[torch.Tensor] | None = None, with_attention: bool = True) -> ForwardBatch:
+        """A ForwardBatch over the paged caches, its attention metadata built once for all layers (unless
+        `with_attention` is False: a step that replays a CUDA graph builds its own inside the graph). `tree_parts`: per
         sequence, which of its query tokens each may see (draft trees); None for causal order."""
         dev = self.device
         tables = torch.zeros(len(block_tables), max(len(t) for t in block_tables), dtype=torch.int32)
@@ -218,7 +220,8 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             tree_mask=tree_mask,
         )
-        batch.attn_metadata = self.attention_ops.prepare_attention(batch, self.block_size)
+        if with_attention:
+            batch.attn_metadata = self.attention_ops.prepare_attention(batch, self.block_size)
         return batch
 
     @torch.inference_mode()
@@ -229,6 +232,7 @@ class ModelRunner:
         if self.decode_graphs is not None and aux_hidden is None and self.decode_graphs.can_run(batch):
             hidden = self.decode_graphs.run(batch)
         else:
+            batch.attn_metadata = self.attention_ops.prepare_attention(batch, self.block_size)
             hidden = self.model(batch, aux_hidden)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         row_of = {row: i for i, row in enumerate(batch.logits_indices.tolist())}

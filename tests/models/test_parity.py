@@ -4,7 +4,7 @@ continuations for a batch of prompts of different lengths, through the offline A
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -15,13 +15,7 @@ MAX_TOKENS = 32
 Loaded = tuple[TinyCheckpoint, object, torch.nn.Module]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models run fastest single-threaded; thread hand-offs dominate on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

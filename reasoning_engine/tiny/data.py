@@ -207,6 +207,18 @@ def gen_subtraction(rng: random.Random) -> Sample:
     return Sample("subtraction", _user(q), reasoning, f"{a} - {b} = {d}.", d)
 
 
+def multiplication_steps(a: int, b: int) -> str:
+    """2-digit x 1-digit from the ones digit; a carry is added in its own step (``7*6=42, 42+5=47``), so every
+    step is one times-table fact or one small sum."""
+    ones, tens = a % 10, a // 10
+    low = ones * b
+    carry = low // 10
+    high = tens * b + carry
+    first = f"{a} * {b}: {ones}*{b}={low}, " + (f"carry {carry}, " if carry else "") + f"digits {low % 10}"
+    step = f"{tens}*{b}={tens * b}" + (f", {tens * b}+{carry}={high}" if carry else "")
+    return f"{first}\n{tens} * {b}: {step}, digits {high}{low % 10}"
+
+
 def gen_multiplication(rng: random.Random) -> Sample:
     a, b = rng.randint(10, 99), rng.choice([2, 3, 4, 5, 6, 7, 8, 9] * 4 + [0, 1])
     swapped = rng.random() < 0.2
@@ -215,20 +227,25 @@ def gen_multiplication(rng: random.Random) -> Sample:
         "What is {x} * {y}?", "What's {x} times {y}?", "Calculate {x} * {y}.", "{x} x {y} = ?",
         "Multiply {x} by {y}.", "What is the product of {x} and {y}?", "Compute {x}*{y}.",
     ]).format(x=x, y=y)
-    ones, tens = a % 10, a // 10
-    low = ones * b
-    carry = low // 10
-    high = tens * b + carry
     lines = [f"{b} * {a} = {a} * {b}."] if swapped else []
-    lines.append(f"{a} * {b}: {ones}*{b}={low}, " + (f"carry {carry}, " if carry else "") + f"digits {low % 10}")
-    lines.append(f"{tens} * {b}: {tens}*{b}" + (f"+{carry}" if carry else "") + f"={high}, digits {high}{low % 10}")
+    lines.append(multiplication_steps(a, b))
     p = a * b
     reasoning = "\n".join(lines) + f"\nSo {x} * {y} = {p}."
     return Sample("multiplication", _user(q), reasoning, f"{x} * {y} = {p}.", p)
 
 
-def gen_sorting(rng: random.Random) -> Sample:
+def sorting_steps(nums: list[int]) -> str:
     """Selection sort: each line restates the numbers left and picks the smallest."""
+    left, lines = list(nums), []
+    while left:
+        low = min(left)
+        lines.append(f"{', '.join(map(str, left))}: smallest {low}")
+        left.remove(low)
+    return "\n".join(lines)
+
+
+def gen_sorting(rng: random.Random) -> Sample:
+    """4-6 distinct numbers below 100."""
     n = rng.randint(4, 6)
     nums = rng.sample(range(1, 100), n)
     listed = ", ".join(map(str, nums))
@@ -236,14 +253,9 @@ def gen_sorting(rng: random.Random) -> Sample:
         "Sort these numbers: {l}", "Sort these numbers: {l}.", "Sort these numbers from smallest to largest: {l}",
         "Put these numbers in ascending order: {l}", "Arrange in increasing order: {l}", "Sort: {l}",
     ]).format(l=listed)
-    left, lines = list(nums), []
-    while left:
-        low = min(left)
-        lines.append(f"{', '.join(map(str, left))}: smallest {low}")
-        left.remove(low)
     ordered = sorted(nums)
     out = ", ".join(map(str, ordered))
-    reasoning = "\n".join(lines) + f"\nSo the order is {out}."
+    reasoning = f"{sorting_steps(nums)}\nSo the order is {out}."
     return Sample("sorting", _user(q), reasoning, out, ordered)
 
 
@@ -315,9 +327,11 @@ def gen_comparison(rng: random.Random) -> Sample:
         reasoning, content, expected = lines + "\nThey are equal.", f"They are equal: {a} = {b}.", "equal"
     else:
         hi, lo = max(a, b), min(a, b)
-        reasoning = f"{lines}\nSo {hi} > {lo}."
-        content = f"{lo} is smaller." if smaller_q else f"{hi} is larger."
         expected = lo if smaller_q else hi
+        word = "smaller" if smaller_q else "larger"
+        # The answer is restated right before </think>, so the reply copies it from the line above.
+        reasoning = f"{lines}\nSo {hi} > {lo}, and the {word} one is {expected}."
+        content = f"{expected} is {word}."
     return Sample("comparison", _user(q), reasoning, content, expected, meta={"smaller": smaller_q})
 
 

@@ -12,7 +12,10 @@ from reasoning_engine.tiny.data import (
     addition_steps,
     check_answer,
     eval_samples,
+    gen_comparison,
     letter_count_words,
+    multiplication_steps,
+    sorting_steps,
     subtraction_steps,
     training_sample,
 )
@@ -37,6 +40,27 @@ def test_column_steps() -> None:
                                      "carry 1: digits 102")
     assert subtraction_steps(903, 458) == ("903 - 458: 13-8=5, borrow 1, digits 5\n90 - 45: 10-1-5=4, borrow 1, "
                                            "digits 45\n9 - 4: 9-1-4=4, digits 445")
+
+
+def test_multiplication_adds_the_carry_in_its_own_step() -> None:
+    assert multiplication_steps(47, 6) == "47 * 6: 7*6=42, carry 4, digits 2\n4 * 6: 4*6=24, 24+4=28, digits 282"
+    assert multiplication_steps(31, 3) == "31 * 3: 1*3=3, digits 3\n3 * 3: 3*3=9, digits 93"
+
+
+def test_sorting_restates_the_numbers_left() -> None:
+    assert sorting_steps([42, 7, 19, 88]).splitlines() == [
+        "42, 7, 19, 88: smallest 7", "42, 19, 88: smallest 19", "42, 88: smallest 42", "88: smallest 88"]
+
+
+def test_comparison_restates_the_asked_number_before_answering() -> None:
+    rng = random.Random(11)
+    for _ in range(200):
+        s = gen_comparison(rng)
+        if s.expected == "equal":
+            continue
+        word = "smaller" if s.meta["smaller"] else "larger"
+        assert s.reasoning.endswith(f"the {word} one is {s.expected}.")
+        assert s.content == f"{s.expected} is {word}."
 
 
 def test_samples_render_like_full_conversations() -> None:

@@ -2,7 +2,8 @@
 
 An ~87M-parameter Llama-shaped random checkpoint in float32, 2 threads, prompt 64 tokens, 128 new tokens:
 - batch-1 decode tokens/s: ours, transformers `generate`, llama-cpp-python (optional peer: needs a GGUF of the
-  same weights made with llama.cpp's converter outside this repo, passed with --gguf);
+  same weights made with llama.cpp's converter outside this repo, passed with --gguf; benchmarks/llama_cpp_peer.sh
+  builds llama.cpp, converts and runs this benchmark);
 - 32 concurrent requests: aggregate tokens/s over our own batch-1.
 Ratios are what to report: the machine is shared and noisy, absolute numbers are not comparable across runs.
 

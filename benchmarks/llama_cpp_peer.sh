@@ -2,11 +2,12 @@
 # llama.cpp as a side-by-side peer for benchmarks/cpu_decode.py, everything outside the repo under $WORK:
 #   1. builds llama-cpp-python from its source distribution (its vendored llama.cpp, native CPU flags);
 #   2. writes the benchmark's random Llama checkpoint (cpu_decode.py --keep) and, in a folder of links for the
-#      converter, a small SentencePiece tokenizer.model, which llama.cpp's converter requires (the benchmark feeds token ids, so the vocabulary's
-#      content does not matter; the converter pads it to the checkpoint's 16,000 entries);
+#      converter, a small SentencePiece tokenizer.model, which llama.cpp's converter requires (the benchmark feeds
+#      token ids, so the vocabulary's content does not matter; the converter pads it to the checkpoint's 16,000
+#      entries);
 #   3. converts it with llama.cpp's own convert_hf_to_gguf.py to an f32 GGUF (same weights, same precision);
 #   4. runs cpu_decode.py with --gguf: ours, transformers and llama.cpp in one run.
-# Usage: bash benchmarks/llama_cpp_peer.sh [threads]   (the first run builds for ~15 min on 2 cores)
+# Usage: bash benchmarks/llama_cpp_peer.sh [threads]   (the first run builds for ~10 min on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 THREADS=${1:-2}

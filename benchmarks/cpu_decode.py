@@ -5,17 +5,20 @@ An ~87M-parameter Llama-shaped random checkpoint in float32, 2 threads, prompt 6
   same weights made with llama.cpp's converter outside this repo, passed with --gguf; benchmarks/llama_cpp_peer.sh
   builds llama.cpp, converts and runs this benchmark);
 - 32 concurrent requests: aggregate tokens/s over our own batch-1.
-Ratios are what to report: the machine is shared and noisy, absolute numbers are not comparable across runs.
+Ratios are what to report: the machine is shared and noisy, absolute numbers are not comparable across runs;
+the engines are loaded once and timed in interleaved rounds, and each ratio is the median of its per-round values.
 
-    python benchmarks/cpu_decode.py [--threads 2] [--gguf model.gguf] [--keep DIR]
+    python benchmarks/cpu_decode.py [--threads 2] [--rounds 3] [--gguf model.gguf] [--keep DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,42 +37,60 @@ def build_checkpoint(folder: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def bench_ours(folder: Path, prompts: list[list[int]]) -> float:
+Runner = Callable[[list[list[int]]], float]
+
+
+def load_ours(folder: Path) -> Runner:
     from reasoning_engine import LLM, SamplingParams
 
     llm = LLM(folder, dtype="float32", device="cpu", max_model_len=512, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    elapsed = time.perf_counter() - start
-    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+    llm.generate([{"prompt_token_ids": list(range(10, 18))}], SamplingParams(temperature=0.0, max_tokens=4,
+                                                                             ignore_eos=True))
+
+    def run(prompts: list[list[int]]) -> float:
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+
+    return run
 
 
-def bench_transformers(folder: Path, prompt: list[int]) -> float:
+def load_transformers(folder: Path) -> Runner:
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
     with torch.inference_mode():
-        model.generate(ids[:, :8], max_new_tokens=4, do_sample=False)
-        start = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
-        elapsed = time.perf_counter() - start
-    return (out.shape[1] - ids.shape[1]) / elapsed
+        model.generate(torch.arange(10, 18)[None], max_new_tokens=4, do_sample=False)
+
+    def run(prompts: list[list[int]]) -> float:
+        ids = torch.tensor(prompts[:1])
+        with torch.inference_mode():
+            start = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+            elapsed = time.perf_counter() - start
+        return (out.shape[1] - ids.shape[1]) / elapsed
+
+    return run
 
 
-def bench_llama_cpp(gguf: Path, prompt: list[int], threads: int) -> float:
+def load_llama_cpp(gguf: Path, threads: int) -> Runner:
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(gguf), n_ctx=512, n_threads=threads, verbose=False)
-    start = time.perf_counter()
-    count = 0
-    for token in llm.generate(prompt, temp=0.0, top_k=1):
-        count += 1
-        if count == NEW_TOKENS:
-            break
-    return count / (time.perf_counter() - start)
+
+    def run(prompts: list[list[int]]) -> float:
+        llm.reset()
+        start = time.perf_counter()
+        count = 0
+        for _ in llm.generate(prompts[0], temp=0.0, top_k=1, reset=True):
+            count += 1
+            if count == NEW_TOKENS:
+                break
+        return count / (time.perf_counter() - start)
+
+    return run
 
 
 def main() -> None:
@@ -78,6 +99,7 @@ def main() -> None:
     parser.add_argument("--gguf", type=Path, default=None, help="llama.cpp GGUF of the same checkpoint (see --keep)")
     parser.add_argument("--keep", type=Path, default=None, help="write the checkpoint here and keep it")
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (ratios per round)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     folder = args.keep or Path(tempfile.mkdtemp(prefix="cpu_decode_"))
@@ -85,15 +107,28 @@ def main() -> None:
     params = build_checkpoint(folder) if not (folder / "config.json").exists() else None
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(10, 16000, (PROMPT_LEN,), generator=gen).tolist() for _ in range(args.batch)]
-    results = {"parameters": params, "threads": args.threads}
-    results["transformers_b1_tok_s"] = bench_transformers(folder, prompts[0])
-    results["ours_b1_tok_s"] = bench_ours(folder, prompts[:1])
-    results[f"ours_b{args.batch}_tok_s"] = bench_ours(folder, prompts)
+    runners: dict[str, tuple[Runner, list[list[int]]]] = {
+        "transformers_b1": (load_transformers(folder), prompts[:1]),
+        "ours_b1": (load_ours(folder), prompts[:1]),
+    }
+    runners[f"ours_b{args.batch}"] = (runners["ours_b1"][0], prompts)
     if args.gguf:
-        results["llama_cpp_b1_tok_s"] = bench_llama_cpp(args.gguf, prompts[0], args.threads)
-        results["ours_vs_llama_cpp_b1"] = results["ours_b1_tok_s"] / results["llama_cpp_b1_tok_s"]
-    results["ours_vs_transformers_b1"] = results["ours_b1_tok_s"] / results["transformers_b1_tok_s"]
-    results[f"ours_b{args.batch}_vs_b1"] = results[f"ours_b{args.batch}_tok_s"] / results["ours_b1_tok_s"]
+        runners["llama_cpp_b1"] = (load_llama_cpp(args.gguf, args.threads), prompts[:1])
+    # Interleaved rounds: the machine's speed drifts by tens of percent over minutes, so every engine is timed in
+    # every round and the ratios are taken round by round (their median is reported), never across minutes.
+    rounds: list[dict[str, float]] = []
+    for _ in range(args.rounds):
+        rounds.append({name: run(batch) for name, (run, batch) in runners.items()})
+    ratios = {"ours_vs_transformers_b1": ("ours_b1", "transformers_b1"),
+              f"ours_b{args.batch}_vs_b1": (f"ours_b{args.batch}", "ours_b1")}
+    if args.gguf:
+        ratios["ours_vs_llama_cpp_b1"] = ("ours_b1", "llama_cpp_b1")
+    results: dict[str, object] = {"parameters": params, "threads": args.threads, "rounds": args.rounds}
+    for name in runners:
+        results[f"{name}_tok_s"] = [round(r[name], 1) for r in rounds]
+    for name, (num, den) in ratios.items():
+        per_round = [r[num] / r[den] for r in rounds]
+        results[name] = {"median": round(statistics.median(per_round), 3), "per_round": [round(x, 3) for x in per_round]}
     print(json.dumps(results, indent=2))
 
 

@@ -15,8 +15,11 @@ PY=${PYTHON:-.venv/bin/python}
 WORK=${WORK:-/tmp/llama_cpp_peer}
 mkdir -p "$WORK"
 
-if ! "$PY" -c "import llama_cpp" 2>/dev/null; then
+# The source distribution carries the converter too, so it is fetched even when the package is already built.
+if ! ls "$WORK"/llama_cpp_python-*.tar.gz >/dev/null 2>&1; then
     "$PY" -m pip download --no-deps --no-binary :all: llama-cpp-python -d "$WORK"
+fi
+if ! "$PY" -c "import llama_cpp" 2>/dev/null; then
     CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) CMAKE_ARGS="-DGGML_NATIVE=ON" \
         "$PY" -m pip install -v "$WORK"/llama_cpp_python-*.tar.gz
 fi

@@ -8,6 +8,7 @@ import torch
 
 from reasoning_engine.config import ModelConfig
 from reasoning_engine.layers import use_kernel_backend
+from reasoning_engine.layers.linear import can_pack, pack_linears
 from reasoning_engine.models.base import CausalLM, materialize
 from reasoning_engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from reasoning_engine.models.llama import LlamaForCausalLM
@@ -48,21 +49,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, m
     else:
         quant = parse_quant_config(config.raw)
         model.load_weights(iter_checkpoint_weights(config.path, quant, dtype, keep_packed=model.packed_weights()))
-    if device.type == "cpu":
-        store_wide_linears_column_major(model)
+    if can_pack(dtype, device):
+        pack_linears(model)
     use_kernel_backend(model, kernel_backend)
     return model.eval()
-
-
-def store_wide_linears_column_major(model: torch.nn.Module) -> None:
-    """On CPU, a one-row product with a wide weight (more outputs than inputs: fused QKV, gate-up, the LM head) runs
-    up to ~1.9x faster when the weight [out, in] is stored column-major, i.e. as a contiguous [in, out] seen
-    transposed (benchmarks/results/cpu_decode_cpu_2026-11-29.md). Values and shapes are unchanged; tied weights (the
-    embedding table reads rows) and narrow weights keep their layout."""
-    tied = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if "embed" in name}
-    for module in model.modules():
-        if not isinstance(module, torch.nn.Linear) or id(module.weight) in tied:
-            continue
-        weight = module.weight
-        if weight.shape[0] > weight.shape[1] and weight.is_contiguous():
-            module.weight = torch.nn.Parameter(weight.detach().t().contiguous().t(), requires_grad=False)

@@ -34,6 +34,7 @@ from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.config import EngineConfig, ModelConfig, load_model_config
 from reasoning_engine.layers import use_kernel_backend
 from reasoning_engine.layers.attention import GQAttention
+from reasoning_engine.layers.linear import can_pack, pack_linears
 from reasoning_engine.layers.moe import GatedMLP
 from reasoning_engine.layers.norm import RMSNorm
 from reasoning_engine.layers.rotary import RotaryEmbedding
@@ -176,5 +177,7 @@ def load_eagle3(path: str | Path, target: CausalLM, engine_config: EngineConfig)
     load_parameters(model, weights, lambda n: gqa_target(n, c.num_attention_heads, c.num_key_value_heads, c.head_dim),
                     folder, tied=() if own_embedding else ("embed_tokens.weight",))
     _set_vocab_maps(model, maps, tcfg.vocab_size, folder)
+    if can_pack(engine_config.dtype, engine_config.device):
+        pack_linears(model)
     use_kernel_backend(model, engine_config.kernel_backend)
     return model.eval()

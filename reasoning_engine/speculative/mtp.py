@@ -25,6 +25,7 @@ from torch import nn
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.config import EngineConfig, ModelConfig
 from reasoning_engine.layers import use_kernel_backend
+from reasoning_engine.layers.linear import can_pack, pack_linears
 from reasoning_engine.layers.norm import RMSNorm
 from reasoning_engine.layers.rotary import RotaryEmbedding
 from reasoning_engine.models.base import CausalLM, DecoderLayer, WeightTarget, load_parameters, materialize, packed_targets
@@ -113,5 +114,7 @@ def load_mtp(target: CausalLM, engine_config: EngineConfig) -> MTPDraftModel:
 
     weights = _mtp_weights(config, layer_prefix, engine_config.dtype, packed_targets(model, map_weight))
     load_parameters(model, weights, map_weight, config.path)
+    if can_pack(engine_config.dtype, engine_config.device):
+        pack_linears(model)
     use_kernel_backend(model, engine_config.kernel_backend)
     return model.eval()

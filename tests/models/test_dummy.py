@@ -64,7 +64,7 @@ def test_weights_are_deterministic_and_scaled(tiny_checkpoint: Builder, tmp_path
     params = dict(first.engine.model.named_parameters())
     assert torch.equal(params["layers.0.input_layernorm.weight"], torch.ones(64))
     assert torch.equal(params["layers.1.mlp.gate.e_score_correction_bias"], torch.zeros(8))
-    kv_b = params["layers.0.self_attn.kv_b_proj.weight"]  # [heads * (nope + v), kv_lora_rank 32]
+    kv_b = first.engine.model.layers[0].self_attn.kv_b_proj.dense_weight()  # [heads * (nope + v), kv_lora_rank 32]
     assert abs(kv_b.std().item() * 32**0.5 - 1) < 0.1
 
 

@@ -1,0 +1,57 @@
+"""Linear layers repacked for CPU inference.
+
+A decode step multiplies one row (or a few) by every weight matrix, so on a CPU its speed is how fast the weights
+stream from memory. torch's float32 matrix-vector path reads ~15-19 GB/s on our 2-core benchmark machine; the same
+product through oneDNN with the weight reordered once into its blocked layout reads ~23-25 GB/s, and is also faster
+up to a few dozen rows, about even for long prefills (benchmarks/results/cpu_decode_llama_cpp_cpu_2026-11-30.md).
+oneDNN ships inside torch's CPU builds; these are the ops Inductor's weight freezing uses for the same purpose.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class PackedLinear(nn.Module):
+    """A frozen float32 `nn.Linear` whose weight lives in oneDNN's blocked layout: same math, faster on CPU."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as a plain [out, in] tensor (for checks; the forward never needs it)."""
+        return self.weight.to_dense()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
+    """Packing applies to float32 weights on a CPU whose torch build has oneDNN."""
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every float32 CPU `nn.Linear` of `model` by a `PackedLinear`, except those whose weight is also used
+    elsewhere (an LM head tied to the embedding table, which reads rows of it). Call once the weights are final:
+    modules that derive tensors from a linear's weight (MLA's absorbed up-projections) have done so by then.
+    Returns how many layers were packed."""
+    owners: dict[int, set[int]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), set()).add(id(module))
+    linears: dict[int, PackedLinear] = {}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if (isinstance(child, nn.Linear) and child.weight.device.type == "cpu"
+                    and child.weight.dtype == torch.float32 and len(owners[id(child.weight)]) == 1):
+                linears.setdefault(id(child), PackedLinear(child))
+                setattr(parent, name, linears[id(child)])
+    return len(linears)

@@ -43,16 +43,21 @@ def pack_linears(model: nn.Module) -> int:
     """Replace every float32 CPU `nn.Linear` of `model` by a `PackedLinear`, except those whose weight is also used
     elsewhere (an LM head tied to the embedding table, which reads rows of it). Call once the weights are final:
     modules that derive tensors from a linear's weight (MLA's absorbed up-projections) have done so by then.
-    Returns how many layers were packed."""
+    Layers are packed one at a time and nothing else keeps the dense ones, so each is freed as soon as it is
+    replaced: peak memory grows by one layer, not by the model. Returns how many layers were packed."""
     owners: dict[int, set[int]] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
             owners.setdefault(id(param), set()).add(id(module))
-    linears: dict[int, PackedLinear] = {}
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}  # a linear shared by several parents is packed once
+    for parent in model.modules():
+        for name, child in parent.named_children():
             if (isinstance(child, nn.Linear) and child.weight.device.type == "cpu"
                     and child.weight.dtype == torch.float32 and len(owners[id(child.weight)]) == 1):
-                linears.setdefault(id(child), PackedLinear(child))
-                setattr(parent, name, linears[id(child)])
-    return len(linears)
+                slots.setdefault(id(child), []).append((parent, name))
+    for places in slots.values():
+        parent, name = places[0]
+        packed = PackedLinear(getattr(parent, name))
+        for parent, name in places:
+            setattr(parent, name, packed)
+    return len(slots)

@@ -3,6 +3,9 @@ in float32 packs every linear layer except an LM head tied to the embedding tabl
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -35,6 +38,27 @@ def test_shared_linear_is_packed_once_and_stays_shared() -> None:
     assert pack_linears(model) == 2
     assert isinstance(model["a"][0], PackedLinear) and model["a"][0] is model["b"][0]
     assert pack_linears(model) == 0  # nothing left to pack
+
+
+def test_dense_weights_are_freed_as_layers_are_packed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading must not hold the dense and the packed copy of every layer at once (benchmarks/load_memory.py): when
+    a layer is packed, those packed before it have already been freed."""
+    import reasoning_engine.layers.linear as linear_module
+
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))
+    dense = [weakref.ref(layer.weight) for layer in model]
+    alive: list[int] = []
+
+    class CountingPackedLinear(PackedLinear):
+        def __init__(self, linear: nn.Linear) -> None:
+            gc.collect()
+            alive.append(sum(ref() is not None for ref in dense))
+            super().__init__(linear)
+
+    monkeypatch.setattr(linear_module, "PackedLinear", CountingPackedLinear)
+    assert pack_linears(model) == 4
+    gc.collect()
+    assert alive == [4, 3, 2, 1] and all(ref() is None for ref in dense)
 
 
 def test_tied_head_stays_dense() -> None:

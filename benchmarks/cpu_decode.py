@@ -24,14 +24,16 @@ from pathlib import Path
 import torch
 
 PROMPT_LEN, NEW_TOKENS = 64, 128
+# The benchmark model: ~87.5M parameters, Llama-shaped (benchmarks/cpu_linear.py reads its weight shapes from here).
+MODEL = dict(vocab_size=16000, hidden_size=768, intermediate_size=2048, num_hidden_layers=10, num_attention_heads=12,
+             num_key_value_heads=4)
 
 
 def build_checkpoint(folder: Path) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=16000, hidden_size=768, intermediate_size=2048, num_hidden_layers=10,
-                         num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048)
+    config = LlamaConfig(**MODEL, max_position_embeddings=2048)
     model = LlamaForCausalLM(config)
     model.save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())

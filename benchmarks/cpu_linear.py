@@ -19,16 +19,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reasoning_engine.layers.linear import PackedLinear
+from cpu_decode import MODEL
 
-HIDDEN, INTERMEDIATE, LAYERS, VOCAB, Q_HEADS, KV_HEADS, HEAD_DIM = 768, 2048, 10, 16000, 12, 4, 64
-SHAPES = [((Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), (HIDDEN, Q_HEADS * HEAD_DIM), (2 * INTERMEDIATE, HIDDEN),
-          (HIDDEN, INTERMEDIATE)]
+from reasoning_engine.layers.linear import PackedLinear
 
 
 def weights() -> list[torch.Tensor]:
+    """Random weights of cpu_decode.py's model: per layer fused QKV, output, fused gate-up, down; then the LM head."""
+    hidden, heads, kv_heads = MODEL["hidden_size"], MODEL["num_attention_heads"], MODEL["num_key_value_heads"]
+    head_dim = hidden // heads
+    shapes = [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim),
+              (2 * MODEL["intermediate_size"], hidden), (hidden, MODEL["intermediate_size"])]
     torch.manual_seed(0)
-    return [torch.randn(o, i) * 0.02 for _ in range(LAYERS) for o, i in SHAPES] + [torch.randn(VOCAB, HIDDEN) * 0.02]
+    return ([torch.randn(o, i) * 0.02 for _ in range(MODEL["num_hidden_layers"]) for o, i in shapes]
+            + [torch.randn(MODEL["vocab_size"], hidden) * 0.02])
 
 
 def layouts(ws: list[torch.Tensor]) -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:

@@ -37,13 +37,10 @@ def apply_rotary(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [T]; q [T, Hq, D], k [T, Hk, D] (may be strided views); cos/sin [max_pos, rot_dim // 2] float32.
-    Returns new (q, k), the first rot_dim channels of every head rotated by its token's angle. When q and k have the
-    same head width they are rotated as one [T, Hq + Hk, D] tensor and returned as views of it: in a CPU decode step
-    each op's dispatch costs more than its arithmetic, and one pass instead of two halves the ops (96 -> 53 us per
-    layer on our benchmark machine)."""
+    Returns new (q, k), the first rot_dim channels of every head rotated by its token's angle. q and k are rotated
+    as one [T, Hq + Hk, D] tensor and returned as views of it: in a CPU decode step each op's dispatch costs more than
+    its arithmetic, and one pass instead of two halves the ops (96 -> 53 us per layer on our benchmark machine)."""
     c = cos[positions].unsqueeze(1)
     s = sin[positions].unsqueeze(1)
-    if q.shape[-1] != k.shape[-1]:
-        return _rotate(q, c, s, interleaved), _rotate(k, c, s, interleaved)
     both = _rotate(torch.cat([q, k], dim=1), c, s, interleaved)
     return both[:, : q.shape[1]], both[:, q.shape[1] :]

@@ -19,7 +19,6 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
@@ -31,7 +30,8 @@ class PackedLinear(nn.Module):
         return self.weight.to_dense()
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        out_features, in_features = self.weight.shape
+        return f"in_features={in_features}, out_features={out_features}, bias={self.bias is not None}"
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:

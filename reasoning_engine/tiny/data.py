@@ -208,7 +208,7 @@ def gen_subtraction(rng: random.Random) -> Sample:
 
 
 def multiplication_steps(a: int, b: int) -> str:
-    """2-digit x 1-digit from the ones digit; a carry is added in its own step (``7*6=42, 42+5=47``), so every
+    """2-digit x 1-digit from the ones digit; a carry is added in its own step (``4*6=24, 24+4=28``), so every
     step is one times-table fact or one small sum."""
     ones, tens = a % 10, a // 10
     low = ones * b

@@ -107,7 +107,7 @@ def _samples() -> list[Sample]:
     return out
 
 
-# Tasks the eval finds right at least 90% of the time (docs/tiny-reasoner.md: calculator 100%, addition 93%): these
+# Tasks the eval finds right at least 90% of the time (docs/tiny-reasoner.md: calculator 99%, addition 99%): these
 # answers must be right. The others must still think first and answer in the right form.
 EXACT = {"addition", "calculator"}
 

@@ -4,11 +4,12 @@ An ~87M-parameter Llama-shaped random checkpoint in float32, 2 threads, prompt 6
 - batch-1 decode tokens/s: ours, transformers `generate`, llama-cpp-python (optional peer: needs a GGUF of the
   same weights made with llama.cpp's converter outside this repo, passed with --gguf; benchmarks/llama_cpp_peer.sh
   builds llama.cpp, converts and runs this benchmark);
-- 32 concurrent requests: aggregate tokens/s over our own batch-1.
+- 32 concurrent requests: aggregate tokens/s over our own batch-1;
+- with --compile, the same two for our engine with `compile_decode=True` (torch.compile of the decode steps).
 Ratios are what to report: the machine is shared and noisy, absolute numbers are not comparable across runs;
 the engines are loaded once and timed in interleaved rounds, and each ratio is the median of its per-round values.
 
-    python benchmarks/cpu_decode.py [--threads 2] [--rounds 3] [--gguf model.gguf] [--keep DIR]
+    python benchmarks/cpu_decode.py [--threads 2] [--rounds 3] [--compile] [--gguf model.gguf] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -42,13 +43,15 @@ def build_checkpoint(folder: Path) -> int:
 Runner = Callable[[list[list[int]]], float]
 
 
-def load_ours(folder: Path) -> Runner:
+def load_ours(folder: Path, compile_decode: bool = False) -> Runner:
     from reasoning_engine import LLM, SamplingParams
 
-    llm = LLM(folder, dtype="float32", device="cpu", max_model_len=512, enable_prefix_caching=False)
+    llm = LLM(folder, dtype="float32", device="cpu", max_model_len=512, enable_prefix_caching=False,
+              compile_decode=compile_decode)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": list(range(10, 18))}], SamplingParams(temperature=0.0, max_tokens=4,
-                                                                             ignore_eos=True))
+    warm_up = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for size in (1, 2):  # with compile_decode: the one-sequence graph, then the one for larger batches
+        llm.generate([{"prompt_token_ids": list(range(10 + i, 18 + i))} for i in range(size)], warm_up, use_tqdm=False)
 
     def run(prompts: list[list[int]]) -> float:
         start = time.perf_counter()
@@ -102,6 +105,7 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, default=None, help="write the checkpoint here and keep it")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (ratios per round)")
+    parser.add_argument("--compile", action="store_true", help="also time our engine with compile_decode=True")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     folder = args.keep or Path(tempfile.mkdtemp(prefix="cpu_decode_"))
@@ -114,6 +118,9 @@ def main() -> None:
         "ours_b1": (load_ours(folder), prompts[:1]),
     }
     runners[f"ours_b{args.batch}"] = (runners["ours_b1"][0], prompts)
+    if args.compile:
+        runners["compiled_b1"] = (load_ours(folder, compile_decode=True), prompts[:1])
+        runners[f"compiled_b{args.batch}"] = (runners["compiled_b1"][0], prompts)
     if args.gguf:
         runners["llama_cpp_b1"] = (load_llama_cpp(args.gguf, args.threads), prompts[:1])
     # Interleaved rounds: the machine's speed drifts by tens of percent over minutes, so every engine is timed in
@@ -125,6 +132,13 @@ def main() -> None:
               f"ours_b{args.batch}_vs_b1": (f"ours_b{args.batch}", "ours_b1")}
     if args.gguf:
         ratios["ours_vs_llama_cpp_b1"] = ("ours_b1", "llama_cpp_b1")
+    if args.compile:
+        ratios.update({"compiled_vs_eager_b1": ("compiled_b1", "ours_b1"),
+                       f"compiled_vs_eager_b{args.batch}": (f"compiled_b{args.batch}", f"ours_b{args.batch}"),
+                       "compiled_vs_transformers_b1": ("compiled_b1", "transformers_b1"),
+                       f"compiled_b{args.batch}_vs_b1": (f"compiled_b{args.batch}", "compiled_b1")})
+        if args.gguf:
+            ratios["compiled_vs_llama_cpp_b1"] = ("compiled_b1", "llama_cpp_b1")
     results: dict[str, object] = {"parameters": params, "threads": args.threads, "rounds": args.rounds}
     for name in runners:
         results[f"{name}_tok_s"] = [round(r[name], 1) for r in rounds]

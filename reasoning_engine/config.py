@@ -184,6 +184,9 @@ class EngineConfig:
     kernel_backend: str = "torch"
     # CUDA graphs for decode batches are captured on CUDA unless enforce_eager (always eager on CPU).
     enforce_eager: bool = False
+    # torch.compile the model forward of CPU decode steps (engine/compiled_decode.py): faster steps after a compile
+    # of seconds to a minute at the first decode steps.
+    compile_decode: bool = False
     # "auto": weights from the checkpoint; "dummy": random weights from config.json alone (benchmarks, like vLLM's).
     load_format: str = "auto"
     speculative_config: dict[str, Any] | None = None
@@ -201,5 +204,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
         if self.kernel_backend not in ("torch", "triton"):
             raise ValueError(f"kernel_backend must be 'torch' or 'triton', got {self.kernel_backend!r}")
+        if self.compile_decode and (self.device.type != "cpu" or self.kernel_backend != "torch"):
+            raise ValueError("compile_decode is for the CPU path with kernel_backend='torch' (on CUDA, decode steps "
+                             f"replay CUDA graphs); got device {self.device}, kernel_backend {self.kernel_backend!r}")
+        if self.compile_decode and self.enforce_eager:
+            raise ValueError("compile_decode and enforce_eager contradict each other: enforce_eager runs every step eagerly")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")

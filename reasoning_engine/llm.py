@@ -34,7 +34,8 @@ def build_engine_config(model: str | os.PathLike | None = None, *, dtype: str | 
                         enable_prefix_caching: bool = True, max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
                         seed: int = 0, kernel_backend: str | None = None, speculative_config: dict[str, Any] | None = None,
                         speculative_state_dir: str | None = None, tokenizer: str | None = None,
-                        enforce_eager: bool = False, load_format: str = "auto") -> EngineConfig:
+                        enforce_eager: bool = False, compile_decode: bool = False,
+                        load_format: str = "auto") -> EngineConfig:
     """Resolve LLM(...) keyword arguments into an EngineConfig; defaults come from the checkpoint and the machine."""
     model_config = load_model_config(model if model is not None else bundled_model_dir())
     if kernel_backend == "triton" and not triton_available():
@@ -61,7 +62,8 @@ def build_engine_config(model: str | os.PathLike | None = None, *, dtype: str | 
         enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens or max(2048, min(limit, 8192)), seed=seed,
         kernel_backend=kernel_backend or ("triton" if resolved_device.type == "cuda" and triton_available() else "torch"),
-        speculative_config=speculative_config, tokenizer=tokenizer, enforce_eager=enforce_eager, load_format=load_format)
+        speculative_config=speculative_config, tokenizer=tokenizer, enforce_eager=enforce_eager,
+        compile_decode=compile_decode, load_format=load_format)
 
 
 class LLM:

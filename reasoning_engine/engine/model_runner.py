@@ -18,6 +18,7 @@ import torch
 
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.config import EngineConfig
+from reasoning_engine.engine.compiled_decode import CompiledDecode
 from reasoning_engine.engine.cuda_graph import CudaGraphRunner, cuda_graphs_enabled
 from reasoning_engine.engine.request import Request
 from reasoning_engine.engine.scheduler import ScheduledRequest
@@ -80,6 +81,7 @@ class ModelRunner:
         self.decode_graphs: CudaGraphRunner | None = None
         if cuda_graphs_enabled(config) and not self.aux_layers:
             self.decode_graphs = CudaGraphRunner(model, config, self.padding_block, capture=True)
+        self.compiled_decode = CompiledDecode(model) if config.compile_decode and not self.aux_layers else None
 
     @property
     def cuda_graph_batch_sizes(self) -> list[int]:
@@ -233,7 +235,10 @@ class ModelRunner:
             hidden = self.decode_graphs.run(batch)
         else:
             batch.attn_metadata = self.attention_ops.prepare_attention(batch, self.block_size)
-            hidden = self.model(batch, aux_hidden)
+            if self.compiled_decode is not None and aux_hidden is None and self.compiled_decode.can_run(batch):
+                hidden = self.compiled_decode.run(batch)
+            else:
+                hidden = self.model(batch, aux_hidden)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         row_of = {row: i for i, row in enumerate(batch.logits_indices.tolist())}
         results = [StepResult() for _ in scheduled]

@@ -141,3 +141,20 @@ def fused_moe(
         y = F.linear(F.silu(gate) * up, g2).float() * topk_weights.flatten()[pairs].float().unsqueeze(1)
         out.index_add_(0, rows, y)
     return out.to(hidden.dtype)
+
+
+@torch.library.custom_op("reasoning_engine::fused_moe", mutates_args=())
+def fused_moe_op(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, method: str | None, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
+                 group_size: int, block_shape: list[int]) -> torch.Tensor:
+    """`fused_moe` as one opaque op: a compiled forward (engine/compiled_decode.py) runs its expert loop, whose trip
+    count depends on the routing, eagerly instead of breaking the graph at every layer."""
+    quant = None if method is None else MoEQuant(method, w13_scale, w2_scale, group_size, (block_shape[0], block_shape[1]))
+    return fused_moe(hidden, w13, w2, topk_weights, topk_ids, quant)
+
+
+@fused_moe_op.register_fake
+def _fused_moe_shape(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, method: str | None, w13_scale: torch.Tensor | None,
+                     w2_scale: torch.Tensor | None, group_size: int, block_shape: list[int]) -> torch.Tensor:
+    return torch.empty_like(hidden)

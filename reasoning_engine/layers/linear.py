@@ -6,12 +6,33 @@ product through oneDNN, with the weight reordered once into its blocked layout, 
 faster up to a few dozen rows and about even for long prefills (benchmarks/cpu_linear.py,
 benchmarks/results/cpu_decode_packed_cpu_2026-11-30.md).
 oneDNN ships inside torch's CPU builds; these are the ops Inductor's weight freezing uses for the same purpose.
+
+A compiled graph cannot carry oneDNN's opaque blocked tensor, so under `torch.compile` (engine/compiled_decode.py) a
+packed layer calls the custom op `reasoning_engine::packed_linear` with its handle, an int the graph can hold.
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 from torch import nn
+
+_packed_layers: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
+_next_handle = itertools.count()
+
+
+@torch.library.custom_op("reasoning_engine::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    """The product of the PackedLinear with this handle: one opaque op in a compiled graph."""
+    layer = _packed_layers[handle]
+    return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 class PackedLinear(nn.Module):
@@ -21,8 +42,12 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.handle = next(_next_handle)
+        _packed_layers[self.handle] = self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return packed_linear(x, self.handle, self.weight.shape[0])
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def dense_weight(self) -> torch.Tensor:

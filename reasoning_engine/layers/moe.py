@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from reasoning_engine.kernels import kernel_module
-from reasoning_engine.kernels.fused_moe import MoEQuant
+from reasoning_engine.kernels.fused_moe import MoEQuant, fused_moe_op
 from reasoning_engine.layers.activation import silu_and_mul
 
 
@@ -137,6 +137,12 @@ class Experts(nn.Module):
         self.fixed_dtypes = frozenset(("w13", "w2", "w13_scale", "w2_scale"))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # compiled decode runs on the torch path only (config.compile_decode)
+            q = self.quant
+            if q is None:
+                return fused_moe_op(x, self.w13, self.w2, weights, ids, None, None, None, 0, [0, 0])
+            return fused_moe_op(x, self.w13, self.w2, weights, ids, q.method, self.w13_scale, self.w2_scale,
+                                q.group_size, list(q.block_shape))
         quant = None
         if self.quant is not None:
             quant = MoEQuant(self.quant.method, self.w13_scale, self.w2_scale, self.quant.group_size, self.quant.block_shape)

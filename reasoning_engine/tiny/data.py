@@ -1,7 +1,7 @@
 """Synthetic reasoning data for the tiny model, drawn from a seeded RNG.
 
 Each task writes a compact step-by-step thinking text that a few-million-parameter model can follow: column-wise
-addition/subtraction/multiplication with carries and borrows, number sorting by tens-digit buckets, letter counting
+addition/subtraction/multiplication with carries and borrows, selection sort restating the numbers left, letter counting
 with the word spelled out and a running count, digit-wise comparison, and a Kimi-format calculator tool call for
 products too large to do in the head (followed, in a second sample, by the answer given the tool result).
 Samples are rendered with the shipped chat template, so training sees exactly what a server renders.

@@ -49,9 +49,8 @@ def load_ours(folder: Path, compile_decode: bool = False) -> Runner:
     llm = LLM(folder, dtype="float32", device="cpu", max_model_len=512, enable_prefix_caching=False,
               compile_decode=compile_decode)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    warm_up = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    for size in (1, 2):  # with compile_decode: the one-sequence graph, then the one for larger batches
-        llm.generate([{"prompt_token_ids": list(range(10 + i, 18 + i))} for i in range(size)], warm_up, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": list(range(10, 18))}], SamplingParams(temperature=0.0, max_tokens=4,
+                                                                             ignore_eos=True))
 
     def run(prompts: list[list[int]]) -> float:
         start = time.perf_counter()

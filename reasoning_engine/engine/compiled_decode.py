@@ -10,13 +10,15 @@ count depends on the routing.
 Only pure decode steps of at most MAX_SEQS sequences take this path: prefill chunks, draft verification, larger
 batches and steps that return intermediate layers (EAGLE-3) run eagerly. Larger batches are bound by their matrix
 products, not by dispatch: on the 87M-parameter benchmark model (benchmarks/cpu_decode.py, 2 threads) the compiled
-step was 1.23x eager for one sequence, ~1.2x for two, ~1.0x for 4 to 16 and 0.95x for 32.
+step was 1.15x and 1.23x eager for one sequence (two runs), ~1.2x for two, ~1.0x for 4 to 16 and 0.95x for 32.
 
 The forward is compiled as one graph (fullgraph) with dynamic shapes: one graph for a single sequence (torch always
-specialises sizes 0 and 1) and one for 2 to MAX_SEQS, both for any context length, so steps do not recompile.
-Inductor's pattern rewrites are off: the one that turns matmul-softmax-matmul into fused
-attention fails on the small-query attention path with dynamic shapes (torch 2.13), and the others target training
-graphs or linears, which here are the opaque op.
+specialises sizes 0 and 1) and one for 2 to MAX_SEQS, both for any context length, so steps do not recompile. The
+runner compiles both when the engine starts (76 s for the 87M benchmark model on 2 cores, Inductor's cache cold), not
+during the first requests.
+Inductor's pattern rewrites are off: the one that turns matmul-softmax-matmul into fused attention fails on the
+small-query attention path with dynamic shapes (torch 2.13), and the others target training graphs or linears, which
+here are the opaque op.
 
 In float32 the compiled steps give the eager tokens (tests/engine/test_compiled_decode.py). In bfloat16 they round
 differently (fused loops keep float32 intermediates), as any compiled forward does.
@@ -46,6 +48,10 @@ class CompiledDecode:
     def can_run(self, batch: ForwardBatch) -> bool:
         """One query token per sequence, no draft tree, at most MAX_SEQS sequences."""
         return batch.max_query_len == 1 and batch.tree_mask is None and 0 < batch.num_seqs <= self.MAX_SEQS
+
+    def warm_up(self, batch: ForwardBatch) -> None:
+        """Compile the graph this decode batch needs (the runner does so for one and three sequences at start)."""
+        self.forward(batch)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [num_seqs, hidden]; `batch.attn_metadata` must be prepared, as for the eager forward."""

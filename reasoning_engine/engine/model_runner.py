@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -81,7 +82,25 @@ class ModelRunner:
         self.decode_graphs: CudaGraphRunner | None = None
         if cuda_graphs_enabled(config) and not self.aux_layers:
             self.decode_graphs = CudaGraphRunner(model, config, self.padding_block, capture=True)
-        self.compiled_decode = CompiledDecode(model) if config.compile_decode and not self.aux_layers else None
+        self.compiled_decode: CompiledDecode | None = None
+        if config.compile_decode and not self.aux_layers:
+            self.compiled_decode = CompiledDecode(model)
+            self._compile_decode_graphs()
+
+    @torch.inference_mode()
+    def _compile_decode_graphs(self) -> None:
+        """Compile both decode graphs at start rather than during the first requests: steps of one and of three
+        sequences whose context lies in the padding block, which no request owns. The sizes avoid coincidences (three
+        sequences, context 7, block tables 2 wider than needed): torch gives equal sizes one symbol, so a graph traced
+        with, say, batch size == table width would demand that of every later step (and one traced with two
+        sequences came out specialised to two on the test models, whose heads come in pairs)."""
+        start = time.perf_counter()
+        pad, size, length = self.padding_block, self.block_size, 7
+        table = [pad] * (-(-length // size) + 2)
+        for n in (1, 3):
+            self.compiled_decode.warm_up(self.make_batch([0] * n, [length - 1] * n, [pad * size + (length - 1) % size] * n,
+                                                         [1] * n, [length] * n, [table] * n, list(range(n))))
+        logger.info("compile_decode: decode graphs compiled in %.1f s", time.perf_counter() - start)
 
     @property
     def cuda_graph_batch_sizes(self) -> list[int]:

@@ -74,7 +74,8 @@ class ModelRunner:
         draft_models = dict(draft_models or {})
         self.aux_layers = sorted({i for m in draft_models.values() for i in m.aux_layers})
         self.num_blocks = self._num_blocks(list(draft_models.values()))
-        # one block past those the BlockManager hands out: padding rows of CUDA-graph decode batches write there
+        # one block past those the BlockManager hands out: padding rows of CUDA-graph decode batches write there, and
+        # so do the steps that compile the decode graphs (compile_decode)
         self.padding_block = self.num_blocks
         self.kv_caches = self.allocate_caches(self.model.attention_layers(), self.num_blocks + 1)
         self.drafters = {method: DraftRunner(method, m, self, max_draft_tokens) for method, m in draft_models.items()}

@@ -34,7 +34,9 @@ class ForwardBatch:
 
     @property
     def num_seqs(self) -> int:
-        return len(self.query_lens_cpu)
+        """A tensor's size, not len(query_lens_cpu): under torch.compile (engine/compiled_decode.py) it stays symbolic,
+        so one graph serves every batch size."""
+        return self.seq_lens.shape[0]
 
     @property
     def num_tokens(self) -> int:

@@ -255,7 +255,7 @@ class ModelRunner:
             hidden = self.decode_graphs.run(batch)
         else:
             batch.attn_metadata = self.attention_ops.prepare_attention(batch, self.block_size)
-            if self.compiled_decode is not None and aux_hidden is None and self.compiled_decode.can_run(batch):
+            if self.compiled_decode is not None and self.compiled_decode.can_run(batch):  # never built with aux layers
                 hidden = self.compiled_decode.run(batch)
             else:
                 hidden = self.model(batch, aux_hidden)

@@ -122,7 +122,7 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, meta: TorchAttentionMetadata, scale: float
 ) -> torch.Tensor:
     """GQA over the paged cache. q [T, H, D]; caches [num_blocks, block_size, KVH, D]; returns [T, H, Dv]."""
-    num_seqs, qmax = batch.seq_lens.shape[0], batch.max_query_len  # a tensor's size: symbolic under torch.compile
+    num_seqs, qmax = batch.num_seqs, batch.max_query_len
     k = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, meta.kv_index).view(num_seqs, -1, *k_cache.shape[2:])
     v = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, meta.kv_index).view(num_seqs, -1, *v_cache.shape[2:])
     out = _grouped_sdpa(_to_padded(q, meta, num_seqs, qmax), k, v, meta, scale)
@@ -134,7 +134,7 @@ def paged_latent_attention(
 ) -> torch.Tensor:
     """MLA in absorbed form: one shared latent head. q [T, H, latent + rope]; cache [num_blocks, block_size,
     latent + rope] whose first `latent_dim` channels are also the values; returns [T, H, latent]."""
-    num_seqs, qmax = batch.seq_lens.shape[0], batch.max_query_len
+    num_seqs, qmax = batch.num_seqs, batch.max_query_len
     kv = kv_cache.view(-1, kv_cache.shape[-1]).index_select(0, meta.kv_index).view(num_seqs, -1, 1, kv_cache.shape[-1])
     out = _grouped_sdpa(_to_padded(q, meta, num_seqs, qmax), kv, kv[..., :latent_dim], meta, scale)
     return _from_padded(out, meta)

@@ -400,8 +400,8 @@ GENERATORS: dict[str, Callable[[random.Random], Sample]] = {
 }
 
 TRAIN_MIX = {
-    "addition": 0.16, "subtraction": 0.17, "multiplication": 0.13, "sorting": 0.14, "letters": 0.15,
-    "comparison": 0.10, "calculator": 0.08, "calculator_result": 0.05, "no_calculator": 0.02,
+    "addition": 0.12, "subtraction": 0.17, "multiplication": 0.16, "sorting": 0.17, "letters": 0.16,
+    "comparison": 0.10, "calculator": 0.06, "calculator_result": 0.04, "no_calculator": 0.02,
 }
 
 

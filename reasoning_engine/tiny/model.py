@@ -136,7 +136,10 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=False)
         self.scale = cfg.qk_head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-head queries, keys and values [B, H, T, dim] with RoPE applied."""
         cfg = self.cfg
         b, t, _ = x.shape
         h = cfg.num_attention_heads
@@ -147,10 +150,21 @@ class MLAttention(nn.Module):
         k_nope, v = kv.transpose(1, 2).split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         q_rot = apply_rope_interleaved(q_rot, cos, sin)
         k_rot = apply_rope_interleaved(k_rot.view(b, 1, t, cfg.qk_rope_head_dim), cos, sin).expand(b, h, t, -1)
-        q = torch.cat([q_nope, q_rot], dim=-1)
-        k = torch.cat([k_nope, k_rot], dim=-1)
+        return torch.cat([q_nope, q_rot], dim=-1), torch.cat([k_nope, k_rot], dim=-1), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, h * cfg.v_head_dim))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def attention_weights(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Causal attention probabilities [B, H, T, T] (for inspecting heads; forward uses fused SDPA)."""
+        q, k, _ = self._qkv(x, cos, sin)
+        t = x.shape[1]
+        scores = (q @ k.transpose(-1, -2)) * self.scale
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        return scores.masked_fill(~causal, float("-inf")).softmax(-1)
 
 
 class MLP(nn.Module):
@@ -338,6 +352,76 @@ class TinyDeepseekV3(nn.Module):
         sd.pop(f"{mtp}.embed_tokens.weight")
         sd.pop(f"{mtp}.shared_head.head.weight")
         self.load_state_dict(sd, strict=True)
+
+
+def previous_token_amplitudes(inv_freq: torch.Tensor, span: int = 600, steps: int = 500) -> torch.Tensor:
+    """Per-frequency amplitudes m_f of the attention score sum_f m_f cos(inv_freq_f (d - 1)) at key distance d, fitted
+    so that a causal softmax puts most of its weight on d = 1 for queries up to `span` tokens in."""
+    d = torch.arange(span, dtype=torch.float32)
+    waves = torch.cos((d[:, None] - 1) * inv_freq[None, :])
+    ends = [2, 5, 10, 30, 100, 300, span - 1]
+    log_m = torch.zeros(len(inv_freq), requires_grad=True)
+    opt = torch.optim.Adam([log_m], lr=0.05)
+    with torch.enable_grad():
+        for _ in range(steps):
+            scores = waves @ log_m.exp()
+            fit = -sum(scores[: e + 1].log_softmax(0)[1] for e in ends) / len(ends)
+            loss = fit + 1e-3 * log_m.exp().square().sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return log_m.detach().exp()
+
+
+@torch.no_grad()
+def install_previous_token_head(model: TinyDeepseekV3, generator: torch.Generator, head: int = 0) -> float:
+    """Set head `head` of layer 0 to attend to the previous token from the first training step.
+
+    Copying operands, the skill every task needs, takes an induction circuit: a previous-token head and a later head
+    that matches on what it wrote (Olsson et al., 2022, "In-context Learning and Induction Heads"). From random weights
+    the model first sits on a loss plateau until that circuit forms (about 2,500 of the ~5,500 steps of a 55-minute
+    run); this builds its first half by hand. MLA sees positions only through the decoupled RoPE query and shared RoPE
+    key, and those must not depend on the token, so every embedding gets a common direction u; the head's RoPE query
+    and the RoPE key read u, with amplitudes and phases per frequency that make the score peak at distance 1. The
+    other heads keep their random weights; the RoPE key, shared by all heads, becomes purely positional. Training does
+    not keep the head clean (the embeddings' updates soon outweigh u); the two runs that started from it did better on
+    the eval than those before, one run each (docs/tiny-reasoner.md).
+    Returns the head's mean attention on the previous token over random tokens (for the training log).
+    """
+    cfg = model.cfg
+    layer = model.model.layers[0]
+    attn: MLAttention = layer.self_attn
+    emb = model.model.embed_tokens.weight
+    u = torch.randn(cfg.hidden_size, generator=generator)
+    u /= u.norm()
+    # The RoPE key has no norm, so its size varies with each token's weight along u: make that weight the same.
+    emb -= (emb @ u)[:, None] * u
+    emb += 0.5 * emb.norm(dim=-1).mean() * u
+    x = layer.input_layernorm(emb)
+    along_u = (x @ u).mean()
+    # The query reads u through a few latent dims that q_a_layernorm then normalises with the rest.
+    n_read = 4
+    attn.q_a_proj.weight[:n_read] = 0.15 * u
+    latent = attn.q_a_layernorm(attn.q_a_proj(x))[:, :n_read].mean()
+    rope = cfg.qk_rope_head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rope, 2, dtype=torch.float32) / rope))
+    amp = previous_token_amplitudes(inv_freq)
+    # Interleaved RoPE rotates the pair (x[2i], x[2i+1]) like the complex number x[2i] + i x[2i+1], so the score is
+    # sum_f Re(q_f conj(k_f) e^{i inv_freq_f d}): a real key k_f and q_f = (m_f / k_f) e^{-i inv_freq_f} peak at d = 1.
+    key = 6.0
+    k_rows = attn.kv_a_proj_with_mqa.weight[cfg.kv_lora_rank:]
+    k_rows.zero_()
+    k_rows[0::2] = (key / along_u) * u
+    radius = amp / (key * attn.scale) / (n_read * latent)
+    base = head * cfg.qk_head_dim + cfg.qk_nope_head_dim
+    q_rows = attn.q_b_proj.weight[base: base + rope]
+    q_rows.zero_()
+    q_rows[0::2, :n_read] = (radius * inv_freq.cos())[:, None]
+    q_rows[1::2, :n_read] = (-radius * inv_freq.sin())[:, None]
+    ids = torch.randint(cfg.vocab_size, (2, 256), generator=generator)
+    cos, sin = rope_cos_sin(cfg, torch.arange(ids.shape[1]))
+    probs = attn.attention_weights(layer.input_layernorm(model.model.embed_tokens(ids)), cos, sin)[:, head]
+    return probs.diagonal(offset=-1, dim1=-2, dim2=-1).mean().item()
 
 
 def save_checkpoint(model: TinyDeepseekV3, out_dir: Path) -> None:

@@ -2,7 +2,8 @@
 
 Everything derives from fixed seeds: the synthetic corpus, the tokenizer's merges, the initial weights and the
 batch order, so a rerun on the same software reproduces the shipped assets (bit-exactness across machines is not
-promised: CPU kernels may sum in different orders). The loss is next-token cross-entropy on the assistant turn being
+promised: CPU kernels may sum in different orders). Layer 0 starts with a hand-set previous-token head
+(model.install_previous_token_head). The loss is next-token cross-entropy on the assistant turn being
 trained plus 0.3 x the MTP loss (token t+2 from h_t and token t+1, DeepSeek-V3 sec. 2.2). MoE load is balanced without
 an auxiliary loss: after every step each expert's selection bias moves by +-gamma towards the mean load (DeepSeek-V3,
 arXiv:2412.19437, sec. 2.1.2).
@@ -35,7 +36,12 @@ from tqdm import tqdm  # noqa: E402
 from reasoning_engine.tiny import BUNDLED_MODEL_DIR  # noqa: E402
 from reasoning_engine.tiny.chat_format import IM_END, PAD  # noqa: E402
 from reasoning_engine.tiny.data import TRAIN_SEED, training_sample  # noqa: E402
-from reasoning_engine.tiny.model import TinyConfig, TinyDeepseekV3, save_checkpoint  # noqa: E402
+from reasoning_engine.tiny.model import (  # noqa: E402
+    TinyConfig,
+    TinyDeepseekV3,
+    install_previous_token_head,
+    save_checkpoint,
+)
 from reasoning_engine.tiny.tokenizer import build_tokenizer, corpus_for_vocab, save_tokenizer  # noqa: E402
 
 MAX_MODEL_LEN = 2048
@@ -238,7 +244,10 @@ def train(args: TrainArgs, resume: bool = False) -> None:
     save_tokenizer(tokenizer, args.out_dir, MAX_MODEL_LEN)
     eos_id, pad_id = tokenizer.token_to_id(IM_END), tokenizer.token_to_id(PAD)
     cfg = model_config(tokenizer.get_vocab_size(), eos_id, pad_id)
-    model = TinyDeepseekV3(cfg).to(device)
+    model = TinyDeepseekV3(cfg)
+    on_prev = install_previous_token_head(model, torch.Generator().manual_seed(args.seed))
+    print(f"layer 0 head 0 starts as a previous-token head ({on_prev:.0%} of its attention)", flush=True)
+    model = model.to(device)
     params = sum(p.numel() for p in model.parameters())
     print(f"vocab {cfg.vocab_size}, parameters {params:,} (+{2 * cfg.vocab_size * cfg.hidden_size:,} MTP copies "
           f"in the checkpoint), device {device}", flush=True)

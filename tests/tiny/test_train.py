@@ -1,4 +1,5 @@
-"""The training script: batches are deterministic and mask the right tokens; a few steps write a loadable checkpoint."""
+"""The training script: batches are deterministic and mask the right tokens; layer 0 starts with a previous-token
+head; a few steps write a loadable checkpoint."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from tokenizers import Tokenizer
 
 from reasoning_engine.tiny import BUNDLED_MODEL_DIR
 from reasoning_engine.tiny.chat_format import PAD, THINK_BEGIN, THINK_END
-from reasoning_engine.tiny.model import load_checkpoint
-from reasoning_engine.tiny.train import TrainArgs, pool_batches, train
+import random
+
+from reasoning_engine.tiny.data import training_sample
+from reasoning_engine.tiny.model import TinyDeepseekV3, install_previous_token_head, load_checkpoint, rope_cos_sin
+from reasoning_engine.tiny.train import TrainArgs, model_config, pool_batches, train
 
 
 def _tokenizer() -> Tokenizer:
@@ -37,6 +41,30 @@ def test_pool_batches_are_deterministic_and_mask_completions() -> None:
             # closing tag when thinking is off), and covers every remaining real token.
             assert int(ids[row, start - 1]) in (think, tok.token_to_id(THINK_END))
             assert bool(target[row, start:int(valid[row].sum())].all())
+
+
+def _layer0_attention(model: TinyDeepseekV3, ids: torch.Tensor) -> torch.Tensor:
+    layer = model.model.layers[0]
+    cos, sin = rope_cos_sin(model.cfg, torch.arange(ids.shape[1]))
+    with torch.no_grad():
+        return layer.self_attn.attention_weights(layer.input_layernorm(model.model.embed_tokens(ids)), cos, sin)[0]
+
+
+def test_layer0_head0_starts_on_the_previous_token() -> None:
+    tok = _tokenizer()
+    sample = training_sample(random.Random(3))
+    ids = torch.tensor([tok.encode(sample.prompt() + sample.completion()).ids])
+    torch.manual_seed(0)
+    model = TinyDeepseekV3(model_config(tok.get_vocab_size(), 1, 0))
+    before = _layer0_attention(model, ids).diagonal(offset=-1, dim1=-2, dim2=-1).mean(-1)
+    reported = install_previous_token_head(model, torch.Generator().manual_seed(1))
+    on_prev = _layer0_attention(model, ids).diagonal(offset=-1, dim1=-2, dim2=-1).mean(-1)
+    assert reported > 0.85
+    assert float(on_prev[0]) > 0.85, on_prev
+    # Random heads spread their attention; the other heads stay so.
+    assert float(before.max()) < 0.5 and float(on_prev[1:].max()) < 0.5, (before, on_prev)
+    logits, mtp = model(ids, with_mtp=True)
+    assert torch.isfinite(logits).all() and torch.isfinite(mtp).all()
 
 
 def test_a_few_steps_write_a_loadable_checkpoint(tmp_path: Path) -> None:

@@ -106,11 +106,15 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def rope_inv_freq(cfg: TinyConfig) -> torch.Tensor:
+    """RoPE's angle per position for each rotated pair [rope_dim / 2]."""
+    dim = cfg.qk_rope_head_dim
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+
 def rope_cos_sin(cfg: TinyConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-pair angles for interleaved RoPE: cos/sin of shape [T, rope_dim / 2]."""
-    dim = cfg.qk_rope_head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    freqs = positions.float()[:, None] * rope_inv_freq(cfg)[None, :]
     return freqs.cos(), freqs.sin()
 
 
@@ -404,7 +408,7 @@ def install_previous_token_head(model: TinyDeepseekV3, generator: torch.Generato
     attn.q_a_proj.weight[:n_read] = 0.15 * u
     latent = attn.q_a_layernorm(attn.q_a_proj(x))[:, :n_read].mean()
     rope = cfg.qk_rope_head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rope, 2, dtype=torch.float32) / rope))
+    inv_freq = rope_inv_freq(cfg)
     amp = previous_token_amplitudes(inv_freq)
     # Interleaved RoPE rotates the pair (x[2i], x[2i+1]) like the complex number x[2i] + i x[2i+1], so the score is
     # sum_f Re(q_f conj(k_f) e^{i inv_freq_f d}): a real key k_f and q_f = (m_f / k_f) e^{-i inv_freq_f} peak at d = 1.

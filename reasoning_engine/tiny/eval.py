@@ -1,8 +1,9 @@
 """Accuracy of the tiny model on fresh problems: ``python -m reasoning_engine.tiny.eval [--engine ...]``.
 
 Problems come from the training generators with a different seed (100 per task by default) and are decoded greedily,
-thinking on. ``--engine reasoning_engine`` runs our own engine (``LLM.chat`` with the checkpoint's chat template);
-``--engine transformers`` runs Hugging Face's DeepseekV3ForCausalLM as an independent reference.
+thinking on (``--thinking off`` asks without it). ``--engine reasoning_engine`` runs our own engine (``LLM.chat`` with
+the checkpoint's chat template); ``--engine transformers`` runs Hugging Face's DeepseekV3ForCausalLM as an independent
+reference.
 """
 
 from __future__ import annotations
@@ -106,9 +107,10 @@ def generate_transformers(model_dir: Path, samples: list[Sample], batch_size: in
     return [texts[i] for i in range(len(samples))]
 
 
-def evaluate(model_dir: Path, engine: str, per_task: int, seed: int, show: int = 0) -> dict[str, dict[str, float]]:
+def evaluate(model_dir: Path, engine: str, per_task: int, seed: int, show: int = 0,
+             thinking: bool = True) -> dict[str, dict[str, float]]:
     """Per-task accuracy and share of answers preceded by a thinking section."""
-    samples = eval_samples(per_task, seed)
+    samples = eval_samples(per_task, seed, thinking)
     generate = generate_reasoning_engine if engine == "reasoning_engine" else generate_transformers
     texts = generate(model_dir, samples)
     stats: dict[str, dict[str, float]] = defaultdict(lambda: {"n": 0, "correct": 0, "thinking": 0})
@@ -134,20 +136,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--per-task", type=int, default=100)
     parser.add_argument("--seed", type=int, default=EVAL_SEED)
     parser.add_argument("--show-failures", type=int, default=0, help="print up to N wrong completions per task")
+    parser.add_argument("--thinking", choices=["on", "off"], default="on",
+                        help="off: ask without thinking (the reply shows its working; targets apply to on)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     ns = parser.parse_args(argv)
     start = time.time()
-    results = evaluate(ns.model, ns.engine, ns.per_task, ns.seed, ns.show_failures)
+    thinking = ns.thinking == "on"
+    results = evaluate(ns.model, ns.engine, ns.per_task, ns.seed, ns.show_failures, thinking)
     print(f"{'task':<18}{'accuracy':>9}{'target':>8}{'thinking':>10}")
     for task, r in results.items():
-        target = TARGETS.get(task)
+        target = TARGETS.get(task) if thinking else None
         mark = "" if target is None else (" ok" if r["accuracy"] >= target else " MISS")
         print(f"{task:<18}{r['accuracy']:>9.0%}{'' if target is None else f'{target:.0%}':>8}"
               f"{r['thinking']:>10.0%}{mark}")
-    print(f"engine {ns.engine}, {ns.per_task} problems per task, seed {ns.seed}, {time.time() - start:.0f}s")
+    print(f"engine {ns.engine}, {ns.per_task} problems per task, seed {ns.seed}, thinking {ns.thinking}, "
+          f"{time.time() - start:.0f}s")
     if ns.json:
         ns.json.write_text(json.dumps({"engine": ns.engine, "per_task": ns.per_task, "seed": ns.seed,
-                                       "results": results}, indent=2) + "\n")
+                                       "thinking": ns.thinking, "results": results}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

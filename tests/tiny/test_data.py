@@ -9,6 +9,8 @@ import pytest
 from reasoning_engine.tiny.chat_format import IM_END, THINK_END, render_chat
 from reasoning_engine.tiny.data import (
     GENERATORS,
+    TRAIN_SEED,
+    WORKED_TASKS,
     addition_steps,
     check_answer,
     eval_samples,
@@ -18,6 +20,7 @@ from reasoning_engine.tiny.data import (
     sorting_steps,
     subtraction_steps,
     training_sample,
+    without_thinking,
 )
 from reasoning_engine.tiny.eval import parse_completion
 
@@ -75,10 +78,33 @@ def test_samples_render_like_full_conversations() -> None:
         assert (THINK_END in s.completion()) == s.thinking
 
 
+@pytest.mark.parametrize("task", sorted(GENERATORS))
+def test_thinking_off_replies_show_the_working_then_the_same_answer(task: str) -> None:
+    for seed in range(50):
+        on = GENERATORS[task](random.Random(seed))
+        off = without_thinking(GENERATORS[task](random.Random(seed)))
+        assert not off.thinking and THINK_END not in off.completion()
+        if task in WORKED_TASKS:
+            assert off.content == f"{on.reasoning}\n\n{on.content}"
+            assert check_answer(off, off.content, None), "the checker reads the answer on the last line"
+        else:
+            assert off.content == on.content
+
+
+def test_eval_problems_without_thinking() -> None:
+    samples = eval_samples(10, thinking=False)
+    assert {s.task for s in samples if s.thinking} == {"calculator_result"}
+    for s in samples:
+        parsed = parse_completion(s.completion())
+        assert not parsed.has_thinking or s.task == "calculator_result"
+        if s.expected is not None:
+            assert check_answer(s, parsed.content, parsed.tool_calls), s.completion()
+
+
 def test_eval_problems_are_fresh_and_deterministic() -> None:
     a, b = eval_samples(20), eval_samples(20)
     assert [s.prompt() for s in a] == [s.prompt() for s in b]
-    rng = random.Random(1234)
+    rng = random.Random(TRAIN_SEED)
     train_prompts = {training_sample(rng).messages[-1]["content"] for _ in range(5000)}
     overlap = sum(s.messages[-1]["content"] in train_prompts for s in a)
     assert overlap < len(a) // 4

@@ -407,6 +407,8 @@ TRAIN_MIX = {
 
 # Tasks whose answer needs the step-by-step working; with thinking off it moves into the reply.
 WORKED_TASKS = ("addition", "subtraction", "multiplication", "sorting", "letters", "comparison")
+# The answer from a tool result continues a turn that thought before its call, so it is never asked without thinking.
+ALWAYS_THINKS = "calculator_result"
 
 
 def without_thinking(sample: Sample) -> Sample:
@@ -423,7 +425,7 @@ def decorate(sample: Sample, rng: random.Random) -> Sample:
     """Training-only variety: thinking off, a system prompt, the tool offered to other tasks, an earlier exchange."""
     if sample.task not in ("calculator", "calculator_result", "no_calculator") and rng.random() < 0.08:
         sample.tools = _tool_list(rng)
-    if sample.task != "calculator_result" and rng.random() < 0.12:
+    if sample.task != ALWAYS_THINKS and rng.random() < 0.12:
         without_thinking(sample)
     if rng.random() < 0.05:
         prev = GENERATORS[rng.choice(WORKED_TASKS)](rng)
@@ -454,7 +456,7 @@ def eval_samples(per_task: int = 100, seed: int = EVAL_SEED, thinking: bool = Tr
             sample = GENERATORS[task](rng)
             if sample.tools:
                 sample.tools = [calculator_tool()]
-            if not thinking and task != "calculator_result":
+            if not thinking and task != ALWAYS_THINKS:
                 without_thinking(sample)
             out.append(sample)
     return out
@@ -467,7 +469,8 @@ def check_answer(sample: Sample, content: str, tool_calls: list[dict[str, Any]] 
     """Whether an answer (text after ``</think>``, and parsed tool calls) solves the sample. A reply without
     thinking shows its working first, so its last line is the answer."""
     if not sample.thinking and sample.task in WORKED_TASKS:
-        content = content.strip().splitlines()[-1] if content.strip() else ""
+        lines = content.strip().splitlines()
+        content = lines[-1] if lines else ""
     if sample.task == "calculator":
         if not tool_calls or len(tool_calls) != 1 or tool_calls[0].get("name") != "calculator":
             return False

@@ -388,8 +388,8 @@ def install_previous_token_head(model: TinyDeepseekV3, generator: torch.Generato
     key, and those must not depend on the token, so every embedding gets a common direction u; the head's RoPE query
     and the RoPE key read u, with amplitudes and phases per frequency that make the score peak at distance 1. The
     other heads keep their random weights; the RoPE key, shared by all heads, becomes purely positional. Training does
-    not keep the head clean (the embeddings' updates soon outweigh u); the two runs that started from it did better on
-    the eval than those before, one run each (docs/tiny-reasoner.md).
+    not keep the head clean (the embeddings' updates soon outweigh u); every run that started from it so far did better
+    on the eval overall than the weights before it (docs/tiny-reasoner.md).
     Returns the head's mean attention on the previous token over random tokens (for the training log).
     """
     cfg = model.cfg

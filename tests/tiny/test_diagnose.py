@@ -1,0 +1,32 @@
+"""The failure classifier behind `python -m reasoning_engine.tiny.diagnose`."""
+
+from __future__ import annotations
+
+from reasoning_engine.tiny import BUNDLED_MODEL_DIR
+from reasoning_engine.tiny.data import sorting_steps
+from reasoning_engine.tiny.diagnose import SORTING_OUTCOMES, diagnose, letters_all_unmarked, sorting_error
+
+
+def test_a_correct_sort_has_no_error() -> None:
+    assert sorting_error(sorting_steps([42, 7, 19, 88, 40])) is None
+
+
+def test_sorting_error_names_the_first_bad_step() -> None:
+    dropped_wrong = "52, 42, 95, 40: smallest 40\n52, 95, 40: smallest 40\n52, 95: smallest 52\n95: smallest 95"
+    assert sorting_error(dropped_wrong) == "restate"
+    mixed_digits = "74, 98, 87, 61: smallest 71\n74, 98, 87: smallest 74"
+    assert sorting_error(mixed_digits) == "pick"
+    assert sorting_error("42, 7, 19: smallest 19\n42, 19: smallest 19") == "pick"
+
+
+def test_letters_unmarked_means_no_count_mark_at_all() -> None:
+    assert letters_all_unmarked("Spell it and count 'g': g r e e n\nSo 'g' appears 0 times.")
+    assert not letters_all_unmarked("Spell it and count 'e': g r e1 e n\nSo 'e' appears 1 time.")
+    assert letters_all_unmarked("")
+
+
+def test_diagnose_counts_every_problem_once() -> None:
+    counts = diagnose(BUNDLED_MODEL_DIR, n=6, seed=1)
+    assert sum(counts["sorting"].values()) == 6 and sum(counts["letters"].values()) == 6
+    assert set(counts["sorting"]) <= {"right", *SORTING_OUTCOMES.values()}
+    assert set(counts["letters"]) <= {"right", "wrong: no match marked", "wrong: other"}

@@ -365,6 +365,9 @@ async function settle(reply, outcome, pending, onFail, specBefore) {
     return false;
   }
   state.history.push(...pending, reply.message());
+  // The last deltas may still wait for their animation frame: draw them now, so the tool-call cards exist before
+  // offerToolResults adds its fields and the "Send result" button after them.
+  reply.render();
   if (outcome === "stopped") {
     reply.setStatus("Stopped.", "stopped");
   } else if (reply.finish === "length") {
@@ -376,7 +379,6 @@ async function settle(reply, outcome, pending, onFail, specBefore) {
     const after = await specCounters().catch(() => null);
     if (after) reply.showSpeculative(after.accepted - specBefore.accepted, after.drafted - specBefore.drafted);
   }
-  reply.render();
   return true;
 }
 

@@ -1,7 +1,7 @@
 """Synthetic reasoning data for the tiny model, drawn from a seeded RNG.
 
 Each task writes a compact step-by-step thinking text that a few-million-parameter model can follow: column-wise
-addition/subtraction/multiplication with carries and borrows, selection sort restating the numbers left, letter counting
+addition/subtraction/multiplication with carries and borrows, sorting by tens digit, letter counting
 with the word spelled out and a running count, digit-wise comparison, and a Kimi-format calculator tool call for
 products too large to do in the head (followed, in a second sample, by the answer given the tool result).
 Samples are rendered with the shipped chat template, so training sees exactly what a server renders.
@@ -235,12 +235,14 @@ def gen_multiplication(rng: random.Random) -> Sample:
 
 
 def sorting_steps(nums: list[int]) -> str:
-    """Selection sort: each line restates the numbers left and picks the smallest."""
-    left, lines = list(nums), []
-    while left:
-        low = min(left)
-        lines.append(f"{', '.join(map(str, left))}: smallest {low}")
-        left.remove(low)
+    """Bucket sort by the tens digit (a one-digit number has tens digit 0): one line per tens digit 0-9, in order,
+    listing its numbers smallest first, or ``-`` when it has none. Each line looks up the numbers whose first digit
+    is the line's (a match on one token) and orders at most a few ones digits; nothing is restated, and the numbers
+    are never compared across tens."""
+    lines = ["By tens digit:"]
+    for tens in range(10):
+        group = sorted(n for n in nums if n // 10 == tens)
+        lines.append(f"{tens}: " + (", ".join(map(str, group)) if group else "-"))
     return "\n".join(lines)
 
 
@@ -256,7 +258,7 @@ def gen_sorting(rng: random.Random) -> Sample:
     ordered = sorted(nums)
     out = ", ".join(map(str, ordered))
     reasoning = f"{sorting_steps(nums)}\nSo the order is {out}."
-    return Sample("sorting", _user(q), reasoning, out, ordered)
+    return Sample("sorting", _user(q), reasoning, out, ordered, meta={"numbers": nums})
 
 
 def letter_count_words() -> list[str]:

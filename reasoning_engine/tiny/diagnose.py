@@ -1,8 +1,8 @@
 """Where the tiny model's sorting and letter counting go wrong: ``python -m reasoning_engine.tiny.diagnose``.
 
 The eval says how often a task fails; this says at which step, which is what a change to the data format has to aim
-at. Each sorting reply is classified by its first bad line (a restated list that is not the previous one minus its
-pick, or a pick that is not the smallest), each wrong letter count by whether any match of the word was marked.
+at. Each sorting reply is classified by its first bad tens line (a number missing, one too many, or out of order), each
+wrong letter count by whether any match of the word was marked.
 """
 
 from __future__ import annotations
@@ -20,26 +20,27 @@ from reasoning_engine.tiny.eval import generate_reasoning_engine, parse_completi
 DIAGNOSE_SEED = 4242
 _INT = re.compile(r"\d+")
 # A wrong answer whose every step was right went wrong in the final line.
-SORTING_OUTCOMES = {"restate": "wrong: a restated list", "pick": "wrong: a pick not the smallest",
-                    None: "wrong: the final line"}
+SORTING_OUTCOMES = {"missed": "wrong: a number missing from its tens line",
+                    "extra": "wrong: a number too many on a tens line",
+                    "order": "wrong: a tens line out of order", None: "wrong: the final line"}
 
 
-def sorting_error(reasoning: str) -> str | None:
-    """The first bad step of a selection-sort thinking text: "restate" (a line is not the previous list minus its
-    pick), "pick" (the picked number is not the smallest of its line) or None when every line is right."""
-    previous: list[int] | None = None
-    picked: int | None = None
+def sorting_error(reasoning: str, numbers: list[int]) -> str | None:
+    """The first bad tens line of a bucket-sort thinking text for `numbers`: "missed" (a number with that tens digit
+    is not on it), "extra" (it lists a number that was not asked or has another tens digit), "order" (the right
+    numbers, not smallest first) or None when every line is right."""
     for line in reasoning.splitlines():
-        if ": smallest " not in line:
+        head, sep, rest = line.partition(": ")
+        if not sep or not head.isdigit():
             continue
-        listed, pick = line.split(": smallest ", 1)
-        numbers = [int(n) for n in _INT.findall(listed)]
-        if previous is not None and numbers != [n for n in previous if n != picked]:
-            return "restate"
-        found = _INT.findall(pick)
-        if not numbers or not found or int(found[0]) != min(numbers):
-            return "pick"
-        previous, picked = numbers, int(found[0])
+        listed = [int(n) for n in _INT.findall(rest)]
+        wanted = sorted(n for n in numbers if n // 10 == int(head))
+        if any(n not in listed for n in wanted):
+            return "missed"
+        if len(listed) != len(wanted):
+            return "extra"
+        if listed != wanted:
+            return "order"
     return None
 
 
@@ -61,7 +62,7 @@ def diagnose(model_dir: Path, n: int, seed: int) -> dict[str, Counter[str]]:
         if check_answer(sample, parsed.content, parsed.tool_calls):
             outcome = "right"
         elif sample.task == "sorting":
-            outcome = SORTING_OUTCOMES[sorting_error(parsed.reasoning)]
+            outcome = SORTING_OUTCOMES[sorting_error(parsed.reasoning, sample.meta["numbers"])]
         elif sample.expected and letters_all_unmarked(parsed.reasoning):
             outcome = "wrong: no match marked"
         else:

@@ -50,9 +50,9 @@ def test_multiplication_adds_the_carry_in_its_own_step() -> None:
     assert multiplication_steps(31, 3) == "31 * 3: 1*3=3, digits 3\n3 * 3: 3*3=9, digits 93"
 
 
-def test_sorting_restates_the_numbers_left() -> None:
-    assert sorting_steps([42, 7, 19, 88]).splitlines() == [
-        "42, 7, 19, 88: smallest 7", "42, 19, 88: smallest 19", "42, 88: smallest 42", "88: smallest 88"]
+def test_sorting_lists_every_tens_digit_smallest_first() -> None:
+    assert sorting_steps([42, 7, 19, 88, 40]).splitlines() == [
+        "By tens digit:", "0: 7", "1: 19", "2: -", "3: -", "4: 40, 42", "5: -", "6: -", "7: -", "8: 88", "9: -"]
 
 
 def test_comparison_restates_the_asked_number_before_answering() -> None:

@@ -8,15 +8,17 @@ from reasoning_engine.tiny.diagnose import SORTING_OUTCOMES, diagnose, letters_a
 
 
 def test_a_correct_sort_has_no_error() -> None:
-    assert sorting_error(sorting_steps([42, 7, 19, 88, 40])) is None
+    assert sorting_error(sorting_steps([42, 7, 19, 88, 40]), [42, 7, 19, 88, 40]) is None
 
 
-def test_sorting_error_names_the_first_bad_step() -> None:
-    dropped_wrong = "52, 42, 95, 40: smallest 40\n52, 95, 40: smallest 40\n52, 95: smallest 52\n95: smallest 95"
-    assert sorting_error(dropped_wrong) == "restate"
-    mixed_digits = "74, 98, 87, 61: smallest 71\n74, 98, 87: smallest 74"
-    assert sorting_error(mixed_digits) == "pick"
-    assert sorting_error("42, 7, 19: smallest 19\n42, 19: smallest 19") == "pick"
+def test_sorting_error_names_the_first_bad_tens_line() -> None:
+    numbers = [52, 42, 95, 40, 7]
+    right = sorting_steps(numbers)
+    assert sorting_error(right.replace("4: 40, 42", "4: 40"), numbers) == "missed"
+    assert sorting_error(right.replace("4: 40, 42", "4: 40, 42, 45"), numbers) == "extra"
+    assert sorting_error(right.replace("0: 7", "0: 7, 5"), numbers) == "extra"
+    assert sorting_error(right.replace("4: 40, 42", "4: 42, 40"), numbers) == "order"
+    assert sorting_error(right.replace("0: 7", "0: -").replace("4: 40, 42", "4: 42, 40"), numbers) == "missed"
 
 
 def test_letters_unmarked_means_no_count_mark_at_all() -> None:

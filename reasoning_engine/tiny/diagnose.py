@@ -27,14 +27,16 @@ SORTING_OUTCOMES = {"missed": "wrong: a number missing from its tens line",
 
 def sorting_error(reasoning: str, numbers: list[int]) -> str | None:
     """The first bad tens line of a bucket-sort thinking text for `numbers`: "missed" (a number with that tens digit
-    is not on it), "extra" (it lists a number that was not asked or has another tens digit), "order" (the right
-    numbers, not smallest first) or None when every line is right."""
+    is not on it, or the line is not there), "extra" (it lists a number that was not asked or has another tens digit),
+    "order" (the right numbers, not smallest first) or None when every line is right."""
+    lines: dict[int, list[int]] = {}
     for line in reasoning.splitlines():
         head, sep, rest = line.partition(": ")
-        if not sep or not head.isdigit():
-            continue
-        listed = [int(n) for n in _INT.findall(rest)]
-        wanted = sorted(n for n in numbers if n // 10 == int(head))
+        if sep and head.isdigit():
+            lines.setdefault(int(head), [int(n) for n in _INT.findall(rest)])
+    for tens in range(10):
+        listed = lines.get(tens, [])
+        wanted = sorted(n for n in numbers if n // 10 == tens)
         if any(n not in listed for n in wanted):
             return "missed"
         if len(listed) != len(wanted):

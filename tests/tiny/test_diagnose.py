@@ -19,6 +19,7 @@ def test_sorting_error_names_the_first_bad_tens_line() -> None:
     assert sorting_error(right.replace("0: 7", "0: 7, 5"), numbers) == "extra"
     assert sorting_error(right.replace("4: 40, 42", "4: 42, 40"), numbers) == "order"
     assert sorting_error(right.replace("0: 7", "0: -").replace("4: 40, 42", "4: 42, 40"), numbers) == "missed"
+    assert sorting_error(right.replace("\n9: 95", ""), numbers) == "missed"
 
 
 def test_letters_unmarked_means_no_count_mark_at_all() -> None:

@@ -234,14 +234,17 @@ def gen_multiplication(rng: random.Random) -> Sample:
     return Sample("multiplication", _user(q), reasoning, f"{x} * {y} = {p}.", p)
 
 
+def tens_groups(nums: list[int]) -> list[list[int]]:
+    """The numbers of each tens digit 0-9 (a one-digit number has tens digit 0), smallest first."""
+    return [sorted(n for n in nums if n // 10 == tens) for tens in range(10)]
+
+
 def sorting_steps(nums: list[int]) -> str:
-    """Bucket sort by the tens digit (a one-digit number has tens digit 0): one line per tens digit 0-9, in order,
-    listing its numbers smallest first, or ``-`` when it has none. Each line looks up the numbers whose first digit
-    is the line's (a match on one token) and orders at most a few ones digits; nothing is restated, and the numbers
-    are never compared across tens."""
+    """Bucket sort by the tens digit: one line per tens digit 0-9, in order, listing its numbers smallest first, or
+    ``-`` when it has none. Each line looks up the numbers whose first digit is the line's (a match on one token) and
+    orders at most a few ones digits; nothing is restated, and the numbers are never compared across tens."""
     lines = ["By tens digit:"]
-    for tens in range(10):
-        group = sorted(n for n in nums if n // 10 == tens)
+    for tens, group in enumerate(tens_groups(nums)):
         lines.append(f"{tens}: " + (", ".join(map(str, group)) if group else "-"))
     return "\n".join(lines)
 
@@ -258,7 +261,7 @@ def gen_sorting(rng: random.Random) -> Sample:
     ordered = sorted(nums)
     out = ", ".join(map(str, ordered))
     reasoning = f"{sorting_steps(nums)}\nSo the order is {out}."
-    return Sample("sorting", _user(q), reasoning, out, ordered, meta={"numbers": nums})
+    return Sample("sorting", _user(q), reasoning, out, ordered)
 
 
 def letter_count_words() -> list[str]:

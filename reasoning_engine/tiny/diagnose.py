@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 from reasoning_engine.tiny import BUNDLED_MODEL_DIR
-from reasoning_engine.tiny.data import check_answer, gen_letters, gen_sorting
+from reasoning_engine.tiny.data import check_answer, gen_letters, gen_sorting, tens_groups
 from reasoning_engine.tiny.eval import generate_reasoning_engine, parse_completion
 
 DIAGNOSE_SEED = 4242
@@ -34,9 +34,8 @@ def sorting_error(reasoning: str, numbers: list[int]) -> str | None:
         head, sep, rest = line.partition(": ")
         if sep and head.isdigit():
             lines.setdefault(int(head), [int(n) for n in _INT.findall(rest)])
-    for tens in range(10):
+    for tens, wanted in enumerate(tens_groups(numbers)):
         listed = lines.get(tens, [])
-        wanted = sorted(n for n in numbers if n // 10 == tens)
         if any(n not in listed for n in wanted):
             return "missed"
         if len(listed) != len(wanted):
@@ -64,7 +63,7 @@ def diagnose(model_dir: Path, n: int, seed: int) -> dict[str, Counter[str]]:
         if check_answer(sample, parsed.content, parsed.tool_calls):
             outcome = "right"
         elif sample.task == "sorting":
-            outcome = SORTING_OUTCOMES[sorting_error(parsed.reasoning, sample.meta["numbers"])]
+            outcome = SORTING_OUTCOMES[sorting_error(parsed.reasoning, sample.expected)]
         elif sample.expected and letters_all_unmarked(parsed.reasoning):
             outcome = "wrong: no match marked"
         else:

@@ -199,10 +199,14 @@ def gen_subtraction(rng: random.Random) -> Sample:
         "Subtract {b} from {a}.", "What is {a} minus {b}?", "Compute {a}-{b}.",
     ]).format(a=a, b=b)
     d = a - b
+    # Which way round to subtract is judged digit by digit first, as the comparison task does: guessed in one line,
+    # it was the previous weights' commonest subtraction error (`615 < 186, so ...`).
+    order = comparison_lines(a, b)
     if a >= b:
-        reasoning = f"{subtraction_steps(a, b)}\nSo {a} - {b} = {d}."
+        sign = ">" if a > b else "="
+        reasoning = f"{order}\nSo {a} {sign} {b}.\n{subtraction_steps(a, b)}\nSo {a} - {b} = {d}."
     else:
-        reasoning = (f"{a} < {b}, so {a} - {b} = -({b} - {a}).\n{subtraction_steps(b, a)}\n"
+        reasoning = (f"{order}\nSo {a} < {b}, and {a} - {b} = -({b} - {a}).\n{subtraction_steps(b, a)}\n"
                      f"So {b} - {a} = {-d} and {a} - {b} = {d}.")
     return Sample("subtraction", _user(q), reasoning, f"{a} - {b} = {d}.", d)
 
@@ -294,6 +298,19 @@ def gen_letters(rng: random.Random) -> Sample:
     return Sample("letters", _user(q), reasoning, content, count)
 
 
+def comparison_lines(a: int, b: int) -> str:
+    """Which of two numbers is larger: by digit count, else digit by digit from the left until two differ."""
+    sa, sb = str(a), str(b)
+    if len(sa) != len(sb):
+        return f"{a} vs {b}: {len(sa)} digits vs {len(sb)} digits"
+    steps = []
+    for i, (x, y) in enumerate(zip(sa, sb)):
+        steps.append(f"{sa[i:]} vs {sb[i:]}: {x}{'=' if x == y else ('>' if x > y else '<')}{y}")
+        if x != y:
+            break
+    return "\n".join(steps)
+
+
 def gen_comparison(rng: random.Random) -> Sample:
     r = rng.random()
     a = _num(rng, 2, 4)
@@ -318,16 +335,7 @@ def gen_comparison(rng: random.Random) -> Sample:
         ["Which is larger, {a} or {b}?", "Which is bigger: {a} or {b}?", "Which number is greater, {a} or {b}?",
          "Is {a} or {b} larger?", "Which is larger: {a} or {b}?"]
     ).format(a=a, b=b)
-    sa, sb = str(a), str(b)
-    if len(sa) != len(sb):
-        lines = f"{a} vs {b}: {len(sa)} digits vs {len(sb)} digits"
-    else:
-        steps = []
-        for i, (x, y) in enumerate(zip(sa, sb)):
-            steps.append(f"{sa[i:]} vs {sb[i:]}: {x}{'=' if x == y else ('>' if x > y else '<')}{y}")
-            if x != y:
-                break
-        lines = "\n".join(steps)
+    lines = comparison_lines(a, b)
     if a == b:
         reasoning, content, expected = lines + "\nThey are equal.", f"They are equal: {a} = {b}.", "equal"
     else:

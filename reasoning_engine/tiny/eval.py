@@ -29,7 +29,7 @@ from reasoning_engine.tiny.chat_format import (
 )
 from reasoning_engine.tiny.data import EVAL_SEED, Sample, check_answer, eval_samples
 
-MAX_NEW_TOKENS = 160
+MAX_NEW_TOKENS = 200
 TARGETS = {"addition": 0.95, "subtraction": 0.95, "comparison": 0.95, "multiplication": 0.90, "sorting": 0.90,
            "letters": 0.90, "calculator": 0.90}
 _CALL = re.compile(re.escape(TOOL_CALL_BEGIN) + r"(.*?)" + re.escape(TOOL_CALL_ARG_BEGIN) + r"(.*?)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -14,7 +15,9 @@ from reasoning_engine.tiny.data import (
     addition_steps,
     check_answer,
     eval_samples,
+    comparison_lines,
     gen_comparison,
+    gen_subtraction,
     letter_count_words,
     multiplication_steps,
     sorting_steps,
@@ -43,6 +46,24 @@ def test_column_steps() -> None:
                                      "carry 1: digits 102")
     assert subtraction_steps(903, 458) == ("903 - 458: 13-8=5, borrow 1, digits 5\n90 - 45: 10-1-5=4, borrow 1, "
                                            "digits 45\n9 - 4: 9-1-4=4, digits 445")
+
+
+def test_subtraction_judges_which_is_larger_digit_by_digit_first() -> None:
+    assert comparison_lines(615, 186) == "615 vs 186: 6>1"
+    assert comparison_lines(457, 462) == "457 vs 462: 4=4\n57 vs 62: 5<6"
+    assert comparison_lines(85, 457) == "85 vs 457: 2 digits vs 3 digits"
+    rng = random.Random(7)
+    seen = set()
+    for _ in range(300):
+        s = gen_subtraction(rng)
+        a, b = (int(n) for n in re.findall(r"\d+", s.messages[-1]["content"]))
+        if s.messages[-1]["content"].startswith("Subtract"):
+            a, b = b, a
+        sign = "<" if a < b else (">" if a > b else "=")
+        head = f"{comparison_lines(a, b)}\nSo {a} {sign} {b}"
+        assert s.reasoning.startswith(head), s.reasoning
+        seen.add(sign)
+    assert seen >= {"<", ">"}
 
 
 def test_multiplication_adds_the_carry_in_its_own_step() -> None:

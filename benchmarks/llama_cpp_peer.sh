@@ -7,10 +7,12 @@
 #      entries);
 #   3. converts it with llama.cpp's own convert_hf_to_gguf.py to an f32 GGUF (same weights, same precision);
 #   4. runs cpu_decode.py with --gguf: ours, transformers and llama.cpp in one run.
-# Usage: bash benchmarks/llama_cpp_peer.sh [threads]   (the first run builds for ~10 min on 2 cores)
+# Usage: bash benchmarks/llama_cpp_peer.sh [threads [cpu_decode.py options, e.g. --compile --rounds 4]]
+# (the first run builds for ~10 min on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 THREADS=${1:-2}
+shift || true
 PY=${PYTHON:-.venv/bin/python}
 WORK=${WORK:-/tmp/llama_cpp_peer}
 mkdir -p "$WORK"
@@ -61,4 +63,4 @@ GGUF="$WORK/model-f32.gguf"
 if [ ! -f "$GGUF" ]; then
     PYTHONPATH="$SRC/gguf-py" "$PY" "$SRC/convert_hf_to_gguf.py" "$CONV" --outtype f32 --outfile "$GGUF"
 fi
-"$PY" benchmarks/cpu_decode.py --threads "$THREADS" --keep "$CKPT" --gguf "$GGUF"
+"$PY" benchmarks/cpu_decode.py --threads "$THREADS" --keep "$CKPT" --gguf "$GGUF" "$@"

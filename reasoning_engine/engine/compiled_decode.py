@@ -2,23 +2,29 @@
 
 On a CPU, a decode step of a small model spends a good part of its time outside the matrix products: some 35 small
 ops per layer (norms, rotary, cache write, attention, activation, residual adds) cost a few microseconds of dispatch
-each, for a few hundred values. Inductor fuses them into a handful of generated C++ loops per layer. Two pieces stay
-opaque ops inside the graph: the packed linear layers (`reasoning_engine::packed_linear`, layers/linear.py), whose
-oneDNN weight a graph cannot hold, and the torch mixture-of-experts loop (`reasoning_engine::fused_moe`), whose trip
-count depends on the routing.
+each, for a few hundred values. Inductor fuses them into a handful of generated C++ loops per layer. The torch
+mixture-of-experts loop stays one opaque op (`reasoning_engine::fused_moe`), as its trip count depends on the routing.
+
+The matrix products, LM head included, go to Inductor as well: the graphs are compiled with weight freezing and
+max-autotune, so every linear weight becomes a constant of the graph, repacked once, and each product's kernel is
+chosen by timing Inductor's generated C++ GEMM against the library one at its own shape. For one row the generated
+kernel reads the weights ~1.5x faster than oneDNN does here, and a decode step of one sequence is bound by that read.
+The graphs multiply the plain weights that packed layers keep for them (layers/linear.py) and hold repacked copies
+besides: on the 87M-parameter benchmark model (350 MB of weights) the compiled engine took 1.5 GiB more memory than
+the eager one.
 
 Only pure decode steps of at most MAX_SEQS sequences take this path: prefill chunks, draft verification, larger
-batches and steps that return intermediate layers (EAGLE-3) run eagerly. Larger batches are bound by their matrix
-products, not by dispatch: on the 87M-parameter benchmark model (benchmarks/cpu_decode.py, 2 threads) the compiled
-step was 1.15x and 1.23x eager for one sequence (two runs), ~1.2x for two, ~1.0x for 4 to 16 and 0.95x for 32.
+batches and steps that return intermediate layers (EAGLE-3) run eagerly. Larger batches are bound by arithmetic, not
+by reading the weights: on the benchmark model (benchmarks/cpu_decode.py, 2 threads) compiled decoding ran 1.85x and
+1.95x eager for one sequence (two runs), 2.1x for two and 1.6x for four sequences, where an earlier graph over 2 to
+32 sequences was 0.7x eager at 32 (benchmarks/results/cpu_decode_compiled_cpu_2026-12-02.md).
 
-The forward is compiled as one graph (fullgraph) with dynamic shapes: one graph for a single sequence (torch always
+The step is compiled as one graph (fullgraph) with dynamic shapes: one graph for a single sequence (torch always
 specialises sizes 0 and 1) and one for 2 to MAX_SEQS, both for any context length, so steps do not recompile. The
-runner compiles both when the engine starts (76 s for the 87M benchmark model on 2 cores, Inductor's cache cold), not
-during the first requests.
+runner compiles both when the engine starts (174 s for the benchmark model on 2 cores with Inductor's cache cold, most
+of it timing the GEMM kernels), not during the first requests.
 Inductor's pattern rewrites are off: the one that turns matmul-softmax-matmul into fused attention fails on the
-small-query attention path with dynamic shapes (torch 2.13), and the others target training graphs or linears, which
-here are the opaque op.
+small-query attention path with dynamic shapes (torch 2.13).
 
 In float32 the compiled steps give the eager tokens (tests/engine/test_compiled_decode.py). In bfloat16 they round
 differently (fused loops keep float32 intermediates), as any compiled forward does.
@@ -36,27 +42,36 @@ from reasoning_engine.models.base import CausalLM
 
 
 class CompiledDecode:
-    """The model forward compiled once for decode batches; `run` replaces `model(batch)` for a step that `can_run`."""
+    """The decode step compiled once: `run` replaces `model(batch)` and `model.compute_logits` for a step that
+    `can_run`."""
 
     MAX_SEQS = 4
 
     def __init__(self, model: CausalLM) -> None:
-        self.forward = torch.compile(_own_code(model.forward), dynamic=True, fullgraph=True,
-                                     options={"pattern_matcher": False})
-        self.num_steps = 0  # steps that ran the compiled forward
+        self.model = model
+        self.step = torch.compile(_own_code(self._step), dynamic=True, fullgraph=True, options={"pattern_matcher": False})
+        self.num_steps = 0  # steps that ran the compiled graphs
+
+    def _step(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and LM head in one graph: in a decode step every row is a sequence's last token."""
+        hidden = self.model(batch)
+        return hidden, self.model.compute_logits(hidden)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """One query token per sequence, no draft tree, at most MAX_SEQS sequences."""
         return batch.max_query_len == 1 and batch.tree_mask is None and 0 < batch.num_seqs <= self.MAX_SEQS
 
     def warm_up(self, batch: ForwardBatch) -> None:
-        """Compile the graph this decode batch needs (the runner does so for one and three sequences at start)."""
-        self.forward(batch)
+        """Compile the graph this decode batch needs (the runner does so for one and three sequences at start).
+        Freezing is read from Inductor's global config when a graph compiles, not from torch.compile's options."""
+        with torch._inductor.config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP,ATEN"):
+            self.step(batch)
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states [num_seqs, hidden]; `batch.attn_metadata` must be prepared, as for the eager forward."""
+    def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states [num_seqs, hidden] and float32 logits [num_seqs, vocab]; `batch.attn_metadata` must be
+        prepared, as for the eager forward."""
         self.num_steps += 1
-        return self.forward(batch)
+        return self.step(batch)
 
 
 def _own_code(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -251,15 +251,17 @@ class ModelRunner:
         """Run one step. `forced` maps a scheduled index to a token it must emit (thinking budget)."""
         batch, sample_rows, prompt_rows = self.prepare(scheduled)
         aux_hidden = dict.fromkeys(self.aux_layers) if self.aux_layers else None
+        logits: torch.Tensor | None = None
         if self.decode_graphs is not None and aux_hidden is None and self.decode_graphs.can_run(batch):
             hidden = self.decode_graphs.run(batch)
         else:
             batch.attn_metadata = self.attention_ops.prepare_attention(batch, self.block_size)
             if self.compiled_decode is not None and self.compiled_decode.can_run(batch):  # never built with aux layers
-                hidden = self.compiled_decode.run(batch)
+                hidden, logits = self.compiled_decode.run(batch)  # a decode step's logits rows are all of its rows
             else:
                 hidden = self.model(batch, aux_hidden)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if logits is None:
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
         row_of = {row: i for i, row in enumerate(batch.logits_indices.tolist())}
         results = [StepResult() for _ in scheduled]
         plain = [i for i, rows in enumerate(sample_rows) if len(rows) == 1 and not scheduled[i].num_draft_tokens]

@@ -1,7 +1,7 @@
 """compile_decode (issue #3): CPU decode steps through torch.compile give the tokens of eager decoding, for a dense
 model and for DeepSeek's MLA + mixture-of-experts; the two graphs (one sequence, 2-4 sequences) are compiled when the
-engine starts and serve every later step without recompiling; the opaque ops the graphs call agree with their eager
-definitions; bad combinations are rejected."""
+engine starts and serve every later step without recompiling; a packed linear layer compiles through the plain weight
+it keeps; the opaque MoE op agrees with its eager definition; bad combinations are rejected."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 
 from reasoning_engine import LLM, SamplingParams
 from reasoning_engine.kernels.fused_moe import MoEQuant, fused_moe, fused_moe_op
-from reasoning_engine.layers.linear import PackedLinear, packed_linear
+from reasoning_engine.layers.linear import PackedLinear
 from reasoning_engine.server.cli import _engine_kwargs, register_cli
 from char_models import mixed_prompts
 
@@ -67,12 +67,16 @@ def test_compiled_decode_matches_eager(family: str, request: pytest.FixtureReque
     assert _compiles() == before + 2
 
 
-def test_packed_linear_op_matches_the_layer() -> None:
+def test_packed_linear_compiles_through_its_plain_weight() -> None:
     torch.manual_seed(0)
-    layer = PackedLinear(nn.Linear(48, 40))
+    linear = nn.Linear(48, 40)
     x = torch.randn(3, 48)
-    torch.library.opcheck(packed_linear, (x, layer.handle, 40))
-    assert torch.equal(packed_linear(x, layer.handle, 40), layer(x))
+    layer = PackedLinear(linear, keep_plain=True)
+    assert layer.plain_weight.data_ptr() == linear.weight.data_ptr()  # kept, not copied
+    torch._dynamo.reset()
+    assert torch.allclose(torch.compile(layer, fullgraph=True)(x), layer(x), atol=1e-5)
+    with pytest.raises(RuntimeError, match="keep_plain"):
+        torch.compile(PackedLinear(linear), fullgraph=True)(x)
 
 
 @pytest.mark.parametrize("method", [None, "w4a16", "fp8_block"])

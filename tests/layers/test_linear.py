@@ -48,15 +48,22 @@ def test_dense_weights_are_freed_as_layers_are_packed(monkeypatch: pytest.Monkey
     alive: list[int] = []
 
     class CountingPackedLinear(PackedLinear):
-        def __init__(self, linear: nn.Linear) -> None:
+        def __init__(self, linear: nn.Linear, keep_plain: bool = False) -> None:
             gc.collect()
             alive.append(sum(ref() is not None for ref in dense))
-            super().__init__(linear)
+            super().__init__(linear, keep_plain)
 
     monkeypatch.setattr(linear_module, "PackedLinear", CountingPackedLinear)
     assert pack_linears(model) == 4
     gc.collect()
     assert alive == [4, 3, 2, 1] and all(ref() is None for ref in dense)
+
+    # for compiled decode graphs the plain weights stay, shared with the packed layers rather than copied
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))
+    weights = [(layer.weight.data_ptr(), layer.weight.detach().clone()) for layer in model]
+    assert pack_linears(model, keep_plain=True) == 4
+    assert all(layer.plain_weight.data_ptr() == ptr and torch.equal(layer.plain_weight, w)
+               for (ptr, w), layer in zip(weights, model))
 
 
 def test_tied_head_stays_dense() -> None:

@@ -57,7 +57,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or config.model.path)
         spec_config = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config else None
         self.model = build_model(config.model, config.dtype, config.device, config.max_model_len, config.kernel_backend,
-                                 load_format=config.load_format, compile_decode=config.compile_decode)
+                                 load_format=config.load_format,
+                                 keep_plain_weights=config.compile_decode)  # the compiled graphs multiply them
         draft_models = load_draft_models(spec_config, config, self.model) if spec_config is not None else {}
         self.runner = ModelRunner(config, self.model, draft_models,
                                   spec_config.num_speculative_tokens if spec_config is not None else 0)

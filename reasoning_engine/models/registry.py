@@ -26,10 +26,10 @@ FAMILIES: dict[str, type[CausalLM]] = {
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
-                kernel_backend: str = "torch", load_format: str = "auto", compile_decode: bool = False) -> CausalLM:
+                kernel_backend: str = "torch", load_format: str = "auto", keep_plain_weights: bool = False) -> CausalLM:
     """Instantiate the family's module and fill it: from the checkpoint's safetensors (`load_format` "auto"; no
     random init, every parameter is loaded) or with random weights from config.json alone ("dummy"). With
-    `compile_decode` the packed linear layers keep their plain weights for the compiled decode graphs."""
+    `keep_plain_weights` (for compiled decode graphs) packed linear layers keep their plain weights as well."""
     from reasoning_engine.models.dummy import init_dummy_weights
     from reasoning_engine.models.quantization import parse_quant_config
     from reasoning_engine.models.weights import iter_checkpoint_weights
@@ -51,6 +51,6 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, m
         quant = parse_quant_config(config.raw)
         model.load_weights(iter_checkpoint_weights(config.path, quant, dtype, keep_packed=model.packed_weights()))
     if can_pack(dtype, device):
-        pack_linears(model, keep_plain=compile_decode)  # compiled decode graphs multiply the plain weights
+        pack_linears(model, keep_plain=keep_plain_weights)
     use_kernel_backend(model, kernel_backend)
     return model.eval()

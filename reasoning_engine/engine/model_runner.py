@@ -101,7 +101,9 @@ class ModelRunner:
         for n in (1, 3):
             self.compiled_decode.warm_up(self.make_batch([0] * n, [length - 1] * n, [pad * size + (length - 1) % size] * n,
                                                          [1] * n, [length] * n, [table] * n, list(range(n))))
-        logger.info("compile_decode: decode graphs compiled in %.1f s", time.perf_counter() - start)
+        logger.info("compile_decode: decode graphs compiled in %.1f s (guards: %d kept, %d on the model dropped)",
+                    time.perf_counter() - start, self.compiled_decode.guards_kept,
+                    self.compiled_decode.guards_dropped)
 
     @property
     def cuda_graph_batch_sizes(self) -> list[int]:
@@ -167,7 +169,8 @@ class ModelRunner:
         logits_rows: list[int] = []
         sample_rows: list[list[int]] = []
         prompt_rows: list[int] = []
-        tree_parts: list[torch.Tensor] = []
+        # per-sequence visibility among its own tokens, only when some sequence verifies a draft tree
+        tree_parts: list[torch.Tensor] | None = [] if any(item.num_draft_tokens for item in scheduled) else None
         bs = self.block_size
         for item in scheduled:
             request, start = item.request, item.request.num_computed_tokens
@@ -192,7 +195,8 @@ class ModelRunner:
             real_stop = min(stop, request.num_tokens)
             input_ids.extend(request.all_token_ids[start:real_stop])
             positions.extend(range(start, stop))
-            tree_parts.append(torch.ones(stop - start, stop - start, dtype=torch.bool).tril())
+            if tree_parts is not None:
+                tree_parts.append(torch.ones(stop - start, stop - start, dtype=torch.bool).tril())
             wants_prompt = request.params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1
             prompt_rows.append(len(logits_rows) if wants_prompt else -1)
             if wants_prompt:
@@ -204,8 +208,7 @@ class ModelRunner:
             else:
                 sample_rows.append([])
         batch = self.make_batch(input_ids, positions, slots, query_lens, seq_lens,
-                                [item.request.block_table for item in scheduled], logits_rows,
-                                tree_parts if any(item.num_draft_tokens for item in scheduled) else None,
+                                [item.request.block_table for item in scheduled], logits_rows, tree_parts,
                                 with_attention=False)
         return batch, sample_rows, prompt_rows
 
@@ -216,9 +219,8 @@ class ModelRunner:
         `with_attention` is False: a step that replays a CUDA graph builds its own inside the graph). `tree_parts`: per
         sequence, which of its query tokens each may see (draft trees); None for causal order."""
         dev = self.device
-        tables = torch.zeros(len(block_tables), max(len(t) for t in block_tables), dtype=torch.int32)
-        for i, table in enumerate(block_tables):
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
         query_start = [0]
         for n in query_lens:
             query_start.append(query_start[-1] + n)

@@ -52,6 +52,7 @@ def test_compiled_decode_matches_eager(family: str, request: pytest.FixtureReque
     llm = LLM(path, compile_decode=True, **common)
     compiled = llm.engine.runner.compiled_decode
     assert _compiles() == before + 2  # both graphs at start, none during the requests below
+    assert compiled.guards_dropped > compiled.guards_kept > 0  # the model's guards dropped, the batch's kept
     assert compiled.num_steps == 0
     got = _generate(llm, PROMPTS, PARAMS)
     _assert_same(got, _generate(eager_llm, PROMPTS, PARAMS))

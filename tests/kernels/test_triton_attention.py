@@ -137,6 +137,21 @@ def test_paged_attention_matches_dense_float64(device):
     assert_close(ref.cpu(), dense.float())
 
 
+@pytest.mark.parametrize("lens", DECODE_CASES)
+def test_decode_metadata_matches_the_ragged_case(device, lens):
+    """A decode step's metadata (one query per sequence, built with half the ops) is what the general builder gives
+    for the same batch, and the reference attention through it matches the dense computation."""
+    batch, q, k_cache, v_cache = gqa_case(*lens, 3, 4, 2, 8, torch.float32, device)
+    fast, ragged = attention._prepare_decode(batch, 3), attention._prepare_ragged(batch, 3)
+    assert torch.equal(fast.kv_index, ragged.kv_index)
+    assert torch.equal(fast.mask, ragged.mask)
+    assert torch.equal(fast.query_rows, ragged.query_rows)
+    assert (fast.padded, fast.needs_mask) == (ragged.padded, ragged.needs_mask)
+    rows = lambda slots: (k_cache.view(-1, 2, 8)[slots.to(device)].cpu(), v_cache.view(-1, 2, 8)[slots.to(device)].cpu())
+    ref = attention.paged_attention(q, k_cache, v_cache, batch, attention.prepare_attention(batch, 3), 0.3)
+    assert_close(ref.cpu(), dense_reference(q, rows, batch, 3, 0.3, 8).float())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("lens", [([0], [5]), ([9, 0, 3], [4, 1, 6])])

@@ -49,10 +49,13 @@ def write_kv_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torc
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, values.to(cache.dtype))
 
 
-def _context_slots(batch: ForwardBatch, block_size: int, positions: torch.Tensor) -> torch.Tensor:
-    """[B, L] cache slot of each context position, read through the block tables (garbage beyond a sequence)."""
+def _context_slots(batch: ForwardBatch, block_size: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, L] cache slot of each context position, read through the block tables (0 beyond its sequence), and
+    [B, L] whether the position lies within the sequence."""
     blocks = batch.block_tables[:, : (batch.max_seq_len + block_size - 1) // block_size].long()
-    return (blocks.repeat_interleave(block_size, dim=1)[:, : positions.shape[0]] * block_size) + (positions % block_size)
+    slots = (blocks.repeat_interleave(block_size, dim=1)[:, : positions.shape[0]] * block_size) + (positions % block_size)
+    valid = positions.view(1, -1) < batch.seq_lens.view(-1, 1)
+    return slots * valid, valid
 
 
 def prepare_attention(batch: ForwardBatch, block_size: int) -> TorchAttentionMetadata:
@@ -67,11 +70,9 @@ def _prepare_ragged(batch: ForwardBatch, block_size: int) -> TorchAttentionMetad
     device = batch.block_tables.device
     num_seqs, qmax, max_len = batch.num_seqs, batch.max_query_len, batch.max_seq_len
     positions = torch.arange(max_len, device=device)
-    kv_index = _context_slots(batch, block_size, positions)
-    seq_lens = batch.seq_lens.view(-1, 1)
+    kv_index, _ = _context_slots(batch, block_size, positions)
     query_lens = batch.query_lens().view(-1, 1)
-    context_lens = seq_lens - query_lens
-    kv_index = torch.where(positions.view(1, -1) < seq_lens, kv_index, torch.zeros_like(kv_index))
+    context_lens = batch.seq_lens.view(-1, 1) - query_lens
     qpos = torch.arange(qmax, device=device).view(1, -1)
     # query i of sequence b sits at context_lens[b] + i and sees keys up to itself
     mask = positions.view(1, 1, -1) <= (context_lens + qpos).unsqueeze(-1)
@@ -93,8 +94,7 @@ def _prepare_decode(batch: ForwardBatch, block_size: int) -> TorchAttentionMetad
     needs no causal part and no padded query rows. Half the ops of `_prepare_ragged`, paid on the host every step."""
     num_seqs = batch.num_seqs
     positions = torch.arange(batch.max_seq_len, device=batch.block_tables.device)
-    valid = positions.view(1, -1) < batch.seq_lens.view(-1, 1)
-    kv_index = _context_slots(batch, block_size, positions) * valid
+    kv_index, valid = _context_slots(batch, block_size, positions)
     return TorchAttentionMetadata(kv_index=kv_index.reshape(-1), mask=valid.view(num_seqs, 1, -1),
                                   query_rows=torch.arange(num_seqs, device=positions.device), padded=False,
                                   needs_mask=batch.static_shapes or num_seqs != 1)

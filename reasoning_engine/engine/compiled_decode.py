@@ -13,26 +13,34 @@ The graphs multiply the plain weights that packed layers keep for them (layers/l
 besides: on the 87M-parameter benchmark model (350 MB of weights) the compiled engine took 1.5 GiB more memory than
 the eager one.
 
-Only pure decode steps of at most MAX_SEQS sequences take this path: prefill chunks, draft verification, larger
-batches and steps that return intermediate layers (EAGLE-3) run eagerly. Larger batches are bound by arithmetic, not
-by reading the weights: on the benchmark model (benchmarks/cpu_decode.py, 2 threads) compiled decoding ran 2.37x and
-2.34x eager for one sequence (two runs, benchmarks/results/cpu_decode_guards_cpu_2026-12-02.md); before the guards
-below were dropped, ~2x for two and 1.6x for four sequences, where an earlier graph over 2 to 32 sequences was 0.7x
-eager at 32 (benchmarks/results/cpu_decode_compiled_cpu_2026-12-02.md).
+Pure decode steps take this path; prefill chunks, draft verification and steps that return intermediate layers
+(EAGLE-3) run eagerly. Steps of up to MAX_SEQS sequences are bound by reading the weights, and run the max-autotune
+graphs: on the benchmark model (benchmarks/cpu_decode.py, 2 threads) compiled decoding ran 2.37x and 2.34x eager for
+one sequence (two runs, benchmarks/results/cpu_decode_guards_cpu_2026-12-02.md). Larger steps are bound by arithmetic
+and run a third graph, compiled without max-autotune: there Inductor's weight freezing packs each linear weight for
+oneDNN, as the eager path does (layers/linear.py), where the generated GEMM kernels were slower (an earlier
+max-autotune graph over 2 to 32 sequences was 0.7x eager at 32,
+benchmarks/results/cpu_decode_compiled_cpu_2026-12-02.md).
+What the third graph gains is everything around the products: norms, rotary, activations and the attention.
+
+Every graph attends through `decode_attention` (kernels/attention.py; the step's metadata says `fused_decode`): loops
+that read the paged cache in place, where the eager path gathers copies of each sequence's keys and values and lays
+the keys out for a matrix product. At 32 sequences that attention took a third of an eager step.
 
 The step is compiled as one graph (fullgraph) with dynamic shapes: one graph for a single sequence (torch always
-specialises sizes 0 and 1) and one for 2 to MAX_SEQS, both for any context length, so steps do not recompile. The
-runner compiles both when the engine starts (174 s for the benchmark model on 2 cores with Inductor's cache cold, most
-of it timing the GEMM kernels), not during the first requests.
+specialises sizes 0 and 1), one for 2 to MAX_SEQS and one for more, all for any context length, so steps do not
+recompile. The runner compiles the three when the engine starts (226 s for the benchmark model on 2 cores with
+Inductor's cache cold, most of it timing the GEMM kernels), not during the first requests.
 Dynamo guards each call of a compiled function: before it runs a graph it checks that everything the graph read
 still holds, some 1,500 checks here, nearly all on the model (module types, attributes such as head counts, hooks,
 the ids of the bound caches). The model is fixed once the engine is built, and its weights are constants of the
 frozen graphs anyway, so those guards are dropped (`guard_filter_fn`); the ones on the batch, which pick between
-the two graphs, stay. On the benchmark model a one-sequence step (~9 ms) through torch.compile took 1.1 ms longer
-than the same compiled code called directly with all guards, 0.3 ms with the model's dropped (medians of 12
-alternations).
-Inductor's pattern rewrites are off: the one that turns matmul-softmax-matmul into fused attention fails on the
-small-query attention path with dynamic shapes (torch 2.13).
+the one-sequence graph and the 2-to-MAX_SEQS one, stay. On the benchmark model a one-sequence step (~9 ms) through
+torch.compile took 1.1 ms longer than the same compiled code called directly with all guards, 0.3 ms with the
+model's dropped (medians of 12 alternations).
+Inductor's pattern rewrites are off: the one that turns matmul-softmax-matmul into fused attention failed on the
+gather path's attention with dynamic shapes (torch 2.13), when the graphs still attended that way. Weight freezing's
+packing of the linear layers does not depend on them.
 
 In float32 the compiled steps give the eager tokens (tests/engine/test_compiled_decode.py). In bfloat16 they round
 differently (fused loops keep float32 intermediates), as any compiled forward does.
@@ -57,14 +65,17 @@ class CompiledDecode:
     """The decode step compiled once: `run` replaces `model(batch)` and `model.compute_logits` for a step that
     `can_run`."""
 
-    MAX_SEQS = 4
+    MAX_SEQS = 4  # the largest step of the max-autotune graphs; larger ones take the third graph
 
     def __init__(self, model: CausalLM) -> None:
         self.model = model
-        self.step = torch.compile(_own_code(self._step), dynamic=True, fullgraph=True,
-                                  options={"pattern_matcher": False, "guard_filter_fn": self._keep_guard})
-        self.num_steps = 0  # steps that ran the compiled graphs
-        self.guards_kept = self.guards_dropped = 0  # over both graphs, counted as they compile
+        options = {"pattern_matcher": False, "guard_filter_fn": self._keep_guard}
+        # two code objects, so that dynamo keeps the graphs for up to MAX_SEQS sequences apart from the larger one
+        self.step = torch.compile(_own_code(self._step), dynamic=True, fullgraph=True, options=options)
+        self.large_step = torch.compile(_own_code(self._step), dynamic=True, fullgraph=True, options=options)
+        self.num_steps = 0  # steps of up to MAX_SEQS sequences
+        self.num_large_steps = 0  # steps of more
+        self.guards_kept = self.guards_dropped = 0  # over all graphs, counted as they compile
 
     def _keep_guard(self, entries: Sequence[GuardFilterEntry]) -> list[bool]:
         """Keep a guard unless it is on the model (its source is an attribute path under `self.model`). Should dynamo
@@ -80,20 +91,30 @@ class CompiledDecode:
         return hidden, self.model.compute_logits(hidden)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """One query token per sequence, no draft tree, at most MAX_SEQS sequences."""
-        return batch.max_query_len == 1 and batch.tree_mask is None and 0 < batch.num_seqs <= self.MAX_SEQS
+        """One query token per sequence, no draft tree."""
+        return batch.max_query_len == 1 and batch.tree_mask is None and batch.num_seqs > 0
 
     def warm_up(self, batch: ForwardBatch) -> None:
-        """Compile the graph this decode batch needs (the runner does so for one and three sequences at start).
-        Freezing is read from Inductor's global config when a graph compiles, not from torch.compile's options."""
-        with torch._inductor.config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP,ATEN"):
-            self.step(batch)
+        """Compile the graph this decode batch needs (the runner does so for one, three and MAX_SEQS + 1 sequences
+        at start). Freezing and max-autotune are read from Inductor's global config when a graph compiles, not from
+        torch.compile's options; the large graph is compiled without max-autotune."""
+        small = batch.num_seqs <= self.MAX_SEQS
+        autotune = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"} if small else {}
+        with torch._inductor.config.patch(freezing=True, **autotune):
+            self._forward(batch)
 
     def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states [num_seqs, hidden] and float32 logits [num_seqs, vocab]; `batch.attn_metadata` must be
         prepared, as for the eager forward."""
-        self.num_steps += 1
-        return self.step(batch)
+        if batch.num_seqs <= self.MAX_SEQS:
+            self.num_steps += 1
+        else:
+            self.num_large_steps += 1
+        return self._forward(batch)
+
+    def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        batch.attn_metadata.fused_decode = True
+        return (self.step if batch.num_seqs <= self.MAX_SEQS else self.large_step)(batch)
 
 
 def _own_code(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -90,15 +90,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _compile_decode_graphs(self) -> None:
-        """Compile both decode graphs at start rather than during the first requests: steps of one and of three
-        sequences whose context lies in the padding block, which no request owns. The sizes avoid coincidences (three
-        sequences, context 7, block tables 2 wider than needed): torch gives equal sizes one symbol, so a graph traced
-        with, say, batch size == table width would demand that of every later step (and one traced with two
+        """Compile the three decode graphs at start rather than during the first requests: steps of one, three and
+        MAX_SEQS + 1 sequences whose context lies in the padding block, which no request owns. The sizes avoid
+        coincidences (context 7, block tables 2 wider than needed): torch gives equal sizes one symbol, so a graph
+        traced with, say, batch size == table width would demand that of every later step (and one traced with two
         sequences came out specialised to two on the test models, whose heads come in pairs)."""
         start = time.perf_counter()
         pad, size, length = self.padding_block, self.block_size, 7
         table = [pad] * (-(-length // size) + 2)
-        for n in (1, 3):
+        for n in (1, 3, CompiledDecode.MAX_SEQS + 1):
             self.compiled_decode.warm_up(self.make_batch([0] * n, [length - 1] * n, [pad * size + (length - 1) % size] * n,
                                                          [1] * n, [length] * n, [table] * n, list(range(n))))
         logger.info("compile_decode: decode graphs compiled in %.1f s (guards: %d kept, %d on the model dropped)",

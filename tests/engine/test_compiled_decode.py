@@ -1,7 +1,7 @@
 """compile_decode (issue #3): CPU decode steps through torch.compile give the tokens of eager decoding, for a dense
-model and for DeepSeek's MLA + mixture-of-experts; the two graphs (one sequence, 2-4 sequences) are compiled when the
-engine starts and serve every later step without recompiling; a packed linear layer compiles through the plain weight
-it keeps; the opaque MoE op agrees with its eager definition; bad combinations are rejected."""
+model and for DeepSeek's MLA + mixture-of-experts; the three graphs (one sequence, 2-4 sequences, more) are compiled
+when the engine starts and serve every later step without recompiling; a packed linear layer compiles through the
+plain weight it keeps; the opaque MoE op agrees with its eager definition; bad combinations are rejected."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from reasoning_engine.layers.linear import PackedLinear
 from reasoning_engine.server.cli import _engine_kwargs, register_cli
 from char_models import mixed_prompts
 
-# Six requests finishing at different steps: decode batches of 6 down to 1, the first two too large for the graphs
+# Six requests finishing at different steps: decode batches of 6 down to 1, the first two for the large graph
 MAX_TOKENS = [3, 7, 2, 5, 4, 9]
 PROMPTS = [{"prompt_token_ids": p} for p in mixed_prompts(len(MAX_TOKENS), seed=5, low=3, high=40)]
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in MAX_TOKENS]
@@ -51,21 +51,22 @@ def test_compiled_decode_matches_eager(family: str, request: pytest.FixtureReque
     before = _compiles()
     llm = LLM(path, compile_decode=True, **common)
     compiled = llm.engine.runner.compiled_decode
-    assert _compiles() == before + 2  # both graphs at start, none during the requests below
+    assert _compiles() == before + 3  # the three graphs at start, none during the requests below
     assert compiled.guards_dropped > compiled.guards_kept > 0  # the model's guards dropped, the batch's kept
-    assert compiled.num_steps == 0
+    assert compiled.num_steps == compiled.num_large_steps == 0
     got = _generate(llm, PROMPTS, PARAMS)
     _assert_same(got, _generate(eager_llm, PROMPTS, PARAMS))
     assert [len(t) for t in got[0]] == MAX_TOKENS
     # decode step k (the prefill gave token 1) runs the requests that want more than k tokens: 6, 5, then <= 4
     alive = [sum(n > k for n in MAX_TOKENS) for k in range(1, max(MAX_TOKENS))]
     assert compiled.num_steps == sum(n <= compiled.MAX_SEQS for n in alive) == 6
+    assert compiled.num_large_steps == sum(n > compiled.MAX_SEQS for n in alive) == 2
 
-    # other batch sizes and context lengths reuse the two graphs
+    # other batch sizes and context lengths reuse the graphs
     more = [{"prompt_token_ids": p} for p in mixed_prompts(3, seed=9, low=50, high=90)]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in (6, 3, 8)]
     _assert_same(_generate(llm, more, params), _generate(eager_llm, more, params))
-    assert _compiles() == before + 2
+    assert _compiles() == before + 3
 
 
 def test_packed_linear_compiles_through_its_plain_weight() -> None:

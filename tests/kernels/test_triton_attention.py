@@ -230,6 +230,27 @@ def test_latent_attention_matches_dense_float64_with_tree(device):
     assert_close(out.cpu(), dense_reference(q, rows, batch, 2, 0.2, 24).float())
 
 
+# decode steps as compile_decode's graphs see them: one sequence (no mask), several with lengths spread across blocks
+FUSED_DECODE_CASES = [([37], [1]), ([4, 0, 37], [1, 1, 1]), ([150, 2, 9, 31, 64], [1] * 5)]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("lens", FUSED_DECODE_CASES)
+def test_fused_decode_attention_matches_the_gather_path(device, lens, compiled):
+    """With `fused_decode` set, as compile_decode does, `paged_attention` and `paged_latent_attention` compute
+    through `decode_attention`, eagerly and compiled, and give the gather path's result on the same step."""
+    run = torch.compile(lambda f, *args: f(*args), fullgraph=True) if compiled else (lambda f, *args: f(*args))
+    batch, q, k_cache, v_cache = gqa_case(*lens, 3, 6, 2, 16, torch.float32, device)
+    ref = attention.paged_attention(q, k_cache, v_cache, batch, attention.prepare_attention(batch, 3), 0.3)
+    meta = dataclasses.replace(attention.prepare_attention(batch, 3), fused_decode=True)
+    assert_close(run(attention.paged_attention, q, k_cache, v_cache, batch, meta, 0.3), ref)
+
+    batch, q, kv_cache = mla_case(*lens, 3, 4, 24, 8, torch.float32, device)
+    ref = attention.paged_latent_attention(q, kv_cache, 24, batch, attention.prepare_attention(batch, 3), 0.2)
+    meta = dataclasses.replace(attention.prepare_attention(batch, 3), fused_decode=True)
+    assert_close(run(attention.paged_latent_attention, q, kv_cache, 24, batch, meta, 0.2), ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(5, 2, 3), (4, 7), (1, 1, 1)])
 def test_write_kv_cache(device, dtype, shape):

@@ -5,13 +5,13 @@ ops per layer (norms, rotary, cache write, attention, activation, residual adds)
 each, for a few hundred values. Inductor fuses them into a handful of generated C++ loops per layer. The torch
 mixture-of-experts loop stays one opaque op (`reasoning_engine::fused_moe`), as its trip count depends on the routing.
 
-The matrix products, LM head included, go to Inductor as well: the graphs are compiled with weight freezing and
-max-autotune, so every linear weight becomes a constant of the graph, repacked once, and each product's kernel is
-chosen by timing Inductor's generated C++ GEMM against the library one at its own shape. For one row the generated
-kernel reads the weights ~1.5x faster than oneDNN does here, and a decode step of one sequence is bound by that read.
-The graphs multiply the plain weights that packed layers keep for them (layers/linear.py) and hold repacked copies
-besides: on the 87M-parameter benchmark model (350 MB of weights) the compiled engine took 1.5 GiB more memory than
-the eager one.
+The matrix products, LM head included, go to Inductor as well: the graphs are compiled with weight freezing, so
+every linear weight becomes a constant of the graph, repacked once, and those for up to MAX_SEQS sequences with
+max-autotune, so each product's kernel is chosen by timing Inductor's generated C++ GEMM against the library one at
+its own shape. For one row the generated kernel reads the weights ~1.5x faster than oneDNN does here, and a decode
+step of one sequence is bound by that read. The graphs multiply the plain weights that packed layers keep for them
+(layers/linear.py) and hold repacked copies besides: on the 87M-parameter benchmark model (350 MB of weights) the
+compiled engine took 1.5 GiB more memory than the eager one.
 
 Pure decode steps take this path; prefill chunks, draft verification and steps that return intermediate layers
 (EAGLE-3) run eagerly. Steps of up to MAX_SEQS sequences are bound by reading the weights, and run the max-autotune

@@ -47,6 +47,11 @@ class TorchAttentionMetadata:
             self.biases[key] = bias.masked_fill_(~expanded, float("-inf"))
         return self.biases[key]
 
+    def decode_valid(self) -> torch.Tensor | None:
+        """[B, L] whether each context position lies within its sequence, for one query per sequence; None when
+        every position does."""
+        return self.mask.view(self.mask.shape[0], -1) if self.needs_mask else None
+
 
 def write_kv_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store each token's K/V (or MLA latent) at its slot. cache: [num_blocks, block_size, ...]; values: [T, ...]."""
@@ -148,24 +153,26 @@ def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Torch
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor,
-                     bias: torch.Tensor | None, scale: float) -> torch.Tensor:
+                     valid: torch.Tensor | None, scale: float) -> torch.Tensor:
     """One query per sequence as loops Inductor fuses: keys and values are loaded through `kv_index` inside the score
     and output reductions, so nothing is gathered into a copy and no key layout is made for a matrix product. The
     gather path spends most of a decode step's attention on those copies (at 32 sequences on the benchmark model, ~2/3
-    of 3.3 ms per layer); compiled, this ran 2-3x faster there. Run eagerly it builds [B, L, H, D] products: it is
-    meant to be traced into a compiled graph (engine/compiled_decode.py).
+    of 3.3 ms per layer). Scores keep all heads of a position side by side ([B, L, H]), so the max, the exponent and
+    the sums over positions vectorise across heads; the padding mask is one flag per position, broadcast over heads;
+    the output is normalised once, after its sum. Run eagerly it builds [B, L, H, D] products: it is meant to be
+    traced into a compiled graph (engine/compiled_decode.py).
     q [B, H, D]; k [slots, KVH, D] and v [slots, KVH, Dv] (the caches with blocks flattened, any strides);
-    kv_index [B, L]; bias [B, 1, H / KVH, L] or None -> [B, H, Dv]."""
+    kv_index [B, L]; valid [B, L] (False beyond each sequence) or None -> [B, H, Dv]."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, length = k.shape[1], kv_index.shape[1]
     group = num_heads // num_kv_heads
     keys = k[kv_index].view(num_seqs, length, num_kv_heads, 1, head_dim)
-    scores = (q.view(num_seqs, 1, num_kv_heads, group, head_dim) * keys).sum(-1) * scale  # [B, L, KVH, G]
-    if bias is not None:
-        scores = scores + bias.view(num_seqs, group, length).transpose(1, 2).unsqueeze(2)
-    probs = scores.softmax(dim=1).unsqueeze(-1)
+    scores = (q.view(num_seqs, 1, num_kv_heads, group, head_dim) * scale * keys).sum(-1).view(num_seqs, length, num_heads)
+    if valid is not None:
+        scores = scores.masked_fill(~valid.view(num_seqs, length, 1), float("-inf"))
+    weights = (scores - scores.amax(1, keepdim=True)).exp().view(num_seqs, length, num_kv_heads, group, 1)
     values = v[kv_index].view(num_seqs, length, num_kv_heads, 1, v.shape[-1])
-    return (probs * values).sum(1).view(num_seqs, num_heads, v.shape[-1])
+    return ((weights * values).sum(1) / weights.sum(1)).view(num_seqs, num_heads, v.shape[-1])
 
 
 def paged_attention(
@@ -175,7 +182,7 @@ def paged_attention(
     num_seqs, qmax = batch.num_seqs, batch.max_query_len
     if meta.fused_decode:
         return decode_attention(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), meta.kv_index.view(num_seqs, -1),
-                                meta.bias(q.shape[1] // k_cache.shape[2], q.dtype), scale)
+                                meta.decode_valid(), scale)
     k = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, meta.kv_index).view(num_seqs, -1, *k_cache.shape[2:])
     v = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, meta.kv_index).view(num_seqs, -1, *v_cache.shape[2:])
     out = _grouped_sdpa(_to_padded(q, meta, num_seqs, qmax), k, v, meta, scale)
@@ -191,7 +198,7 @@ def paged_latent_attention(
     if meta.fused_decode:
         kv_rows = kv_cache.flatten(0, 1).unsqueeze(1)
         return decode_attention(q, kv_rows, kv_rows[..., :latent_dim], meta.kv_index.view(num_seqs, -1),
-                                meta.bias(q.shape[1], q.dtype), scale)
+                                meta.decode_valid(), scale)
     kv = kv_cache.view(-1, kv_cache.shape[-1]).index_select(0, meta.kv_index).view(num_seqs, -1, 1, kv_cache.shape[-1])
     out = _grouped_sdpa(_to_padded(q, meta, num_seqs, qmax), kv, kv[..., :latent_dim], meta, scale)
     return _from_padded(out, meta)

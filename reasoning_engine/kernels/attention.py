@@ -167,7 +167,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
     num_kv_heads, length = k.shape[1], kv_index.shape[1]
     group = num_heads // num_kv_heads
     keys = k[kv_index].view(num_seqs, length, num_kv_heads, 1, head_dim)
-    scores = (q.view(num_seqs, 1, num_kv_heads, group, head_dim) * scale * keys).sum(-1).view(num_seqs, length, num_heads)
+    query = q.view(num_seqs, 1, num_kv_heads, group, head_dim) * scale
+    scores = (query * keys).sum(-1).view(num_seqs, length, num_heads)
     if valid is not None:
         scores = scores.masked_fill(~valid.view(num_seqs, length, 1), float("-inf"))
     weights = (scores - scores.amax(1, keepdim=True)).exp().view(num_seqs, length, num_kv_heads, group, 1)

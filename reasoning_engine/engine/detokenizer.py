@@ -29,8 +29,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def append(self, token_ids: list[int]) -> str | None:
-        """Add new tokens; return the stop string that ended the text, if one did."""
+    def append(self, token_ids: list[int], check_stop: bool = True) -> str | None:
+        """Add new tokens; return the stop string that ended the text, if one did. With `check_stop` False (before
+        min_tokens) stop strings are not looked for in the new text, and are not found in it later either."""
         if self.tokenizer is None or self.stopped:
             return None
         self.window.extend(token_ids)
@@ -46,7 +47,7 @@ class IncrementalDetokenizer:
             self.prefix_offset, self.read_offset = 0, self.read_offset - drop
         start = len(self.text)
         self.text += delta
-        return self._check_stop(start)
+        return self._check_stop(start) if check_stop else None
 
     def _check_stop(self, new_start: int) -> str | None:
         if not self.stop_strings:

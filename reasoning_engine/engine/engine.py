@@ -220,20 +220,15 @@ class LLMEngine:
 
     def _postprocess(self, request: Request, num_tokens: int, result: StepResult) -> None:
         blocks_before = request.num_computed_tokens // self.config.block_size
-        was_prefilling = request.num_computed_tokens < request.num_prompt_tokens
         if result.accepted_nodes is not None:
             self._keep_accepted(request, result.accepted_nodes, result.token_ids)
         else:
             request.num_computed_tokens += num_tokens
-        if result.prompt_logprobs is not None:
-            if request.prompt_logprobs is None:
-                request.prompt_logprobs = [None]
+        if result.prompt_logprobs:
             request.prompt_logprobs.extend(result.prompt_logprobs)
         if not result.token_ids:
             self.block_manager.cache_full_blocks(request, blocks_before)
             return
-        if was_prefilling and request.index == 0:
-            self.scheduler.prompt_done(request)
         if result.logits is not None:
             request.captured_logits = result.logits
         for i, token in enumerate(result.token_ids):
@@ -278,8 +273,9 @@ class LLMEngine:
                 request.thinking_tokens += 1
         elif token == self.think_start_id:
             request.thinking = True
-        stop = self.detokenizers[request.seq_id].append([token])
         params = request.params
+        # stop strings, like EOS and stop_token_ids, count only from min_tokens on
+        stop = self.detokenizers[request.seq_id].append([token], len(request.output_token_ids) >= params.min_tokens)
         if stop is not None:
             self._finish(request, "stop", stop)
         elif token in self.eos_token_ids and not params.ignore_eos:

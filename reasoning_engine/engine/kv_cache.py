@@ -13,7 +13,6 @@ from collections import OrderedDict
 from reasoning_engine.engine.request import Request
 
 
-
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.num_blocks = num_blocks
@@ -41,12 +40,16 @@ class BlockManager:
     def can_allocate(self, request: Request, num_tokens: int) -> bool:
         return self.blocks_needed(request, num_tokens) <= len(self.free_queue)
 
+    def reads_prefix_cache(self, request: Request) -> bool:
+        """Prompt logprobs need every prompt position's logits, so those requests compute their whole prompt."""
+        return self.enable_prefix_caching and request.params.prompt_logprobs is None
+
     def match_prefix(self, request: Request) -> None:
-        """On first scheduling: take the cached blocks of the longest computed prefix (leaving >= 1 token to run)."""
-        tokens = request.all_token_ids
-        self.prefix_queries += len(tokens)
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+        """Before admission: take the cached blocks of the longest computed prefix (leaving >= 1 token to run). A
+        request that cannot be admitted gives them back (`free`) and looks again on its next try."""
+        if not self.reads_prefix_cache(request):
             return
+        tokens = request.all_token_ids
         hits: list[int] = []
         for i in range((len(tokens) - 1) // self.block_size):
             block = self.cached.get(self._block_hash(request, i, tokens))
@@ -57,8 +60,15 @@ class BlockManager:
             self._take(block)
         request.block_table = hits
         request.num_computed_tokens = len(hits) * self.block_size
-        request.num_cached_tokens = request.num_computed_tokens
-        self.prefix_hits += request.num_computed_tokens
+
+    def record_prefix_lookup(self, request: Request) -> None:
+        """Count a request's prompt in the hit rate once, at its first admission: the retries of a request that did
+        not fit yet and its re-admissions after preemption are not new queries."""
+        if not self.reads_prefix_cache(request):
+            return
+        request.num_cached_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+        self.prefix_queries += request.num_prompt_tokens
+        self.prefix_hits += request.num_cached_tokens
 
     def allocate(self, request: Request, num_tokens: int) -> None:
         """Grow the block table to hold num_computed_tokens + num_tokens tokens (caller checked can_allocate)."""

@@ -197,10 +197,11 @@ class ModelRunner:
             positions.extend(range(start, stop))
             if tree_parts is not None:
                 tree_parts.append(torch.ones(stop - start, stop - start, dtype=torch.bool).tril())
-            wants_prompt = request.params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1
+            wanted = self._prompt_logprob_positions(item)
+            wants_prompt = len(wanted) > 0
             prompt_rows.append(len(logits_rows) if wants_prompt else -1)
             if wants_prompt:
-                logits_rows.extend(range(row0, row0 + item.num_tokens))
+                logits_rows.extend(range(row0 + wanted.start - start, row0 + item.num_tokens))
             if real_stop == request.num_tokens:
                 sample_rows.append([row0 + (real_stop - 1 - start)])
                 if not wants_prompt:
@@ -346,11 +347,21 @@ class ModelRunner:
         return StepResult(token_ids=tokens, logprobs=logprobs, logprob_values=values, accepted_nodes=accepted)
 
     @staticmethod
-    def _prompt_logprobs(item: ScheduledRequest, logits: torch.Tensor) -> list[dict[int, Logprob] | None]:
-        """Logprobs of prompt tokens start+1 .. end of this chunk, from the logits one position earlier."""
+    def _prompt_logprob_positions(item: ScheduledRequest) -> range:
+        """Positions of this chunk whose logits give prompt logprobs the request does not have yet (the logprob of
+        the prompt token after each). A prompt recomputed after preemption already has those of its earlier run."""
         request = item.request
-        start = request.num_computed_tokens
-        stop = min(start + item.num_tokens, request.num_prompt_tokens - 1)
+        if request.prompt_logprobs is None:
+            return range(0)
+        start = max(request.num_computed_tokens, len(request.prompt_logprobs) - 1)
+        return range(start, max(start, min(request.num_computed_tokens + item.num_tokens, request.num_prompt_tokens - 1)))
+
+    @classmethod
+    def _prompt_logprobs(cls, item: ScheduledRequest, logits: torch.Tensor) -> list[dict[int, Logprob] | None]:
+        """Prompt logprobs from the logits of `_prompt_logprob_positions` (logits: from the first of them on)."""
+        request = item.request
+        positions = cls._prompt_logprob_positions(item)
+        start, stop = positions.start, positions.stop
         chunk = logits[: stop - start].log_softmax(dim=-1)
         n = request.params.prompt_logprobs
         entries: list[dict[int, Logprob] | None] = []

@@ -31,12 +31,13 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int]
     arrival_time: float = field(default_factory=time.monotonic)
+    queue_key: tuple[float, int] = (0.0, 0)  # the waiting queue's order, set by the scheduler (arrival, then added)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks seen so far
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first scheduling
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -57,6 +58,8 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first prompt token has no logprob
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed + self.index)
 

@@ -3,16 +3,25 @@
 Each step first gives every running request its next tokens (a decode token, the rest of a prefill, or a draft to
 verify), then admits waiting requests first-come-first-served while the token budget, the sequence cap and the free
 blocks allow. When blocks run out, the newest running request is preempted: its blocks are freed and it goes back to
-the front of the waiting queue to be recomputed later. Nothing is dropped.
+the waiting queue in its arrival order, to be recomputed later. Nothing is dropped.
+
+The waiting queue is kept in `queue_key` order (arrival time, then the order requests were added), so the samples of
+an n > 1 request, which share an arrival time, always wait in index order: sample 0 stays ahead of its siblings.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
 from reasoning_engine.engine.kv_cache import BlockManager
 from reasoning_engine.engine.request import Request, RequestStatus
+
+
+class SchedulerStalled(RuntimeError):
+    """A step could schedule nothing although requests wait: a scheduler bug. Raised rather than spinning forever,
+    so the engine's callers fail their requests instead of hanging."""
 
 
 @dataclass
@@ -40,10 +49,14 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.prefilling_groups: set[str] = set()  # n > 1: siblings wait until sample 0 has its prompt cached
+        self.group_leaders: dict[str, Request] = {}  # n > 1: sample 0 of each unfinished group
+        self._added = itertools.count()
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        request.queue_key = (request.arrival_time, next(self._added))
+        if request.params.n > 1 and request.index == 0:
+            self.group_leaders[request.group_id] = request
+        self._enqueue(request)
 
     @property
     def has_unfinished(self) -> bool:
@@ -70,7 +83,7 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if request.group_id in self.prefilling_groups and request.index > 0:
+            if self._waits_for_leader(request):
                 break  # keep FCFS: the siblings share sample 0's prompt blocks once they are computed
             if not request.block_table:
                 self.blocks.match_prefix(request)
@@ -79,14 +92,21 @@ class Scheduler:
                 self.blocks.free(request)  # give back prefix-cache hits; matched again next time
                 break
             self.blocks.allocate(request, num_tokens)
+            if request.num_preemptions == 0:
+                self.blocks.record_prefix_lookup(request)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            if request.params.n > 1 and request.index == 0:
-                self.prefilling_groups.add(request.group_id)
             out.scheduled.append(ScheduledRequest(request, num_tokens))
             budget -= num_tokens
+        if not out.scheduled and self.waiting:
+            raise SchedulerStalled(self._stall_report())
         return out
+
+    def _stall_report(self) -> str:
+        head = self.waiting[0]
+        return (f"no request can be scheduled: {len(self.running)} running, {len(self.waiting)} waiting; the first "
+                f"waiting is {head.seq_id} ({head.num_tokens} tokens, {self.blocks.num_free_blocks} free blocks)")
 
     def _reserve(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         """Allocate blocks for a running request, preempting the newest others (or itself) until they fit."""
@@ -105,15 +125,21 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         request.draft = None
-        # back to the waiting queue in arrival order, ahead of everything that arrived later
-        index = 0
-        while index < len(self.waiting) and self.waiting[index].arrival_time <= request.arrival_time:
-            index += 1
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        """Insert in `queue_key` order, ahead of everything that arrived later (the back, for a new request)."""
+        index = len(self.waiting)
+        while index > 0 and self.waiting[index - 1].queue_key > request.queue_key:
+            index -= 1
         self.waiting.insert(index, request)
 
-    def prompt_done(self, request: Request) -> None:
-        """Sample 0 of a group finished its prompt: its siblings can now reuse the cached blocks."""
-        self.prefilling_groups.discard(request.group_id)
+    def _waits_for_leader(self, request: Request) -> bool:
+        """A sibling waits while its sample 0 is running its prompt, so that it can share those blocks. Derived from
+        the leader's state, not remembered, so a preempted or finished leader can never leave it waiting forever."""
+        leader = self.group_leaders.get(request.group_id)
+        return (leader is not None and leader is not request and leader.status == RequestStatus.RUNNING
+                and leader.num_computed_tokens < leader.num_prompt_tokens)
 
     def finish(self, request: Request) -> None:
         if request in self.running:
@@ -122,4 +148,5 @@ class Scheduler:
             self.waiting.remove(request)
         self.blocks.free(request)
         request.status = RequestStatus.FINISHED
-        self.prefilling_groups.discard(request.group_id)
+        if self.group_leaders.get(request.group_id) is request:
+            del self.group_leaders[request.group_id]

@@ -47,7 +47,9 @@ def resolve_tool_parser(name: str, model_type: str, vocab: Container[str], chat_
 
 class ChatOutputParser:
     """One choice's parser chain. Leading whitespace of the thinking and of the answer is dropped (templates put
-    newlines after `<think>` and `</think>`); tool calls found when tools are not offered are removed, not emitted."""
+    newlines after `<think>` and `</think>`), and so is the thinking's trailing whitespace: it is held back while
+    streaming until more thinking follows, so the streamed pieces join to the non-streamed text wherever the
+    thinking stops. Tool calls found when tools are not offered are removed, not emitted."""
 
     def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, emit_tool_calls: bool) -> None:
         self.reasoning = reasoning
@@ -55,6 +57,7 @@ class ChatOutputParser:
         self.emit_tool_calls = emit_tool_calls
         self._reasoning_started = False
         self._content_started = False
+        self._held_space = ""
 
     @property
     def tool_calls(self) -> list[ToolCall]:
@@ -72,7 +75,7 @@ class ChatOutputParser:
             return self._answer(text, final)
         thinking, answer = self.reasoning.finish() if final else self.reasoning.feed(text)
         delta = self._answer(answer, final)
-        delta.reasoning = self._lead_reasoning(thinking)
+        delta.reasoning = self._trim_reasoning(thinking, ended=final or not self.reasoning.in_reasoning)
         return delta
 
     def _answer(self, text: str, final: bool) -> ParsedDelta:
@@ -89,17 +92,23 @@ class ChatOutputParser:
             self._content_started = bool(content)
         return ParsedDelta(content=content, tool_calls=calls if self.emit_tool_calls else [])
 
-    def _lead_reasoning(self, text: str) -> str:
+    def _trim_reasoning(self, text: str, ended: bool) -> str:
+        """The thinking piece without leading whitespace and with its trailing whitespace held back; what is still
+        held when the thinking has `ended` is dropped."""
+        text = self._held_space + text
         if not self._reasoning_started:
             text = text.lstrip()
             self._reasoning_started = bool(text)
-        return text
+        kept = text.rstrip()
+        self._held_space = "" if ended else text[len(kept):]
+        return kept
 
 
 def build_output_parser(reasoning_name: str | None, tool_name: str | None, *, prompt_tail: str,
                         thinking_requested: bool | None, tools_active: bool, drop: Iterable[str]) -> ChatOutputParser:
     """A fresh parser chain for one choice of one request; `drop` are special-token strings to keep out of the text
-    (the thinking markers are also kept out of the answer)."""
+    (the thinking markers are also kept out of the answer, and the tool format's markers out of the thinking, where
+    a model may write them whether or not tools are offered)."""
     fmt = REASONING_FORMATS[reasoning_name] if reasoning_name else None
     content_drop = (*drop, fmt.start, fmt.end) if fmt else tuple(drop)
     tool_cls = TOOL_PARSERS[tool_name] if tool_name else ToolParser
@@ -108,5 +117,5 @@ def build_output_parser(reasoning_name: str | None, tool_name: str | None, *, pr
     if fmt is not None:
         extra_ends = tool_cls.start_markers if tools_active else ()
         reasoning = ReasoningParser(fmt, initial_mode(fmt, prompt_tail, thinking_requested), extra_ends=extra_ends,
-                                    drop=drop)
+                                    drop=(*drop, *tool_cls.markers))
     return ChatOutputParser(reasoning, tools, emit_tool_calls=tools_active and tool_name is not None)

@@ -44,6 +44,7 @@ from reasoning_engine.server.protocol import (
     NamedToolChoice,
 )
 from reasoning_engine.server.reasoning_parsers import REASONING_FORMATS, initial_mode
+from reasoning_engine.server.token_bytes import TokenBytes
 from reasoning_engine.server.tool_parsers import TOOL_PARSERS
 
 T = TypeVar("T")
@@ -220,6 +221,7 @@ class _Choice:
     content: list[str] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     pending_logprobs: list[dict[str, Any]] = field(default_factory=list)
+    logprob_text_len: int = 0  # the completion text the logprob tokens so far spell, for `text_offset`
 
     @property
     def done(self) -> bool:
@@ -249,6 +251,7 @@ class OpenAIServing:
         self.tool_parser = tool_parser
         self.max_thinking_tokens = max_thinking_tokens
         self.special_tokens = _special_token_strings(self.tokenizer)
+        self.token_bytes = TokenBytes(self.tokenizer)
         self._reasoning_end_ids, self._think_end_id = self._marker_ids()
 
     # ---- shared validation -------------------------------------------------------------------------------
@@ -305,8 +308,9 @@ class OpenAIServing:
         budget = req.thinking_token_budget if req.thinking_token_budget is not None else self.max_thinking_tokens
         if budget == 0 and thinking_switch(kwargs) is not False:
             kwargs = disable_thinking(kwargs)  # a zero budget means no thinking: render the prompt that way
-        rendered = render_chat(self.tokenizer, req.messages, tools=req.tools, template_kwargs=kwargs,
-                               add_generation_prompt=req.add_generation_prompt,
+        # with tool_choice "none" the prompt offers no tools, so the model answers in text instead of a call
+        rendered = render_chat(self.tokenizer, req.messages, tools=req.tools if tools_active else None,
+                               template_kwargs=kwargs, add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message)
         thinking_on = False
         if self.reasoning_parser:
@@ -331,7 +335,7 @@ class OpenAIServing:
         return Prepared([rendered.token_ids], params, new_parser)
 
     def _check_tools(self, req: ChatCompletionRequest) -> bool:
-        """Whether calls are parsed into `tool_calls` for this request."""
+        """Whether the prompt offers the tools and calls are parsed into `tool_calls` for this request."""
         choice = req.tool_choice
         if not req.tools:
             if choice == "required" or isinstance(choice, NamedToolChoice):
@@ -403,7 +407,7 @@ class OpenAIServing:
             message: dict[str, Any] = {
                 "role": "assistant",
                 "content": content if content or not calls else None,
-                "reasoning_content": "".join(choice.reasoning).rstrip() or None,
+                "reasoning_content": "".join(choice.reasoning) or None,
             }
             if calls:
                 message["tool_calls"] = [{"id": c.id, "type": "function",
@@ -586,7 +590,7 @@ class _Run:
                 if chat_logprobs:
                     entry = self._chat_logprob(token, entries, top_n)
                 else:
-                    entry = self._completion_logprob(token, entries)
+                    entry = self._completion_logprob(choice, token, entries)
                 choice.logprobs.append(entry)
                 choice.pending_logprobs.append(entry)
         finished = completion.finish_reason is not None
@@ -608,14 +612,19 @@ class _Run:
         chosen = entries.get(token)
         top = sorted(entries.items(), key=lambda kv: kv[1].logprob, reverse=True)[:top_n]
         return {"token": text, "logprob": _finite(chosen.logprob if chosen else None),
-                "bytes": list(text.encode()),
+                "bytes": self.serving.token_bytes(token, text),
                 "top_logprobs": [{"token": (t := self.serving.token_text(tid, lp)), "logprob": _finite(lp.logprob),
-                                  "bytes": list(t.encode())} for tid, lp in top]}
+                                  "bytes": self.serving.token_bytes(tid, t)} for tid, lp in top]}
 
-    def _completion_logprob(self, token: int, entries: dict[int, Logprob]) -> dict[str, Any]:
+    def _completion_logprob(self, choice: _Choice, token: int, entries: dict[int, Logprob]) -> dict[str, Any]:
+        """One token's entry; its offset counts from the start of the whole completion, so streamed chunks go on
+        where the previous one stopped."""
         chosen = entries.get(token)
-        return {"token": self.serving.token_text(token, chosen), "logprob": _finite(chosen.logprob if chosen else None),
-                "top": {self.serving.token_text(tid, lp): _finite(lp.logprob) for tid, lp in entries.items()}}
+        text = self.serving.token_text(token, chosen)
+        offset, choice.logprob_text_len = choice.logprob_text_len, choice.logprob_text_len + len(text)
+        return {"token": text, "logprob": _finite(chosen.logprob if chosen else None),
+                "top": {self.serving.token_text(tid, lp): _finite(lp.logprob) for tid, lp in entries.items()},
+                "text_offset": offset}
 
     def usage(self) -> dict[str, Any]:
         prompt = sum(len(p) for p in self.prompts)
@@ -639,12 +648,8 @@ def _finite(logprob: float | None) -> float:
 
 def _legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
     """The completions API's column layout: tokens, token_logprobs, top_logprobs, text_offset."""
-    offsets, offset = [], 0
-    for entry in entries:
-        offsets.append(offset)
-        offset += len(entry["token"])
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [e["top"] for e in entries], "text_offset": offsets}
+            "top_logprobs": [e["top"] for e in entries], "text_offset": [e["text_offset"] for e in entries]}
 
 
 def _tool_call_deltas(deltas: list[Any]) -> list[dict[str, Any]]:

@@ -46,6 +46,8 @@ class ToolParser:
 
     #: Markers that open a call: they also end the thinking when a call starts inside it.
     start_markers: tuple[str, ...] = ()
+    #: Every marker of the format: none of them may reach the content or the thinking.
+    markers: tuple[str, ...] = ()
 
     def __init__(self, drop: Iterable[str] = ()) -> None:
         self.calls: list[ToolCall] = []
@@ -103,11 +105,11 @@ class KimiK2ToolParser(ToolParser):
     """States: text -> section (between calls) -> header (`functions.NAME:IDX`) -> args -> section -> text."""
 
     start_markers = (*KIMI_TOOL_SECTION_BEGINS, KIMI_CALL_BEGIN)
+    markers = (*KIMI_TOOL_SECTION_BEGINS, *KIMI_SECTION_ENDS, KIMI_CALL_BEGIN, KIMI_ARGUMENT_BEGIN, KIMI_CALL_END)
 
     def __init__(self, drop: Iterable[str] = ()) -> None:
         super().__init__(drop)
-        self._markers = MarkerSet([*KIMI_TOOL_SECTION_BEGINS, *KIMI_SECTION_ENDS, KIMI_CALL_BEGIN, KIMI_ARGUMENT_BEGIN,
-                                   KIMI_CALL_END, *self._drop])
+        self._markers = MarkerSet([*self.markers, *self._drop])
         self._state = "text"
         self._header = ""
 
@@ -276,11 +278,12 @@ class HermesToolParser(ToolParser):
     """States: text -> call (JSON being scanned, then the closing tag awaited) -> text."""
 
     start_markers = (HERMES_CALL_BEGIN,)
+    markers = (HERMES_CALL_BEGIN, HERMES_CALL_END)
 
     def __init__(self, drop: Iterable[str] = ()) -> None:
         super().__init__(drop)
-        self._markers = MarkerSet([HERMES_CALL_BEGIN, HERMES_CALL_END, *self._drop])
-        self._tags = MarkerSet([HERMES_CALL_BEGIN, HERMES_CALL_END])
+        self._markers = MarkerSet([*self.markers, *self._drop])
+        self._tags = MarkerSet(self.markers)
         self._scanner: _JsonCallScanner | None = None
         self._opened = False
         self._args_sent = 0

@@ -49,6 +49,19 @@ def test_stop_token_ids_min_tokens_and_max_tokens(llm: LLM) -> None:
     assert len(late.token_ids) >= first + 2
 
 
+def test_stop_strings_wait_for_min_tokens(llm: LLM) -> None:
+    """A stop string, like EOS and stop_token_ids, ends the output only from min_tokens on; one completed earlier
+    is plain text (as in vLLM)."""
+    text = llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0].outputs[0].text
+    stop = next(text[i : i + 2] for i in range(6) if text.find(text[i : i + 2], 20) != -1)  # early and again late
+    out = llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop],
+                                            min_tokens=12))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert len(out.token_ids) >= 12
+    assert stop in out.text  # the early match did not end it
+    assert text.startswith(out.text) and text[len(out.text) :].startswith(stop)
+
+
 def test_logprobs_and_prompt_logprobs(llm: LLM) -> None:
     out = llm.generate("Count: 1 2 3", SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3,
                                                        prompt_logprobs=2))[0]

@@ -2,7 +2,7 @@
 tool calls and thinking splits can be checked deterministically through the real app, server and clients.
 
 Only the contract the server uses is implemented: tokenizer, model_config, generate, abort, stats, shutdown.
-KV blocks are simulated so aborts are visible in /metrics.
+KV blocks are simulated so aborts are visible in /metrics; stop strings end a choice as the real engine's do.
 """
 
 from __future__ import annotations
@@ -79,16 +79,19 @@ class FakeEngine:
 
     def _output(self, index: int, script: list[int], produced: int, params: SamplingParams) -> CompletionOutput:
         ids = script[:produced]
+        text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        stop = _first_stop(text, params.stop_strings)
         reason = None
-        if len(ids) == len(script):
+        if stop is not None or len(ids) == len(script):
             reason = "stop"
         elif params.max_tokens is not None and len(ids) >= params.max_tokens:
             reason = "length"
+        text = _visible(text, stop, params, finished=reason is not None)
         logprobs = None
         if params.logprobs is not None:
             logprobs = [{t: Logprob(-0.5, 1, None), (t + 1) % len(self.tokenizer): Logprob(-1.5, 2, None)} for t in ids]
-        text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
-        return CompletionOutput(index=index, text=text, token_ids=ids, logprobs=logprobs, finish_reason=reason)
+        return CompletionOutput(index=index, text=text, token_ids=ids, logprobs=logprobs, finish_reason=reason,
+                                stop_reason=stop)
 
     async def abort(self, request_id: str) -> None:
         self._aborted.add(request_id)
@@ -103,3 +106,20 @@ class FakeEngine:
 
     async def shutdown(self) -> None:
         self.shut_down = True
+
+
+def _first_stop(text: str, stops: list[str]) -> str | None:
+    found = [(text.find(stop), stop) for stop in stops if stop in text]
+    return min(found)[1] if found else None
+
+
+def _visible(text: str, stop: str | None, params: SamplingParams, finished: bool) -> str:
+    """As the real engine shows it: cut at the stop string (kept with include_stop_str_in_output), and while running
+    without a tail that may still grow into a stop string."""
+    if stop is not None:
+        at = text.find(stop)
+        return text[:at + len(stop) if params.include_stop_str_in_output else at]
+    if finished:
+        return text
+    held = max((size for s in params.stop_strings for size in range(1, len(s)) if text.endswith(s[:size])), default=0)
+    return text[:len(text) - held]

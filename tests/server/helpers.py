@@ -1,5 +1,5 @@
-"""Test helpers: a Kimi-format character tokenizer, a tiny random checkpoint using it, and a live uvicorn server on
-loopback running in a background thread."""
+"""Test helpers: Kimi-format character and byte-level tokenizers, a tiny random checkpoint using the first, and a live
+uvicorn server on loopback running in a background thread."""
 
 from __future__ import annotations
 
@@ -45,14 +45,32 @@ KIMI_TEMPLATE = (
 def save_kimi_tokenizer(folder: Path) -> Any:
     """One token per printable character plus Kimi's chat and tool tokens; returns the loaded tokenizer."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     chars = list(dict.fromkeys(string.printable))
     vocab = {tok: i for i, tok in enumerate(["<unk>", *chars])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>")
+    return _save_with_kimi_chat(tok, folder, unk_token="<unk>")
+
+
+def save_byte_level_tokenizer(folder: Path) -> Any:
+    """A GPT-2-style byte-level BPE without merges (one token per byte, so "—" is three tokens, one of them the lone
+    byte 0x80) plus Kimi's chat and tool tokens; returns the loaded tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: i for i, char in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return _save_with_kimi_chat(tok, folder)
+
+
+def _save_with_kimi_chat(tok: Any, folder: Path, **options: str) -> Any:
+    """Wrap a `tokenizers` tokenizer with Kimi's chat tokens and template, save it and load it back."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", **options)
     fast.add_special_tokens({"additional_special_tokens": KIMI_SPECIALS[1:]})
     fast.add_tokens(PLAIN_ADDED)
     fast.chat_template = KIMI_TEMPLATE

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from .helpers import metric_value, sse_events, wait_for
+from .helpers import metric_value, save_byte_level_tokenizer, sse_events, wait_for
 
 THINK_ANSWER = "Add 2 and 3.\nThat gives 5.</think>The answer is 5.<|im_end|>"
 CALC = {"expression": "4821 * 377"}
@@ -91,6 +91,26 @@ def test_chat_streaming_order_and_usage(fake_server: Any) -> None:
     assert out["usage"].completion_tokens_details.reasoning_tokens == 27
 
 
+SUM_THINKING = "347 + 589: 7+9=16, carry 1. \n</think>936<|im_end|>"
+
+
+@pytest.mark.parametrize("options,reasoning", [
+    ({"max_tokens": len("347 + 589: 7+9=16, ")}, "347 + 589: 7+9=16,"),
+    ({"stop": ["carry"]}, "347 + 589: 7+9=16,"),
+    ({}, "347 + 589: 7+9=16, carry 1."),
+], ids=["max_tokens", "stop", "think_end"])
+def test_streamed_reasoning_joins_to_the_message(fake_server: Any, options: dict, reasoning: str) -> None:
+    """Thinking cut after a space (by max_tokens or a stop string) or closed after whitespace: the streamed
+    reasoning deltas join to exactly the non-streamed reasoning_content."""
+    for step in (1, 4):
+        _, url = fake_server(SUM_THINKING, engine_options={"tokens_per_step": step})
+        kwargs = {"model": "fake-model", "messages": [{"role": "user", "content": "347 + 589?"}], **options}
+        message = client(url).chat.completions.create(**kwargs).choices[0].message
+        out = collect_stream(client(url).chat.completions.create(**kwargs, stream=True))
+        assert out["reasoning"] == message.reasoning_content == reasoning
+        assert out["content"] == (message.content or "")
+
+
 def test_raw_sse_framing(fake_server: Any) -> None:
     _, url = fake_server(THINK_ANSWER, engine_options={"tokens_per_step": 7})
     with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=30,
@@ -163,6 +183,18 @@ def test_tool_choice_none_keeps_markers_out(fake_server: Any) -> None:
     assert result.choices[0].message.content == "Plain answer."
     assert not result.choices[0].message.tool_calls
     assert result.choices[0].finish_reason == "stop"
+
+
+def test_tool_choice_none_renders_the_prompt_without_tools(fake_server: Any) -> None:
+    """With "none" the model is not shown the tools, so it answers in text instead of spending tokens on a call."""
+    engine, url = fake_server("Plain answer.<|im_end|>")
+    prompts = {}
+    for name, options in [("none", {"tools": TOOLS, "tool_choice": "none"}), ("no tools", {}),
+                          ("auto", {"tools": TOOLS, "tool_choice": "auto"})]:
+        client(url).chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "x"}],
+                                            **options)
+        prompts[name] = engine.calls[-1][0]
+    assert prompts["none"] == prompts["no tools"] != prompts["auto"]
 
 
 def test_thinking_switch_and_budget_reach_the_engine(fake_server: Any) -> None:
@@ -245,6 +277,28 @@ def test_n_choices_and_logprobs(fake_server: Any) -> None:
     assert out == {0: "answer 0", 1: "answer 1"}
 
 
+def test_chat_logprob_bytes_are_the_tokens_own(tmp_path: Any) -> None:
+    """A byte-level token holding one byte of "—" (E2 80 94) decodes to U+FFFD; its `bytes` are still its own byte,
+    so a client can rebuild the character from the tokens' bytes."""
+    from reasoning_engine.server.app import ServerConfig, build_app
+
+    from .fake_engine import FakeEngine
+    from .helpers import LiveServer
+
+    engine = FakeEngine(save_byte_level_tokenizer(tmp_path), lambda *_: "a—b")
+    kwargs = {"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+              "top_logprobs": 2}
+    with LiveServer(build_app(engine, ServerConfig())) as server:
+        result = client(server.url).chat.completions.create(**kwargs)
+        streamed = [entry for chunk in client(server.url).chat.completions.create(**kwargs, stream=True)
+                    if chunk.choices and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+    entries = result.choices[0].logprobs.content
+    assert (entries[2].token, entries[2].bytes) == ("\ufffd", [0x80])
+    assert b"".join(bytes(e.bytes) for e in entries) == "a—b".encode()
+    assert all(e.top_logprobs[0].bytes == e.bytes and len(e.top_logprobs[1].bytes) == 1 for e in entries)
+    assert [e.bytes for e in streamed] == [e.bytes for e in entries]
+
+
 def test_completions_endpoint(fake_server: Any) -> None:
     _, url = fake_server("raw text<|im_end|>")
     c = client(url)
@@ -262,6 +316,18 @@ def test_completions_endpoint(fake_server: Any) -> None:
     text = "".join(chunk.choices[0].text for chunk in c.completions.create(
         model="fake-model", prompt=[5, 6, 7], max_tokens=5, stream=True) if chunk.choices)
     assert text == "raw t"
+
+
+def test_streamed_text_offsets_continue_across_chunks(fake_server: Any) -> None:
+    """text_offset is the offset within the whole completion, so the streamed chunks' offsets concatenate to the
+    non-streamed ones."""
+    for step in (1, 4):
+        _, url = fake_server("raw text<|im_end|>", engine_options={"tokens_per_step": step})
+        kwargs = {"model": "fake-model", "prompt": "Once", "max_tokens": 6, "logprobs": 1}
+        full = client(url).completions.create(**kwargs).choices[0].logprobs.text_offset
+        streamed = [offset for chunk in client(url).completions.create(**kwargs, stream=True)
+                    if chunk.choices and chunk.choices[0].logprobs for offset in chunk.choices[0].logprobs.text_offset]
+        assert streamed == full == [0, 1, 2, 3, 4, 5]
 
 
 def _post(url: str, body: Any, path: str = "/v1/chat/completions", **kwargs: Any) -> httpx.Response:

@@ -151,6 +151,33 @@ def test_kimi_unfinished_thinking_stays_reasoning() -> None:
     assert (r.reasoning, r.content) == ("still thinking about it", "")
 
 
+@pytest.mark.parametrize("text,reasoning,content", [
+    ("347 + 589: 7+9=16, ", "347 + 589: 7+9=16,", ""),  # cut mid-thinking: max_tokens, a stop string
+    ("  a \n\n b \t \n</think>  The answer. ", "a \n\n b", "The answer. "),
+    ("plan \n" + kimi_section(kimi_call("f", 0, {})), "plan", ""),  # a call ends the thinking
+    (" \n ", "", ""),
+], ids=["cut", "think_end", "call", "only_space"])
+def test_thinking_trailing_whitespace_is_dropped_however_split(text: str, reasoning: str, content: str) -> None:
+    """Trailing whitespace of the thinking is held back while streaming and dropped where the thinking ends, so every
+    splitting joins to the same stripped thinking, whatever ends it."""
+    r = check_all(text, "kimi_k2", "kimi_k2", KIMI_MARKERS)
+    assert (r.reasoning, r.content) == (reasoning, content)
+
+
+@pytest.mark.parametrize("tools_active", [True, False])
+def test_kimi_call_markers_inside_thinking_are_dropped(tools_active: bool) -> None:
+    """Markers a model writes inside its thinking (high temperature) never reach it, tools offered or not."""
+    text = ("Maybe<|tool_call_end|> call<|tool_call_argument_begin|> it<|tool_calls_section_end|> later."
+            "<|tool_call_section_end|></think>Answer.")
+    r = check_all(text, "kimi_k2", "kimi_k2", KIMI_MARKERS, tools_active=tools_active)
+    assert (r.reasoning, r.content, r.calls) == ("Maybe call it later.", "Answer.", [])
+
+
+def test_kimi_call_opener_inside_thinking_is_dropped_when_tools_inactive() -> None:
+    r = check_all("a<|tool_call_begin|>b</think>c", "kimi_k2", "kimi_k2", KIMI_MARKERS, tools_active=False)
+    assert (r.reasoning, r.content, r.calls) == ("ab", "c", [])
+
+
 def test_tool_calls_removed_but_not_emitted_when_tools_inactive() -> None:
     text = "hm</think>Answer." + kimi_section(kimi_call("calculator", 0, {"expression": "1"}))
     r = check_all(text, "kimi_k2", "kimi_k2", KIMI_MARKERS, tools_active=False)
@@ -160,7 +187,7 @@ def test_tool_calls_removed_but_not_emitted_when_tools_inactive() -> None:
 def test_qwen3_detects_opening_think() -> None:
     r = check_all("<think>\nreason here\n</think>\n\nThe answer.", "qwen3", "hermes", HERMES_MARKERS,
                   prompt_tail="<|im_start|>assistant\n")
-    assert (r.reasoning, r.content) == ("reason here\n", "The answer.")
+    assert (r.reasoning, r.content) == ("reason here", "The answer.")
     r = check_all("No thinking here.", "qwen3", "hermes", HERMES_MARKERS, prompt_tail="<|im_start|>assistant\n")
     assert (r.reasoning, r.content) == ("", "No thinking here.")
     r = check_all("<thin", "qwen3", None, ["<think>"], prompt_tail="assistant\n")
@@ -170,7 +197,7 @@ def test_qwen3_detects_opening_think() -> None:
 def test_deepseek_r1_starts_in_reasoning_with_or_without_tag() -> None:
     for text in ("<think>\nsteps\n</think>\n\nanswer", "steps\n</think>\n\nanswer"):
         r = check_all(text, "deepseek_r1", None, ["<think>", "</think>"], prompt_tail="<\uff5cAssistant\uff5c>")
-        assert (r.reasoning, r.content) == ("steps\n", "answer")
+        assert (r.reasoning, r.content) == ("steps", "answer")
 
 
 def test_hermes_calls_streaming() -> None:
@@ -189,7 +216,7 @@ def test_hermes_call_inside_thinking_and_odd_shapes() -> None:
             '<tool_call>{"name": "g", "arguments": "{\\"b\\": 1}"}</tool_call>'
             '<tool_call>{"name": "h"}</tool_call><tool_call>{"name": "i", "arguments": {"c": 3}}')
     r = check_all(text, "deepseek_r1", "hermes", HERMES_MARKERS, prompt_tail="<think>\n")
-    assert r.reasoning == "thinking "
+    assert r.reasoning == "thinking"
     assert [(c["name"], json.loads(c["arguments"])) for c in r.calls] == [
         ("f", {"a": [1, 2]}), ("g", {"b": 1}), ("h", {}), ("i", {"c": 3})]
 

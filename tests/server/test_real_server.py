@@ -116,7 +116,7 @@ def test_chat_stream_matches_non_stream(client: openai.OpenAI, model_name: str) 
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
     assert 0 <= full.usage.completion_tokens_details.reasoning_tokens <= full.usage.completion_tokens
     streamed = stream_chat(client, **kwargs)
-    assert streamed["reasoning"].rstrip() == (choice.message.reasoning_content or "")
+    assert streamed["reasoning"] == (choice.message.reasoning_content or "")
     assert streamed["content"] == (choice.message.content or "")
     assert streamed["finish"] == choice.finish_reason
     assert streamed["usage"].completion_tokens == full.usage.completion_tokens

@@ -5,6 +5,7 @@ markdown report to benchmarks/results/gpu_check_<date>.md, rewritten after every
 it measured.
 
     python benchmarks/gpu_check.py [--budget-s 330] [--dry-run] [--skip-tests] [--skip-e2e] [--results-dir DIR]
+                                   [--tensor-parallel-size N]
 
 Roofline of a kernel = max(bytes it must move / measured copy bandwidth, FLOPs / measured bf16 matmul rate), both
 ceilings measured first (a 2 GiB device-to-device copy counting bytes read plus written; an 8192^3 bf16 matmul on
@@ -17,7 +18,8 @@ Order, each section in try/except and skipped once `--budget-s` is spent:
    overlaps the tests: neither is timed, and both spend most of their time compiling on CPU cores;
 3. the tests are joined (timeout) so nothing else runs on the GPU while timing;
 4. kernel timing; 5. end-to-end bf16 (graphs on, off); 6. transformers' generate at batch 1 (the >= 5x target);
-7. end-to-end INT4 experts (graphs on, off).
+7. end-to-end INT4 experts (graphs on, off); 8. with --tensor-parallel-size N (N GPUs): greedy parity of TP=N and
+   TP=N + EP against one GPU on a saved random checkpoint, and TP=N decode tok/s.
 Sections run in a spawned worker process: one that crashes, hangs past the budget or leaves the CUDA context broken
 (an illegal address poisons it for the process) costs that section only; the next runs in a fresh worker.
 
@@ -695,17 +697,17 @@ def write_config(folder: Path, config: dict[str, Any], int4: bool) -> Path:
     return folder
 
 
-def make_llm(plan: Plan, folder: Path, backend: str, graphs: bool, max_num_seqs: int) -> Any:
+def make_llm(plan: Plan, folder: Path, backend: str, graphs: bool, max_num_seqs: int, **parallel: Any) -> Any:
     from reasoning_engine import LLM
 
     torch.manual_seed(0)  # the same dummy weights for every backend
     return LLM(str(folder), load_format="dummy", dtype="bfloat16", device=plan.device, kernel_backend=backend,
-               enforce_eager=not graphs, max_model_len=plan.max_model_len, max_num_seqs=max_num_seqs)
+               enforce_eager=not graphs, max_model_len=plan.max_model_len, max_num_seqs=max_num_seqs, **parallel)
 
 
 def graph_info(llm: Any) -> str:
     """Which decode batch sizes the runner captured as CUDA graphs and how many steps took that path."""
-    runner = getattr(getattr(llm, "engine", None), "runner", None)
+    runner = getattr(getattr(getattr(llm, "engine", None), "runner", None), "worker", None)
     sizes = getattr(runner, "cuda_graph_batch_sizes", None)
     if sizes is None:
         return "unknown (the runner exposes no cuda_graph_batch_sizes)"
@@ -869,6 +871,51 @@ def run_e2e_variant(plan: Plan, ceil: Ceilings, work: Path, int4: bool, graphs: 
                            *E2E_HEADER, *rows, ""])
 
 
+def check_tensor_parallel(plan: Plan, work: Path, budget: Budget, report: Report, tp: int) -> None:
+    """With `tp` GPUs: greedy tokens of TP=tp and of TP=tp with the experts EP against one GPU, on a 2-layer random
+    checkpoint written by transformers (dummy weights are drawn per rank, so only a checkpoint gives every layout the
+    same weights); then decode tok/s of the Moonlight-shaped model (dummy weights, graphs on) at TP=tp."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from reasoning_engine import LLM
+
+    cfg = plan.check_config
+    folder = work / "tp-check"
+    torch.manual_seed(0)
+    DeepseekV3ForCausalLM(DeepseekV3Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")})
+                          ).to(torch.bfloat16).save_pretrained(folder)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, cfg["vocab_size"], (n,), generator=gen).tolist() for n in (5, 9, 17, 32)]
+    lines = [f"{tp} GPUs; greedy parity on a saved 2-layer random checkpoint (bf16), 16 tokens", "",
+             "| layout | vs one GPU | first 8 agree |", "|---|---|---|"]
+    reference = None
+    for name, parallel in (("TP=1", {}), (f"TP={tp}", {"tensor_parallel_size": tp}),
+                           (f"TP={tp} + EP", {"tensor_parallel_size": tp, "enable_expert_parallel": True})):
+        if budget.left() < 30:
+            lines.append(f"| {name} | skipped: time budget | |")
+            continue
+        with LLM(str(folder), dtype="bfloat16", device=plan.device, kernel_backend="triton", max_model_len=plan.max_model_len,
+                 max_num_seqs=len(prompts), **parallel) as llm:
+            tokens = greedy_tokens(llm, prompts, 16)
+        free_memory()
+        if reference is None:
+            reference = tokens
+            continue
+        ok, text = compare_tokens(tokens, reference, 8)
+        lines.append(f"| {name} | {text} | {'yes' if ok else 'NO'} |")
+        report.target(f"greedy parity {name} vs one GPU (first 8 tokens)", text, ok)
+    if budget.left() > 60:
+        e2e = write_config(work / "tp-e2e", plan.e2e_config, False)
+        with make_llm(plan, e2e, "triton", True, max(plan.batch_sizes), tensor_parallel_size=tp) as llm:
+            for batch in plan.batch_sizes:
+                if budget.left() < 10:
+                    break
+                rate, step_ms = time_decode(llm, plan, batch, plan.e2e_config["vocab_size"])
+                lines.append(f"- Moonlight-shaped bf16, TP={tp}, graphs on, batch {batch}: {rate:.1f} tok/s, step {step_ms:.2f} ms")
+        free_memory()
+    report.add(f"Tensor parallelism over {tp} GPUs", [*lines, ""])
+
+
 def bench_transformers(plan: Plan, budget: Budget) -> tuple[float, str]:
     """Batch-1 decode tokens/s of transformers' generate on a random model of the same shape, built on the device."""
     from transformers import AutoModelForCausalLM, DeepseekV3Config
@@ -936,6 +983,7 @@ class State:
     work: Path
     ceil: Ceilings | None = None
     batch1: dict[str, float] | None = None  # batch-1 decode tok/s per e2e variant, for the transformers ratio
+    tensor_parallel_size: int = 1  # GPUs for the tensor-parallel section (1: no such section)
 
     def ceilings(self) -> Ceilings:
         if self.ceil is None:
@@ -970,13 +1018,15 @@ SECTIONS: dict[str, tuple[float, Callable[[State], None]]] = {
     "transformers generate, batch 1": (30, lambda s: run_transformers(s.plan, s.budget, s.report, s.decode_rates())),
     "e2e decode int4 experts, graphs on": (30, _variant(True, True)),
     "e2e decode int4 experts, graphs off": (30, _variant(True, False)),
+    "tensor parallel": (60, lambda s: check_tensor_parallel(s.plan, s.work, s.budget, s.report, s.tensor_parallel_size)),
 }
 START_TESTS, JOIN_TESTS = "start kernel tests", "kernel tests (compiled)"  # steps the orchestrator runs itself
 
 
-def run_steps(skip_tests: bool, skip_e2e: bool) -> list[str]:
+def run_steps(skip_tests: bool, skip_e2e: bool, tensor_parallel: bool = False) -> list[str]:
     """The run's order: the tests overlap the parity check (neither is timed; both mostly compile on CPU cores) and
-    are joined before anything is timed; the transformers comparison comes right after bf16 (a target; INT4 is not)."""
+    are joined before anything is timed; the transformers comparison comes right after bf16 (a target; INT4 is not);
+    tensor parallelism (several GPUs) comes last."""
     tests = not skip_tests
     e2e = not skip_e2e
     return [
@@ -986,6 +1036,7 @@ def run_steps(skip_tests: bool, skip_e2e: bool) -> list[str]:
         *([JOIN_TESTS] if tests else []),
         "kernel timing",
         *([name for name in SECTIONS if name.startswith(("e2e decode", "transformers"))] if e2e else []),
+        *(["tensor parallel"] if tensor_parallel else []),
     ]
 
 
@@ -1079,6 +1130,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-tests", action="store_true", help="do not run tests/kernels")
     parser.add_argument("--skip-e2e", action="store_true", help="no end-to-end parity, decode timing or transformers baseline")
     parser.add_argument("--results-dir", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="N > 1 (a machine with N GPUs): add greedy parity of TP=N (and TP=N + EP) against one GPU "
+                             "and TP=N decode tok/s")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     budget = Budget(args.budget_s)
@@ -1097,9 +1151,13 @@ def main(argv: list[str] | None = None) -> int:
     tests: KernelTests | None = None
     worker: SectionWorker | None = None
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-        state = State(plan, budget, report, Path(tmp))
+        state = State(plan, budget, report, Path(tmp), tensor_parallel_size=args.tensor_parallel_size)
+        if args.tensor_parallel_size > max(1, torch.cuda.device_count()) and not plan.dry:
+            print(f"--tensor-parallel-size {args.tensor_parallel_size} needs as many GPUs; this machine has "
+                  f"{torch.cuda.device_count()}", file=sys.stderr)
+            return 2
         try:
-            for step in run_steps(args.skip_tests, args.skip_e2e):
+            for step in run_steps(args.skip_tests, args.skip_e2e, args.tensor_parallel_size > 1):
                 if step == START_TESTS:
                     tests = KernelTests(plan, report.path.with_name(report.path.stem + "_kernel_tests.log"))
                     continue

@@ -31,6 +31,8 @@ class ForwardBatch:
     # the lengths from the tensors and size their launches from the batch size and that bound alone.
     static_shapes: bool = False
     attn_metadata: Any = None  # backend-specific tensors built once per step from the fields above (kernels/)
+    # data-parallel attention: every replica's token count this step (rank order), for the MoE layers' token gather
+    dp_num_tokens: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -7,6 +7,7 @@ wrote it (`rope_scaling` vs `rope_parameters`, Kimi K2.5's `text_config` wrapper
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -166,6 +167,94 @@ def parse_memory(value: str | int) -> int:
     return int(float(match.group(1)) * _MEMORY_UNITS[match.group(2).lower()])
 
 
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is spread over processes, with vLLM's names. There are tensor_parallel_size x
+    data_parallel_size ranks: each data-parallel replica splits attention and dense layers over its
+    tensor_parallel_size ranks; with enable_expert_parallel the routed experts are partitioned over all ranks instead
+    of split like the dense layers. Several nodes: `nnodes` launches of the same command (one per node, `node_rank`
+    0 to nnodes - 1), meeting at master_addr:master_port (node 0, which runs the driver)."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    distributed_executor_backend: str = "mp"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port, found at start (one node only)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def check(self, model: ModelConfig, device: torch.device) -> None:
+        """Raise ValueError naming the option when these ranks cannot run `model` here: sizes that do not divide
+        what they split, DP without expert parallelism, more ranks than GPUs."""
+        tp, dp = self.tensor_parallel_size, self.data_parallel_size
+        for name, value in (("tensor_parallel_size", tp), ("data_parallel_size", dp), ("nnodes", self.nnodes)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                             f"got {self.distributed_executor_backend!r}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}) for nnodes={self.nnodes}, got {self.node_rank}")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"nnodes={self.nnodes} must divide the {self.world_size} ranks "
+                             f"(tensor_parallel_size x data_parallel_size)")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("several nodes need master_port (and master_addr: node 0's address) to meet at")
+        moe_experts = model.get("n_routed_experts") or model.get("num_experts") or 0
+        if dp > 1 and not (self.enable_expert_parallel and moe_experts):
+            raise ValueError("data_parallel_size > 1 runs attention data-parallel beside expert-parallel MoE layers: it "
+                             "needs enable_expert_parallel and a mixture-of-experts model")
+        if device.type == "cuda" and self.ranks_per_node > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size x data_parallel_size / nnodes = {self.ranks_per_node} ranks per "
+                             f"node, but this node has {torch.cuda.device_count()} CUDA devices")
+        self._check_splits(model, moe_experts)
+
+    def _check_splits(self, model: ModelConfig, moe_experts: int) -> None:
+        tp, raw = self.tensor_parallel_size, model.raw
+        needs = [("num_attention_heads", model.num_attention_heads)]
+        if not model.is_mla:
+            needs.append(("num_key_value_heads", model.num_key_value_heads))
+        if raw.get("intermediate_size"):
+            needs.append(("intermediate_size", raw["intermediate_size"]))
+        shared = (raw.get("n_shared_experts") or 0) * (raw.get("moe_intermediate_size") or 0)
+        if shared:
+            needs.append(("moe_intermediate_size x n_shared_experts", shared))
+        for what, total in needs:
+            if total % tp:
+                raise ValueError(f"tensor_parallel_size={tp} must divide {what} ({total})")
+        if not moe_experts or self.world_size == 1:
+            return
+        if self.enable_expert_parallel:
+            if moe_experts % self.world_size:
+                raise ValueError(f"enable_expert_parallel partitions the routed experts over all {self.world_size} ranks "
+                                 f"(tensor_parallel_size x data_parallel_size), which must divide n_routed_experts "
+                                 f"({moe_experts})")
+            return
+        from reasoning_engine.models.quantization import parse_quant_config
+
+        quant = parse_quant_config(raw)
+        unit = 1  # packed experts split in whole INT4 scale groups (of whole int32 words) or FP8 blocks
+        if quant is not None:
+            unit = math.lcm(8, quant.group_size) if quant.method == "compressed-tensors" else math.lcm(*quant.block)
+        inter = raw["moe_intermediate_size"]
+        if tp > 1 and inter % (tp * unit):
+            whole = f"whole quantization blocks of {unit} channels" if unit > 1 else "equal parts"
+            raise ValueError(f"tensor_parallel_size={tp} must split moe_intermediate_size ({inter}) into {whole}; or "
+                             f"pass enable_expert_parallel to partition the experts over the ranks instead")
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs besides the weights; built from LLM(...) keyword arguments."""
@@ -191,6 +280,7 @@ class EngineConfig:
     load_format: str = "auto"
     speculative_config: dict[str, Any] | None = None
     tokenizer: str | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -211,3 +301,7 @@ class EngineConfig:
             raise ValueError("compile_decode and enforce_eager contradict each other: enforce_eager runs every step eagerly")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        self.parallel.check(self.model, self.device)
+        if self.parallel.world_size > 1 and self.compile_decode:
+            raise ValueError("compile_decode runs one process: it cannot be combined with tensor_parallel_size or "
+                             "data_parallel_size > 1")

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from reasoning_engine.config import EngineConfig, load_model_config, parse_dtype, parse_memory
+from reasoning_engine.config import EngineConfig, ParallelConfig, load_model_config, parse_dtype, parse_memory
 from reasoning_engine.engine.engine import LLMEngine, PromptType, default_device
 from reasoning_engine.kernels import triton_available
 from reasoning_engine.outputs import RequestOutput
@@ -35,7 +35,10 @@ def build_engine_config(model: str | os.PathLike | None = None, *, dtype: str | 
                         seed: int = 0, kernel_backend: str | None = None, speculative_config: dict[str, Any] | None = None,
                         speculative_state_dir: str | None = None, tokenizer: str | None = None,
                         enforce_eager: bool = False, compile_decode: bool = False,
-                        load_format: str = "auto") -> EngineConfig:
+                        load_format: str = "auto", tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                        enable_expert_parallel: bool = False, distributed_executor_backend: str | None = None,
+                        nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
+                        master_port: int | None = None) -> EngineConfig:
     """Resolve LLM(...) keyword arguments into an EngineConfig; defaults come from the checkpoint and the machine."""
     model_config = load_model_config(model if model is not None else bundled_model_dir())
     if kernel_backend == "triton" and not triton_available():
@@ -63,14 +66,30 @@ def build_engine_config(model: str | os.PathLike | None = None, *, dtype: str | 
         max_num_batched_tokens=max_num_batched_tokens or max(2048, min(limit, 8192)), seed=seed,
         kernel_backend=kernel_backend or ("triton" if resolved_device.type == "cuda" and triton_available() else "torch"),
         speculative_config=speculative_config, tokenizer=tokenizer, enforce_eager=enforce_eager,
-        compile_decode=compile_decode, load_format=load_format)
+        compile_decode=compile_decode, load_format=load_format,
+        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+                                enable_expert_parallel=enable_expert_parallel,
+                                distributed_executor_backend=distributed_executor_backend or "mp", nnodes=nnodes,
+                                node_rank=node_rank, master_addr=master_addr, master_port=master_port))
 
 
 class LLM:
-    """Generate from a checkpoint folder in-process: `LLM(path).generate(prompts, SamplingParams(...))`."""
+    """Generate from a checkpoint folder in-process: `LLM(path).generate(prompts, SamplingParams(...))`. With
+    tensor_parallel_size or data_parallel_size > 1 the other ranks run in child processes (or Ray actors) until
+    `shutdown()`, which a `with LLM(...) as llm:` block calls on leaving."""
 
     def __init__(self, model: str | os.PathLike | None = None, **kwargs: Any) -> None:
         self.engine = LLMEngine(build_engine_config(model, **kwargs))
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the other ranks' processes (nothing to do with one process)."""
+        self.engine.shutdown()
 
     @property
     def tokenizer(self) -> Any:

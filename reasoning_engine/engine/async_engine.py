@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from reasoning_engine.engine.engine import EngineStats, LLMEngine, PromptType
@@ -38,14 +38,35 @@ class AsyncLLM:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._stopped = False
+        self.failure: str | None = None  # why the engine died, if it did
+        self._dead_callbacks: list[Callable[[], None]] = []
+        self.engine.runner.executor.on_failure(self._rank_failed)
         self._thread = threading.Thread(target=self._loop, name="reasoning-engine-loop", daemon=True)
         self._thread.start()
+
+    def on_dead(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` once the engine has died (a step raised, or a rank of a distributed engine failed) and
+        every request in flight has been given the error."""
+        self._dead_callbacks.append(callback)
+
+    def _died(self, reason: str) -> None:
+        if self.failure is not None:
+            return
+        self.failure = reason
+        self._fail_streams(EngineDeadError(reason))
+        for callback in self._dead_callbacks:
+            callback()
+
+    def _rank_failed(self, reason: str) -> None:
+        """From the executor's monitor: the engine thread may be stuck in a collective, so answer every stream from
+        here (the thread's own failure path, if it gets there, finds nothing left to do)."""
+        self._died(f"a rank of the distributed engine failed: {reason}")
 
     # ---- client side ----
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs as tokens arrive; the last one has finished=True. Cancelling aborts the request."""
-        if self._stopped:
-            raise EngineDeadError("the engine is shut down")
+        if self._stopped or self.failure is not None:
+            raise EngineDeadError(self.failure or "the engine is shut down")
         request_id = request_id or uuid.uuid4().hex
         _, token_ids = self.engine.tokenize(prompt)
         self.engine.validate(token_ids, params)
@@ -75,7 +96,7 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         """False once the engine thread has stopped (shut down, or died): the server's /health reports it."""
-        return self._thread.is_alive() and not self._stopped
+        return self._thread.is_alive() and not self._stopped and self.failure is None
 
     async def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
@@ -87,11 +108,14 @@ class AsyncLLM:
         await asyncio.get_running_loop().run_in_executor(None, self.shutdown_sync)
 
     def shutdown_sync(self) -> None:
+        """Stop the engine thread, then the other ranks of a distributed engine. After a rank failed the thread may
+        be stuck in a collective: it is given 2 s, not 30."""
         if self._stopped:
             return
         self._stopped = True
         self._send("stop", None)
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=2 if self.failure is not None else 30)
+        self.engine.shutdown()
 
     # ---- engine thread ----
     def _send(self, kind: str, payload: Any) -> None:
@@ -111,6 +135,9 @@ class AsyncLLM:
             except Exception as exc:  # noqa: BLE001 - the thread must survive to end every request cleanly
                 logger.exception("engine step failed")
                 self._fail_all(EngineDeadError(f"engine step failed: {exc}"))
+                if self.engine.runner.executor.failure is not None:  # the ranks cannot step together any more
+                    self._died(self.engine.runner.executor.failure)
+                    break
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out)
@@ -149,7 +176,13 @@ class AsyncLLM:
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self.engine.groups):
             self.engine.abort_request(request_id)
+        self._fail_streams(error)
+
+    def _fail_streams(self, error: BaseException) -> None:
         with self._lock:
             streams = list(self._streams.items())
-        for request_id, _ in streams:
-            self._deliver(request_id, error)
+        for request_id, (loop, outputs) in streams:
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, error)
+            except RuntimeError:  # the client's loop is closed: nobody is listening
+                pass

@@ -35,8 +35,10 @@ logger = logging.getLogger(__name__)
 
 
 def cuda_graphs_enabled(config: EngineConfig) -> bool:
-    """Graphs need a GPU and the Triton kernels (graph-safe); enforce_eager turns them off."""
-    return config.device.type == "cuda" and config.kernel_backend == "triton" and not config.enforce_eager
+    """Graphs need a GPU and the Triton kernels (graph-safe); enforce_eager turns them off, and so does data
+    parallelism (a captured MoE layer would need every replica's batch size, fixed at capture)."""
+    return (config.device.type == "cuda" and config.kernel_backend == "triton" and not config.enforce_eager
+            and config.parallel.data_parallel_size == 1)
 
 
 def decode_batch_sizes(max_num_seqs: int) -> list[int]:

@@ -13,14 +13,14 @@ import torch
 
 from reasoning_engine.config import EngineConfig
 from reasoning_engine.engine.detokenizer import IncrementalDetokenizer
-from reasoning_engine.engine.kv_cache import BlockManager
+from reasoning_engine.engine.kv_cache import BlockManager, prefix_hashes
+from reasoning_engine.engine.executor import start_executor
 from reasoning_engine.engine.model_runner import ModelRunner, StepResult
 from reasoning_engine.engine.request import Request, RequestStatus
 from reasoning_engine.engine.scheduler import Scheduler
-from reasoning_engine.models.registry import build_model
 from reasoning_engine.outputs import CompletionOutput, RequestOutput
 from reasoning_engine.sampling_params import SamplingParams
-from reasoning_engine.speculative.decoder import SpeculativeConfig, SpeculativeDecoder, load_draft_models
+from reasoning_engine.speculative.decoder import SpeculativeConfig, SpeculativeDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +56,13 @@ class LLMEngine:
         self.model_config = config.model
         self.tokenizer = load_tokenizer(config.tokenizer or config.model.path)
         spec_config = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config else None
-        self.model = build_model(config.model, config.dtype, config.device, config.max_model_len, config.kernel_backend,
-                                 load_format=config.load_format,
-                                 keep_plain_weights=config.compile_decode)  # the compiled graphs multiply them
-        draft_models = load_draft_models(spec_config, config, self.model) if spec_config is not None else {}
-        self.runner = ModelRunner(config, self.model, draft_models,
-                                  spec_config.num_speculative_tokens if spec_config is not None else 0)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len)
         self.groups: dict[str, list[Request]] = {}
+        self.runner = ModelRunner(config, start_executor(config), self._replica_of)
+        # one scheduler and KV cache per data-parallel replica (one without data parallelism)
+        self.schedulers = [
+            Scheduler(BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching),
+                      config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len)
+            for _ in range(config.parallel.data_parallel_size)]
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.eos_token_ids = frozenset(self._eos_ids())
         self.think_start_id = self._token_id("<think>")
@@ -75,6 +73,38 @@ class LLMEngine:
         self.num_preemptions = 0
         self._ids = itertools.count()
         self.spec = SpeculativeDecoder(spec_config, self.runner.drafters) if spec_config is not None else None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model (this process's shard of it, under tensor or expert parallelism)."""
+        return self.runner.worker.model
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler of the first (without data parallelism, the only) replica."""
+        return self.schedulers[0]
+
+    @property
+    def block_manager(self) -> BlockManager:
+        return self.schedulers[0].blocks
+
+    def _replica_of(self, seq_id: str) -> int:
+        group_id, _, index = seq_id.rpartition("#")
+        return self.groups[group_id][int(index)].replica
+
+    def _pick_replica(self, token_ids: list[int]) -> int:
+        """Data parallelism: the replica already holding the longest prefix of the prompt in its cache, then the
+        least loaded (fewest unfinished requests)."""
+        if len(self.schedulers) == 1:
+            return 0
+        hashes = prefix_hashes(token_ids, self.config.block_size)
+        return max(range(len(self.schedulers)), key=lambda r: (
+            self.schedulers[r].blocks.cached_prefix_blocks(hashes),
+            -len(self.schedulers[r].running) - len(self.schedulers[r].waiting), -r))
+
+    def shutdown(self) -> None:
+        """Stop the other ranks' workers, if any; the engine cannot step afterwards."""
+        self.runner.executor.shutdown()
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -117,17 +147,18 @@ class LLMEngine:
         self.validate(token_ids, params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         thinking = self._starts_in_thinking(token_ids)
+        replica = self._pick_replica(token_ids)
         group = []
         for index in range(params.n):
             request = Request(seq_id=f"{request_id}#{index}", group_id=request_id, index=index, prompt=text,
                               prompt_token_ids=token_ids, params=params, eos_token_ids=self.eos_token_ids,
-                              arrival_time=arrival, thinking=thinking, capture_logits=capture_logits)
+                              arrival_time=arrival, thinking=thinking, capture_logits=capture_logits, replica=replica)
             group.append(request)
             if self.spec is not None:
                 self.spec.start(request.seq_id, token_ids)
             self.detokenizers[request.seq_id] = IncrementalDetokenizer(
                 self.tokenizer, token_ids, params.skip_special_tokens, params.stop_strings, params.include_stop_str_in_output)
-            self.scheduler.add(request)
+            self.schedulers[replica].add(request)
         self.groups[request_id] = group
         return request_id
 
@@ -160,42 +191,47 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         for request in self.groups.pop(request_id, []):
             if not request.is_finished:
-                self.scheduler.finish(request)
+                self.schedulers[request.replica].finish(request)
                 request.finish_reason = "abort"
                 if self.spec is not None:
                     self.spec.finish(request.seq_id, learn=False)
             self.detokenizers.pop(request.seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return any(scheduler.has_unfinished for scheduler in self.schedulers)
 
     # ---- the step ----
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
-        self.num_preemptions += len(plan.preempted)
-        if not plan.scheduled:
+        plans = [scheduler.schedule() for scheduler in self.schedulers]
+        self.num_preemptions += sum(len(plan.preempted) for plan in plans)
+        if not any(plan.scheduled for plan in plans):
             return []
         now = time.monotonic()
-        forced = {i: self.think_end_id for i, s in enumerate(plan.scheduled) if self._budget_spent(s.request)}
-        results = self.runner.execute(plan.scheduled, forced)
+        forced = [{i: self.think_end_id for i, s in enumerate(plan.scheduled) if self._budget_spent(s.request)}
+                  for plan in plans]
+        results = self.runner.execute([plan.scheduled for plan in plans], forced)
         touched: dict[str, None] = {}
-        for item, result in zip(plan.scheduled, results):
-            request = item.request
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = now
-            self._postprocess(request, item.num_tokens, result)
-            touched[request.group_id] = None
+        for plan, replica_results in zip(plans, results):
+            for item, result in zip(plan.scheduled, replica_results):
+                request = item.request
+                if request.metrics.first_scheduled_time is None:
+                    request.metrics.first_scheduled_time = now
+                self._postprocess(request, item.num_tokens, result)
+                touched[request.group_id] = None
         if self.spec is not None:
             self._propose_drafts()
         return [self._output(group_id) for group_id in touched if group_id in self.groups]
 
     def _propose_drafts(self) -> None:
-        """Give each decoding request a draft for the next step, unless the batch is too large to gain from it."""
-        running = self.scheduler.running
-        if len(running) > self.spec.config.max_batch_size:
-            for request in running:
-                request.draft = None
-            return
+        """Give each decoding request a draft for the next step, unless its replica's batch is too large to gain
+        from it."""
+        running: list[Request] = []
+        for scheduler in self.schedulers:
+            if len(scheduler.running) > self.spec.config.max_batch_size:
+                for request in scheduler.running:
+                    request.draft = None
+            else:
+                running += scheduler.running
         asking: list[Request] = []
         limits: list[int] = []
         for request in running:
@@ -219,6 +255,7 @@ class LLMEngine:
         return budget is not None and request.thinking and request.thinking_tokens >= budget and self.think_end_id is not None
 
     def _postprocess(self, request: Request, num_tokens: int, result: StepResult) -> None:
+        scheduler = self.schedulers[request.replica]
         blocks_before = request.num_computed_tokens // self.config.block_size
         if result.accepted_nodes is not None:
             self._keep_accepted(request, result.accepted_nodes, result.token_ids)
@@ -227,7 +264,7 @@ class LLMEngine:
         if result.prompt_logprobs:
             request.prompt_logprobs.extend(result.prompt_logprobs)
         if not result.token_ids:
-            self.block_manager.cache_full_blocks(request, blocks_before)
+            scheduler.blocks.cache_full_blocks(request, blocks_before)
             return
         if result.logits is not None:
             request.captured_logits = result.logits
@@ -235,9 +272,9 @@ class LLMEngine:
             self._append_token(request, token, result.logprob_values[i], result.logprobs[i])
             if request.is_finished:
                 break
-        self.block_manager.cache_full_blocks(request, blocks_before)
+        scheduler.blocks.cache_full_blocks(request, blocks_before)
         if request.is_finished:
-            self.scheduler.finish(request)
+            scheduler.finish(request)
             if self.spec is not None:
                 self.spec.finish(request.seq_id, learn=True)
 
@@ -248,9 +285,9 @@ class LLMEngine:
         draft, root = request.draft, request.num_computed_tokens
         moves = [(root + 1 + node, root + 1 + i) for i, node in enumerate(accepted) if node != i]
         if moves:
-            self.runner.move_kv(request.block_table, moves)
+            self.runner.move_kv(request.replica, request.block_table, moves)
         request.num_computed_tokens = root + 1 + len(accepted)
-        self.block_manager.truncate(request, request.num_computed_tokens)
+        self.schedulers[request.replica].blocks.truncate(request, request.num_computed_tokens)
         if self.spec is not None:
             self.spec.record(request.seq_id, draft, accepted, new_tokens)
             request.spec_draft_tokens += len(draft)
@@ -323,11 +360,15 @@ class LLMEngine:
         return out
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
+        """Over every data-parallel replica: counts summed, KV usage their mean."""
+        managers = [scheduler.blocks for scheduler in self.schedulers]
         return EngineStats(
-            num_requests_running=len(self.scheduler.running), num_requests_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=bm.usage, free_blocks=bm.num_free_blocks, total_blocks=bm.num_blocks,
-            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits, num_preemptions=self.num_preemptions,
+            num_requests_running=sum(len(s.running) for s in self.schedulers),
+            num_requests_waiting=sum(len(s.waiting) for s in self.schedulers),
+            kv_cache_usage=sum(bm.usage for bm in managers) / len(managers),
+            free_blocks=sum(bm.num_free_blocks for bm in managers), total_blocks=sum(bm.num_blocks for bm in managers),
+            prefix_cache_queries=sum(bm.prefix_queries for bm in managers),
+            prefix_cache_hits=sum(bm.prefix_hits for bm in managers), num_preemptions=self.num_preemptions,
             spec_decode=self.spec.stats_dict() if self.spec is not None else {})
 
 

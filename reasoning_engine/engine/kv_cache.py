@@ -118,9 +118,15 @@ class BlockManager:
         """Chained hash of block `index` of the request's tokens, memoised on the request (tokens never change)."""
         hashes = request.block_hashes
         while len(hashes) <= index:
-            i = len(hashes)
-            hashes.append(hash((hashes[-1] if i else None, tuple(tokens[i * self.block_size : (i + 1) * self.block_size]))))
+            hashes.append(_chain(hashes[-1] if hashes else None, tokens, len(hashes), self.block_size))
         return hashes[index]
+
+    def cached_prefix_blocks(self, hashes: list[int]) -> int:
+        """How many leading blocks of a prompt (its `prefix_hashes`) this cache holds."""
+        count = 0
+        while count < len(hashes) and hashes[count] in self.cached:
+            count += 1
+        return count
 
     def reset_prefix_cache(self) -> None:
         for block, key in enumerate(self.block_keys):
@@ -132,3 +138,15 @@ class BlockManager:
         if self.ref_counts[block] == 0:
             del self.free_queue[block]
         self.ref_counts[block] += 1
+
+
+def _chain(previous: int | None, tokens: list[int], index: int, block_size: int) -> int:
+    return hash((previous, tuple(tokens[index * block_size : (index + 1) * block_size])))
+
+
+def prefix_hashes(tokens: list[int], block_size: int) -> list[int]:
+    """The chained keys of a prompt's full blocks (but the last token's), as the prefix cache names them."""
+    hashes: list[int] = []
+    for index in range((len(tokens) - 1) // block_size):
+        hashes.append(_chain(hashes[-1] if hashes else None, tokens, index, block_size))
+    return hashes

@@ -52,6 +52,7 @@ class Request:
     spec_accepted_tokens: int = 0
     capture_logits: bool = False
     captured_logits: torch.Tensor | None = None
+    replica: int = 0  # the data-parallel replica whose scheduler and KV cache hold it
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:

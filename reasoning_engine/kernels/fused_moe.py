@@ -2,6 +2,9 @@
 pack-quantized, block FP8) and the token-to-expert sort the grouped GEMM consumes. The CPU path and the reference for
 `triton_moe`.
 
+An expert id of E or more (past the stacked experts) names an expert this rank does not hold (expert parallelism):
+its (token, choice) pair contributes nothing here; the rank that holds the expert adds it.
+
 Weight layouts (per expert e, rows are output channels, as in the checkpoints):
 - w13 [E, 2I, H]: gate_proj rows then up_proj rows; w2 [E, H, I]. Expert output = w2 @ (silu(gate) * up).
 - "w4a16" (Kimi K2/K2.5 compressed-tensors pack-quantized, symmetric): w13 int32 [E, 2I, H/8], w2 int32 [E, H, I/8],
@@ -70,17 +73,20 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     block_m with the sentinel T*k. Sizes are bounds known without reading the ids (no device sync):
     returns sorted_ids [P] int32 with P = T*k + min(E, T*k) * (block_m - 1), expert_ids [P / block_m] int32
     (-1 for tiles past the end), num_tokens_post_pad [1] int32 (rows actually used)."""
-    flat = topk_ids.flatten().long()
+    flat = topk_ids.flatten().long().clamp(max=num_experts)  # other ranks' experts share the spare bin E
     pairs = flat.numel()
     capacity = pairs + min(num_experts, pairs) * (block_m - 1)
     capacity = -(-capacity // block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.bincount(flat, minlength=num_experts + 1)
     padded = (counts + block_m - 1) // block_m * block_m
+    padded[num_experts] = 0
     starts = padded.cumsum(0) - padded
     order = torch.sort(flat, stable=True).indices
-    rank = torch.arange(pairs, device=flat.device) - (counts.cumsum(0) - counts)[flat[order]]
+    order = order[flat[order] < num_experts]
+    rank = torch.arange(order.numel(), device=flat.device) - (counts.cumsum(0) - counts)[flat[order]]
     sorted_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=flat.device)
     sorted_ids[starts[flat[order]] + rank] = order.to(torch.int32)
+    padded = padded[:num_experts]
     expert_ids = torch.full((capacity // block_m,), -1, dtype=torch.int32, device=flat.device)
     used = torch.repeat_interleave(torch.arange(num_experts, device=flat.device, dtype=torch.int32), padded // block_m)
     expert_ids[: used.numel()] = used
@@ -127,13 +133,17 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     quant: MoEQuant | None = None,
+    other_experts: bool = False,
 ) -> torch.Tensor:
     """Routed experts: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]). hidden [T, H] -> [T, H].
-    Loops over the experts that received tokens, one dense GEMM pair each (weights dequantized per expert)."""
+    Loops over the experts that received tokens, one dense GEMM pair each (weights dequantized per expert); ids of
+    other ranks' experts (>= E, `other_experts`) are skipped."""
     tokens, top_k = topk_ids.shape
     out = torch.zeros(tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     flat = topk_ids.flatten().long()
     for expert in flat.unique().tolist():
+        if expert >= w13.shape[0]:
+            continue  # another rank's expert
         pairs = (flat == expert).nonzero().squeeze(1)
         rows = pairs // top_k
         g13, g2 = _dense_expert_weights(w13, w2, quant, expert, hidden.dtype)

@@ -99,7 +99,7 @@ def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, CHUNK: tl.c
     chunk = tl.program_id(0)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=num_experts)  # past the end: the spare bin E
-    hist = tl.histogram(ids, BINS)
+    hist = tl.histogram(tl.minimum(ids, num_experts), BINS)  # another rank's expert: the spare bin too
     bins = tl.arange(0, BINS)
     tl.store(counts_ptr + chunk * num_experts + bins, hist, mask=bins < num_experts)
 
@@ -135,8 +135,8 @@ def _align_scatter_kernel(ids_ptr, offsets_ptr, sorted_ptr, num_pairs, num_exper
     chunk = tl.program_id(0)
     local = tl.arange(0, CHUNK)
     offs = chunk * CHUNK + local
-    ok = offs < num_pairs
-    ids = tl.load(ids_ptr + offs, mask=ok, other=-1)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+    ok = (offs < num_pairs) & (ids < num_experts)  # another rank's expert: left out of the sort
     earlier_same = (ids[:, None] == ids[None, :]) & (local[None, :] < local[:, None])
     rank = tl.sum(earlier_same.to(tl.int32), axis=1)
     base = tl.load(offsets_ptr + chunk * num_experts + ids, mask=ok, other=0)
@@ -254,9 +254,11 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     quant: MoEQuant | None = None,
+    other_experts: bool = False,
 ) -> torch.Tensor:
     """Routed experts: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]). hidden [T, H] -> [T, H].
-    Two grouped GEMM launches over the expert-sorted pairs, then a sum over each token's k rows."""
+    Two grouped GEMM launches over the expert-sorted pairs, then a sum over each token's k rows. `other_experts`:
+    ids may name experts of other ranks (ids >= E), whose pairs are skipped."""
     tokens, top_k = topk_ids.shape
     hidden_size = hidden.shape[1]
     num_experts = w13.shape[0]
@@ -285,7 +287,8 @@ def fused_moe(
         hidden.stride(0), *w13.stride(), *s13.stride(), intermediate.stride(0),
         GATED=True, APPLY_WEIGHT=False, BLOCK_N=64, **common,
     )
-    per_pair = torch.empty(pairs, hidden_size, dtype=torch.float32, device=hidden.device)
+    # pairs of another rank's expert are never written: zeros, so they add nothing to their token's sum
+    per_pair = (torch.zeros if other_experts else torch.empty)(pairs, hidden_size, dtype=torch.float32, device=hidden.device)
     weights = topk_weights.reshape(-1)
     if weights.dtype != torch.float32:
         weights = weights.float()

@@ -3,6 +3,10 @@ attention (MLA, DeepSeek-AI 2024, arXiv:2405.04434).
 
 MLA caches only the compressed latent c_kv and the shared rotary key k_pe per token. Attention runs in the absorbed
 form: W_UK is folded into the query and W_UV applied after attention, so the cache is never expanded to per-head K/V.
+
+Under tensor parallelism (`tp`) each rank keeps its share of the query heads (and of GQA's KV heads) and the output
+projection sums the ranks' partial products. MLA's latent is shared by every head, so each rank caches the whole
+latent of its requests (the known cost of MLA under TP, which data-parallel attention avoids).
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ from torch import nn
 
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.kernels import kernel_module
+from reasoning_engine.layers.linear import row_parallel
 from reasoning_engine.layers.norm import RMSNorm
 from reasoning_engine.layers.rotary import RotaryEmbedding
+from reasoning_engine.parallel import Group
 
 
 class GQAttention(nn.Module):
@@ -22,11 +28,13 @@ class GQAttention(nn.Module):
     kernel_family = "attention"
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding,
-                 bias: bool = False, qk_norm_eps: float | None = None) -> None:
+                 bias: bool = False, qk_norm_eps: float | None = None, tp: Group = Group()) -> None:
+        """Head counts are the model's; this rank keeps 1 / tp.size of each."""
         super().__init__()
+        num_heads, num_kv_heads = num_heads // tp.size, num_kv_heads // tp.size
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qkv_proj = nn.Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.o_proj = row_parallel(num_heads * head_dim * tp.size, hidden_size, bias, tp)
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.rotary = rotary
@@ -65,8 +73,10 @@ class MLAttention(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rotary: RotaryEmbedding,
-                 eps: float, softmax_scale: float, bias: bool = False) -> None:
+                 eps: float, softmax_scale: float, bias: bool = False, tp: Group = Group()) -> None:
+        """`num_heads` is the model's; this rank keeps 1 / tp.size of them (the latent projections are whole)."""
         super().__init__()
+        num_heads //= tp.size
         self.num_heads = num_heads
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
@@ -81,7 +91,7 @@ class MLAttention(nn.Module):
             self.q_b_proj = nn.Linear(q_lora_rank, num_heads * qk_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps)
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
-        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+        self.o_proj = row_parallel(num_heads * v_head_dim * tp.size, hidden_size, bias, tp)
         self.rotary = rotary
         self.scale = softmax_scale
         self.ops = kernel_module(self.kernel_family, "torch")

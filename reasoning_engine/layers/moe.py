@@ -6,6 +6,12 @@ Routing follows each family's published definition:
   weights are the unbiased scores, optionally renormalised, times `routed_scaling_factor`.
 - DeepSeek-V2 (arXiv:2405.04434): softmax scores, greedy or group-limited greedy top-k, times the scaling factor.
 - Qwen3-MoE: softmax top-k, optionally renormalised.
+
+Under tensor parallelism the experts are split like dense MLPs (each rank holds 1 / size of every expert's
+intermediate channels); with expert parallelism each rank holds E / size whole experts, and the router's choices of
+other ranks' experts contribute nothing here. Either way each rank's output is a partial sum, and the MoE block ends in
+one all-reduce (shared experts included). With data-parallel attention the block first gathers every replica's tokens,
+and each rank keeps its own rows of the sum.
 """
 
 from __future__ import annotations
@@ -16,20 +22,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.kernels import kernel_module
 from reasoning_engine.kernels.fused_moe import MoEQuant, fused_moe_op
 from reasoning_engine.layers.activation import silu_and_mul
+from reasoning_engine.layers.linear import row_parallel
+from reasoning_engine.parallel import Group, Parallel
 
 
 class GatedMLP(nn.Module):
-    """Dense SwiGLU MLP with gate and up fused into one projection."""
+    """Dense SwiGLU MLP with gate and up fused into one projection, its intermediate channels split over `tp`. With
+    `reduce` False (shared experts) the output is this rank's partial sum, which the MoE block reduces."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, tp: Group = Group(),
+                 reduce: bool = True) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size // tp.size, bias=bias)
+        if reduce:
+            self.down_proj = row_parallel(intermediate_size, hidden_size, bias, tp)
+        else:
+            self.down_proj = nn.Linear(intermediate_size // tp.size, hidden_size, bias=bias and tp.size == 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        """`batch`: unused; every MLP of a decoder layer takes it, the MoE reads its data-parallel token counts."""
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
@@ -108,10 +123,20 @@ class Experts(nn.Module):
 
     kernel_family = "moe"
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, quant: ExpertQuant | None = None) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, quant: ExpertQuant | None = None,
+                 parallel: Parallel = Parallel()) -> None:
+        """Sizes are the model's. With `parallel.ep` this rank keeps the experts `expert_range` whole; otherwise all
+        experts, with 1 / tp.size of their intermediate channels."""
         super().__init__()
         self.quant = quant
         self.ops = kernel_module(self.kernel_family, "torch")
+        if parallel.ep is not None:
+            self.expert_range = parallel.ep.part(num_experts, "n_routed_experts")
+        else:
+            self.expert_range = range(num_experts)
+            intermediate_size //= parallel.tp.size
+        self.num_experts = num_experts
+        num_experts = len(self.expert_range)
         w13_shape, w2_shape = (num_experts, 2 * intermediate_size, hidden_size), (num_experts, hidden_size, intermediate_size)
         if quant is None:
             self.w13 = nn.Parameter(torch.empty(w13_shape))
@@ -137,6 +162,9 @@ class Experts(nn.Module):
         self.fixed_dtypes = frozenset(("w13", "w2", "w13_scale", "w2_scale"))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        partial = len(self.expert_range) < self.num_experts
+        if partial:
+            ids = self.local_ids(ids)
         if torch.compiler.is_compiling():  # compiled decode runs on the torch path only (config.compile_decode)
             q = self.quant
             if q is None:
@@ -146,21 +174,37 @@ class Experts(nn.Module):
         quant = None
         if self.quant is not None:
             quant = MoEQuant(self.quant.method, self.w13_scale, self.w2_scale, self.quant.group_size, self.quant.block_shape)
-        return self.ops.fused_moe(x, self.w13, self.w2, weights, ids, quant)
+        return self.ops.fused_moe(x, self.w13, self.w2, weights, ids, quant, other_experts=partial)
+
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids -> this rank's; another rank's expert becomes the local count, which the fused-MoE
+        kernels skip (an id past the stacked experts contributes nothing)."""
+        local = ids - self.expert_range.start
+        return local.masked_fill((local < 0) | (local >= len(self.expert_range)), len(self.expert_range))
 
 
 class SparseMoE(nn.Module):
-    """Router + routed experts + optional always-on shared experts."""
+    """Router + routed experts + optional always-on shared experts, ending in the block's one all-reduce."""
 
-    def __init__(self, router: Router, experts: Experts, shared: GatedMLP | None) -> None:
+    def __init__(self, router: Router, experts: Experts, shared: GatedMLP | None, parallel: Parallel = Parallel()) -> None:
         super().__init__()
         self.gate = router
         self.experts = experts
         self.shared_experts = shared
+        self.parallel = parallel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        own = x
+        if self.parallel.gathers_tokens:
+            counts = batch.dp_num_tokens
+            x = self.parallel.dp.all_gather_rows(x, counts)
+            rows = range(sum(counts[: self.parallel.dp.rank]), sum(counts[: self.parallel.dp.rank + 1]))
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+            if self.parallel.gathers_tokens:
+                out[rows.start : rows.stop] += self.shared_experts(own)
+            else:
+                out = out + self.shared_experts(own)
+        out = (self.parallel.ep or self.parallel.tp).all_reduce(out)
+        return out[rows.start : rows.stop] if self.parallel.gathers_tokens else out

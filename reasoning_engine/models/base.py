@@ -2,7 +2,10 @@
 mapping of checkpoint tensors into our fused layouts (QKV, gate-up, stacked experts).
 
 A family module builds its layers and names, for each checkpoint tensor, the parameter and the slice of it the tensor
-fills (`WeightTarget`); loading then checks every shape and that every parameter was filled.
+fills (`WeightTarget`); loading then checks every shape and that every parameter was filled. Under tensor or expert
+parallelism a target also names the part of the checkpoint tensor this rank reads (`Split`): column-parallel
+projections take their rows, row-parallel ones their columns, vocabulary tables their row block, and an
+expert-parallel rank reads only its own experts, so a rank reads and holds only its share.
 """
 
 from __future__ import annotations
@@ -16,17 +19,50 @@ from torch import nn
 
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.config import ModelConfig
+from reasoning_engine.layers.linear import lm_head, vocab_embedding
 from reasoning_engine.layers.moe import Experts, Router
 from reasoning_engine.layers.norm import RMSNorm
 from reasoning_engine.layers.rotary import RotaryEmbedding
+from reasoning_engine.models.weights import Index, LazyTensor
+from reasoning_engine.parallel import Group, Parallel
 
 Slicer = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Split:
+    """This rank's part of one dimension of a checkpoint tensor: an even share over `group`, or with `padded` the
+    row block of a vocabulary padded to a multiple of the group (cut at the tensor's end)."""
+
+    dim: int
+    group: Group
+    padded: bool = False
+
+    def index(self, shape: list[int] | torch.Size, name: str) -> Index:
+        size = shape[self.dim]
+        if self.padded:
+            part = self.group.padded_part(size)
+            part = range(min(part.start, size), min(part.stop, size))
+        else:
+            part = self.group.part(size, f"dimension {self.dim} of tensor {name!r}")
+        return (slice(None),) * self.dim + (slice(part.start, part.stop),)
 
 
 @dataclass
 class WeightTarget:
     param: str
     slicer: Slicer | None = None  # view of the parameter this tensor fills; None = the whole parameter
+    source: Split | None = None  # the part of the checkpoint tensor this rank reads; None = all of it
+
+
+def column_split(tp: Group) -> Split | None:
+    """The output rows of a column-parallel projection (None: nothing to split)."""
+    return Split(0, tp) if tp.size > 1 else None
+
+
+def row_split(tp: Group) -> Split | None:
+    """The input columns of a row-parallel projection."""
+    return Split(1, tp) if tp.size > 1 else None
 
 
 def rows(start: int, stop: int) -> Slicer:
@@ -54,7 +90,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), batch)
 
 
 class CausalLM(nn.Module):
@@ -63,15 +99,14 @@ class CausalLM(nn.Module):
     # checkpoint tensors that are not part of the model and are ignored (buffers some exporters save)
     ignored = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.|\.attn\.bias$|\.masked_bias$)")
 
-    def __init__(self, config: ModelConfig, layers: list[nn.Module]) -> None:
+    def __init__(self, config: ModelConfig, layers: list[nn.Module], parallel: Parallel = Parallel()) -> None:
         super().__init__()
         self.config = config
-        # explicit storage: skips nn.Embedding's random init, which is wasted work (every weight is loaded)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
+        self.parallel = parallel
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, parallel.tp)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size, parallel.tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -124,27 +159,48 @@ class CausalLM(nn.Module):
                 yield name, tensor
 
     def _map_checkpoint_name(self, name: str) -> WeightTarget | None:
-        return self.map_weight(name[len("model."):] if name.startswith("model.") else name)
+        name = name[len("model."):] if name.startswith("model.") else name
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            return vocab_target(name, self.config.vocab_size, self.parallel.tp)
+        return self.map_weight(name)
 
 
-def load_parameters(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+def vocab_target(param: str, vocab_size: int, tp: Group) -> WeightTarget:
+    """An embedding table or LM head: this rank's row block (layers/linear.py `VocabParallelEmbedding`), whose padding
+    rows past the vocabulary no tensor fills."""
+    if tp.size == 1:
+        return WeightTarget(param)
+    rows = tp.padded_part(vocab_size)
+    return WeightTarget(param, lambda t: t[: max(0, min(rows.stop, vocab_size) - rows.start)], Split(0, tp, padded=True))
+
+
+def load_parameters(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor | LazyTensor]],
                     map_weight: Callable[[str], WeightTarget | None], source: object, tied: Collection[str] = ()) -> None:
-    """Copy each checkpoint tensor into the parameter slice `map_weight` names for it (None: skip the tensor).
+    """Copy each checkpoint tensor (or the part of it its target's `source` names, read alone from a `LazyTensor`)
+    into the parameter slice `map_weight` names for it (None: skip the tensor, unread).
 
     Shared by the models and the draft models (MTP layers, EAGLE-3 heads), so every loader checks the same things:
     each tensor fits its slice (in dtype too where a module keeps `fixed_dtypes`: packed codes and scales are never
-    cast), and at the end every parameter but the `tied` ones was filled completely (`source`
-    names the checkpoint in that error). Then modules derive what they precompute from their weights.
+    cast), and at the end every parameter but the `tied` ones was filled completely, but for a vocabulary shard's
+    padding rows (`source` names the checkpoint in that error). Then modules derive what they precompute from their
+    weights.
     """
     params = dict(module.named_parameters(remove_duplicate=False))
     fixed = {f"{path}.{name}".lstrip(".") for path, sub in module.named_modules() for name in getattr(sub, "fixed_dtypes", ())}
+    padding = {f"{path}.weight".lstrip("."): sub.padding_rows * sub.weight.shape[1]
+               for path, sub in module.named_modules() if getattr(sub, "padding_rows", 0)}
     filled: dict[str, int] = {}
-    for name, tensor in weights:
+    for name, value in weights:
         target = map_weight(name)
         if target is None:
             continue
         if target.param not in params:
             raise ValueError(f"unexpected tensor {name!r} in the checkpoint: the model has no parameter {target.param!r}")
+        index = target.source.index(value.shape, name) if target.source is not None else None
+        if isinstance(value, torch.Tensor):
+            tensor = value[index] if index is not None else value
+        else:
+            tensor = value.read(index)
         param = params[target.param]
         dest = target.slicer(param.data) if target.slicer else param.data
         if tuple(dest.shape) != tuple(tensor.shape):
@@ -153,7 +209,8 @@ def load_parameters(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor
             raise ValueError(f"tensor {name!r} is stored as {tensor.dtype}, but {target.param!r} keeps {dest.dtype}")
         dest.copy_(tensor)
         filled[target.param] = filled.get(target.param, 0) + tensor.numel()
-    missing = [p for p, t in params.items() if p not in tied and filled.get(p, 0) < t.numel()]
+    missing = [p for p, t in params.items()
+               if p not in tied and filled.get(p, 0) < t.numel() - padding.get(p, 0)]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint {source} is missing tensors for: {shown}")
@@ -201,34 +258,54 @@ def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device) -> 
     return module
 
 
-def gqa_target(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> WeightTarget:
-    """Map a Llama/Qwen-style tensor into fused qkv_proj and gate_up_proj; other names map to themselves."""
-    q, kv = num_heads * head_dim, num_kv_heads * head_dim
+def gqa_target(name: str, num_heads: int, num_kv_heads: int, head_dim: int, parallel: Parallel = Parallel(),
+               num_experts: int = 0) -> WeightTarget | None:
+    """Map a Llama/Qwen-style tensor into fused qkv_proj and gate_up_proj (this rank's heads and channels), routed
+    experts (`num_experts`) into the stacked ones; other names map to themselves. Head counts are the model's."""
+    tp = parallel.tp
+    q, kv = num_heads // tp.size * head_dim, num_kv_heads // tp.size * head_dim
     match = re.fullmatch(r"(layers\.\d+\.self_attn)\.([qkv])_proj\.(weight|bias)", name)
     if match:
         start = {"q": 0, "k": q, "v": q + kv}[match.group(2)]
         size = q if match.group(2) == "q" else kv
-        return WeightTarget(f"{match.group(1)}.qkv_proj.{match.group(3)}", rows(start, start + size))
-    return mlp_target(name)
+        return WeightTarget(f"{match.group(1)}.qkv_proj.{match.group(3)}", rows(start, start + size), column_split(tp))
+    if re.fullmatch(r"layers\.\d+\.self_attn\.o_proj\.weight", name):
+        return WeightTarget(name, source=row_split(tp))
+    return mlp_target(name, parallel, num_experts)
 
 
-def mlp_target(name: str) -> WeightTarget:
-    """Dense and shared-expert gate/up into gate_up_proj; routed experts into the stacked w13 / w2."""
+def mlp_target(name: str, parallel: Parallel = Parallel(), num_experts: int = 0) -> WeightTarget | None:
+    """Dense and shared-expert gate/up into gate_up_proj, down_proj as is (this rank's intermediate channels of
+    each); routed experts (`num_experts` of them) into the stacked w13 / w2."""
+    tp = parallel.tp
     match = re.fullmatch(r"(layers\.\d+\.mlp(?:\.shared_experts)?)\.(gate|up)_proj\.(weight|bias)", name)
     if match:
-        return WeightTarget(f"{match.group(1)}.gate_up_proj.{match.group(3)}", half(match.group(2)))
-    return expert_target(name) or WeightTarget(name)
+        return WeightTarget(f"{match.group(1)}.gate_up_proj.{match.group(3)}", half(match.group(2)), column_split(tp))
+    if re.fullmatch(r"layers\.\d+\.mlp(?:\.shared_experts)?\.down_proj\.weight", name):
+        return WeightTarget(name, source=row_split(tp))
+    return expert_target(name, parallel, num_experts)
 
 
-def expert_target(name: str) -> WeightTarget | None:
+def expert_target(name: str, parallel: Parallel = Parallel(), num_experts: int = 0) -> WeightTarget | None:
     """`layers.N.mlp.experts.E.{gate,up,down}_proj.weight` -> a slice of the stacked w13 / w2; for experts kept
     quantized, `weight_packed` (INT4) goes there too and `weight_scale` / `weight_scale_inv` into w13_scale / w2_scale
-    (the gate's scale rows, then the up's)."""
+    (the gate's scale rows, then the up's). Under expert parallelism another rank's expert is skipped (None, never
+    read); under tensor parallelism each expert's intermediate channels are split: rows of gate/up, columns of down,
+    and the same share of their packed words and scale groups (the configuration was checked to split evenly).
+    Any other name maps to itself."""
     match = re.fullmatch(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight|weight_packed|weight_scale|weight_scale_inv)", name)
     if not match:
-        return None
+        return WeightTarget(name)
     expert, kind = int(match.group(2)), match.group(3)
     suffix = "_scale" if match.group(4).startswith("weight_scale") else ""
+    split: Split | None = None
+    if parallel.ep is not None:
+        local = parallel.ep.part(num_experts, "n_routed_experts")
+        if expert not in local:
+            return None
+        expert -= local.start
+    else:
+        split = row_split(parallel.tp) if kind == "down" else column_split(parallel.tp)
     if kind == "down":
-        return WeightTarget(f"{match.group(1)}.w2{suffix}", lambda t: t[expert])
-    return WeightTarget(f"{match.group(1)}.w13{suffix}", expert_half(expert, kind))
+        return WeightTarget(f"{match.group(1)}.w2{suffix}", lambda t: t[expert], split)
+    return WeightTarget(f"{match.group(1)}.w13{suffix}", expert_half(expert, kind), split)

@@ -15,8 +15,9 @@ from reasoning_engine.config import ModelConfig
 from reasoning_engine.layers.attention import MLAttention
 from reasoning_engine.layers.moe import Experts, GatedMLP, Router, SparseMoE
 from reasoning_engine.layers.rotary import RotaryEmbedding, yarn_softmax_scale
-from reasoning_engine.models.base import CausalLM, DecoderLayer, WeightTarget, mlp_target, rows
+from reasoning_engine.models.base import CausalLM, DecoderLayer, WeightTarget, column_split, mlp_target, row_split, rows
 from reasoning_engine.models.quantization import expert_quant, parse_quant_config
+from reasoning_engine.parallel import Parallel
 
 
 def _is_moe_layer(config: ModelConfig, index: int) -> bool:
@@ -26,9 +27,9 @@ def _is_moe_layer(config: ModelConfig, index: int) -> bool:
     return index >= (config.get("first_k_dense_replace", 0) or 0) and index % freq == 0
 
 
-def _mlp(config: ModelConfig, index: int) -> nn.Module:
+def _mlp(config: ModelConfig, index: int, parallel: Parallel) -> nn.Module:
     if not _is_moe_layer(config, index):
-        return GatedMLP(config.hidden_size, config.raw["intermediate_size"])
+        return GatedMLP(config.hidden_size, config.raw["intermediate_size"], tp=parallel.tp)
     num_experts = config.raw["n_routed_experts"]
     v3 = config.family == "deepseek_v3"
     scoring = config.get("scoring_func", "sigmoid" if v3 else "softmax")
@@ -41,10 +42,12 @@ def _mlp(config: ModelConfig, index: int) -> nn.Module:
         correction_bias=v3 and config.get("topk_method", "noaux_tc") == "noaux_tc",
     )
     experts = Experts(num_experts, config.hidden_size, config.raw["moe_intermediate_size"],
-                      expert_quant(parse_quant_config(config.raw), index))
+                      expert_quant(parse_quant_config(config.raw), index), parallel)
     n_shared = config.get("n_shared_experts", 0) or 0
-    shared = GatedMLP(config.hidden_size, config.raw["moe_intermediate_size"] * n_shared) if n_shared else None
-    return SparseMoE(router, experts, shared)
+    shared = None
+    if n_shared:  # split over the attention's ranks; the MoE block sums it with the routed experts
+        shared = GatedMLP(config.hidden_size, config.raw["moe_intermediate_size"] * n_shared, tp=parallel.tp, reduce=False)
+    return SparseMoE(router, experts, shared, parallel)
 
 
 def rotary_embedding(config: ModelConfig, max_positions: int) -> RotaryEmbedding:
@@ -54,7 +57,7 @@ def rotary_embedding(config: ModelConfig, max_positions: int) -> RotaryEmbedding
                            config.max_position_embeddings, max_positions, interleaved=interleaved)
 
 
-def decoder_layer(config: ModelConfig, index: int, rotary: RotaryEmbedding) -> DecoderLayer:
+def decoder_layer(config: ModelConfig, index: int, rotary: RotaryEmbedding, parallel: Parallel = Parallel()) -> DecoderLayer:
     """Layer `index` of the stack: MLA attention, then a dense MLP or the MoE. MTP layers (index >= num_hidden_layers)
     are built the same way."""
     raw = config.raw
@@ -62,33 +65,38 @@ def decoder_layer(config: ModelConfig, index: int, rotary: RotaryEmbedding) -> D
     scale = (rope_dim + nope_dim) ** -0.5 * yarn_softmax_scale(config.rope_scaling)
     attn = MLAttention(config.hidden_size, config.num_attention_heads, raw.get("q_lora_rank"), raw["kv_lora_rank"],
                        nope_dim, rope_dim, raw["v_head_dim"], rotary, config.rms_norm_eps, scale,
-                       bias=bool(raw.get("attention_bias", False)))
-    return DecoderLayer(attn, _mlp(config, index), config.hidden_size, config.rms_norm_eps)
+                       bias=bool(raw.get("attention_bias", False)), tp=parallel.tp)
+    return DecoderLayer(attn, _mlp(config, index, parallel), config.hidden_size, config.rms_norm_eps)
 
 
-def map_layer_weight(name: str, q_lora_rank: int | None) -> WeightTarget:
-    """`layers.N.*` tensors into our fused layouts: q_a_proj and kv_a_proj_with_mqa into fused_qkv_a_proj (when the
-    query is low-rank), gate/up into gate_up_proj, routed experts into the stacked w13 / w2."""
-    if q_lora_rank is not None:
-        attn = re.fullmatch(r"(layers\.\d+\.self_attn)\.(q_a_proj|kv_a_proj_with_mqa)\.(weight|bias)", name)
-        if attn:
-            fused = f"{attn.group(1)}.fused_qkv_a_proj.{attn.group(3)}"
-            if attn.group(2) == "q_a_proj":
-                return WeightTarget(fused, rows(0, q_lora_rank))
-            return WeightTarget(fused, lambda t: t[q_lora_rank:])
-    return mlp_target(name)
+def map_layer_weight(name: str, config: ModelConfig, parallel: Parallel = Parallel()) -> WeightTarget | None:
+    """`layers.N.*` tensors into our fused layouts and this rank's share: q_a_proj and kv_a_proj_with_mqa into
+    fused_qkv_a_proj (when the query is low-rank; whole on every rank), the per-head projections' rows (q_b_proj or
+    q_proj, kv_b_proj) and o_proj's columns, gate/up into gate_up_proj, routed experts into the stacked w13 / w2."""
+    q_lora_rank = config.raw.get("q_lora_rank")
+    attn = re.fullmatch(r"(layers\.\d+\.self_attn)\.(\w+)\.(weight|bias)", name)
+    if attn and q_lora_rank is not None and attn.group(2) in ("q_a_proj", "kv_a_proj_with_mqa"):
+        fused = f"{attn.group(1)}.fused_qkv_a_proj.{attn.group(3)}"
+        if attn.group(2) == "q_a_proj":
+            return WeightTarget(fused, rows(0, q_lora_rank))
+        return WeightTarget(fused, lambda t: t[q_lora_rank:])
+    if attn and attn.group(2) in ("q_proj", "q_b_proj", "kv_b_proj"):
+        return WeightTarget(name, source=column_split(parallel.tp))
+    if attn and attn.group(2) == "o_proj" and attn.group(3) == "weight":
+        return WeightTarget(name, source=row_split(parallel.tp))
+    return mlp_target(name, parallel, config.get("n_routed_experts", 0) or 0)
 
 
 class DeepseekV3ForCausalLM(CausalLM):
     """Also runs deepseek_v2, kimi_k2 and kimi_k25 (their text model)."""
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, parallel: Parallel = Parallel()) -> None:
         rotary = rotary_embedding(config, max_positions)
-        super().__init__(config, [decoder_layer(config, i, rotary) for i in range(config.num_hidden_layers)])
-        self.q_lora_rank = config.raw.get("q_lora_rank")
+        super().__init__(config, [decoder_layer(config, i, rotary, parallel) for i in range(config.num_hidden_layers)],
+                         parallel)
 
     def map_weight(self, name: str) -> WeightTarget | None:
         match = re.match(r"layers\.(\d+)\.", name)
         if match and int(match.group(1)) >= self.config.num_hidden_layers:
             return None  # MTP layers
-        return map_layer_weight(name, self.q_lora_rank)
+        return map_layer_weight(name, self.config, self.parallel)

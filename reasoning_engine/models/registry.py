@@ -13,6 +13,7 @@ from reasoning_engine.models.base import CausalLM, materialize
 from reasoning_engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from reasoning_engine.models.llama import LlamaForCausalLM
 from reasoning_engine.models.qwen3 import Qwen3ForCausalLM
+from reasoning_engine.parallel import Parallel
 
 logger = logging.getLogger(__name__)
 
@@ -26,19 +27,21 @@ FAMILIES: dict[str, type[CausalLM]] = {
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
-                kernel_backend: str = "torch", load_format: str = "auto", keep_plain_weights: bool = False) -> CausalLM:
-    """Instantiate the family's module and fill it: from the checkpoint's safetensors (`load_format` "auto"; no
-    random init, every parameter is loaded) or with random weights from config.json alone ("dummy"). With
-    `keep_plain_weights` (for compiled decode graphs) packed linear layers keep their plain weights as well."""
+                kernel_backend: str = "torch", load_format: str = "auto", keep_plain_weights: bool = False,
+                parallel: Parallel = Parallel()) -> CausalLM:
+    """Instantiate the family's module (this rank's share of it, under `parallel`) and fill it: from the checkpoint's
+    safetensors (`load_format` "auto"; no random init, every parameter is loaded, each rank reading only its part) or
+    with random weights from config.json alone ("dummy"). With `keep_plain_weights` (for compiled decode graphs)
+    packed linear layers keep their plain weights as well."""
     from reasoning_engine.models.dummy import init_dummy_weights
     from reasoning_engine.models.quantization import parse_quant_config
-    from reasoning_engine.models.weights import iter_checkpoint_weights
+    from reasoning_engine.models.weights import iter_checkpoint_tensors
 
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     cls = FAMILIES[config.family]
     with torch.device("meta"):
-        model = cls(config, max_positions)
+        model = cls(config, max_positions, parallel)
     model = materialize(model, dtype, device)
     if config.tie_word_embeddings:  # to_empty gave each module its own tensor: share them again
         model.lm_head.weight = model.embed_tokens.weight
@@ -49,7 +52,8 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, m
         init_dummy_weights(model)
     else:
         quant = parse_quant_config(config.raw)
-        model.load_weights(iter_checkpoint_weights(config.path, quant, dtype, keep_packed=model.packed_weights()))
+        model.load_weights(iter_checkpoint_tensors(config.path, quant, dtype, keep_packed=model.packed_weights(),
+                                                   progress=parallel.tp.rank == 0 and parallel.dp.rank == 0))
     if can_pack(dtype, device):
         pack_linears(model, keep_plain=keep_plain_weights)
     use_kernel_backend(model, kernel_backend)

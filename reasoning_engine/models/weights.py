@@ -9,16 +9,21 @@ Quantized layers are dequantized on the fly (see `quantization`): the consumer s
 dense tensor and never the ``weight_packed`` / ``weight_scale`` / ``weight_scale_inv`` companions, except for the
 layers it asks to keep packed (``keep_packed``: the routed experts the model stores quantized), which come as their
 stored parts, checked and in their stored dtypes.
+
+`iter_checkpoint_tensors` yields each tensor as a `LazyTensor` that reads nothing until asked, and can read just a
+part (a tensor-parallel rank's rows or columns): a quantized part is read from the enclosing scale groups or blocks
+and cut after dequantizing. A rank that loads only its share so reads only its share.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -29,7 +34,6 @@ from reasoning_engine.models.quantization import (
     QuantConfig,
     dequantize_fp8_block,
     dequantize_int4_pack,
-    int4_logical_shape,
 )
 
 logger = logging.getLogger(__name__)
@@ -40,6 +44,18 @@ MAX_RESIDENT_BYTES = 256 << 20  # reopen a file after reading this much from it 
 MIN_RESIDENT_BYTES = 8 << 20
 
 _INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape")
+
+Index = tuple[slice, ...]
+
+
+@dataclass
+class ReadCounter:
+    """Bytes read from checkpoint files by this process (what a rank's sliced loading actually touched)."""
+
+    bytes: int = 0
+
+
+BYTES_READ = ReadCounter()
 
 
 @dataclass(frozen=True)
@@ -154,16 +170,30 @@ class _MappedFiles:
         self.handles: dict[Path, Any] = {}
         self.read_bytes: dict[Path, int] = {}
 
-    def get(self, path: Path, name: str) -> torch.Tensor:
+    def _handle(self, path: Path) -> Any:
         handle = self.handles.get(path)
         if handle is None:
             handle = self.handles[path] = safe_open(path, framework="pt")
             self.read_bytes[path] = 0
+        return handle
+
+    def shape(self, path: Path, name: str) -> list[int]:
+        """A stored tensor's shape, from the file's header (no data read)."""
         try:
-            tensor = handle.get_tensor(name)
+            return list(self._handle(path).get_slice(name).get_shape())
         except Exception as exc:  # safetensors raises its own error type for a name the file lacks
             raise ValueError(f"tensor {name!r} is listed for {path.name} but cannot be read from it: {exc}") from exc
-        self.read_bytes[path] += tensor.numel() * tensor.element_size()
+
+    def get(self, path: Path, name: str, index: Index | None = None) -> torch.Tensor:
+        """A stored tensor, or only its part `index` (slices per dimension, read without the rest)."""
+        handle = self._handle(path)
+        try:
+            tensor = handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
+        except Exception as exc:  # safetensors raises its own error type for a name the file lacks
+            raise ValueError(f"tensor {name!r} is listed for {path.name} but cannot be read from it: {exc}") from exc
+        size = tensor.numel() * tensor.element_size()
+        self.read_bytes[path] += size
+        BYTES_READ.bytes += size
         return tensor
 
     def release_full(self) -> None:
@@ -180,13 +210,27 @@ def iter_checkpoint_weights(
     progress: bool = True,
     keep_packed: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every logical tensor of the checkpoint in ``model_dir``.
+    """`iter_checkpoint_tensors`, each tensor read whole."""
+    for name, tensor in iter_checkpoint_tensors(model_dir, quant, dtype, prefix_strip, progress, keep_packed):
+        yield name, tensor.read()
 
-    Floating-point tensors (and dequantized ones) come in ``dtype``; integer tensors keep theirs. With
+
+def iter_checkpoint_tensors(
+    model_dir: str | Path,
+    quant: QuantConfig | None,
+    dtype: torch.dtype,
+    prefix_strip: str | None = None,
+    progress: bool = True,
+    keep_packed: Callable[[str], bool] | None = None,
+) -> Iterator[tuple[str, LazyTensor]]:
+    """Yield ``(name, LazyTensor)`` for every logical tensor of the checkpoint in ``model_dir``.
+
+    Floating-point tensors (and dequantized ones) are read in ``dtype``; integer tensors keep theirs. With
     ``prefix_strip`` (e.g. ``"language_model."``) only tensors under that prefix are yielded, without it; the others
     (a vision tower) are skipped and counted in one log line. A quantized ``X.weight`` for which ``keep_packed(name)``
     holds is yielded as its stored parts instead: ``X.weight_packed`` (int32) and ``X.weight_scale`` for INT4,
-    ``X.weight`` (float8_e4m3fn) and ``X.weight_scale_inv`` (float32) for block FP8.
+    ``X.weight`` (float8_e4m3fn) and ``X.weight_scale_inv`` (float32) for block FP8. Files whose read bytes reach the
+    resident budget are reopened between tensors, so read a tensor before asking for the next.
     """
     locations = checkpoint_files(model_dir)
     plan = plan_checkpoint(locations, quant)
@@ -201,61 +245,118 @@ def iter_checkpoint_weights(
     for entry in tqdm(plan, desc="Loading weights", unit="tensor", disable=not progress):
         name = entry.name[len(prefix_strip):] if prefix_strip else entry.name
         if entry.kind != "plain" and keep_packed is not None and keep_packed(name):
-            parts = _read_packed(entry, name, locations, files, quant)
+            parts = _packed_parts(entry, name, locations, files, quant)
         else:
-            parts = [(name, _read(entry, locations, files, quant, dtype))]
-        files.release_full()
+            parts = [(name, _LogicalTensor(entry, locations, files, quant, dtype))]
         yield from parts
+        files.release_full()
 
 
-def _read_packed(
+class LazyTensor(Protocol):
+    """A checkpoint tensor read only when asked: whole, or one part of it (`read(index)`, slices per dimension).
+    What `read` returns owns its memory (never a view of the file mapping)."""
+
+    shape: list[int]
+
+    def read(self, index: Index | None = None) -> torch.Tensor: ...
+
+
+class _LogicalTensor:
+    """A logical tensor: a dense one's part is read directly; a quantized one's from the enclosing INT4 scale groups
+    or FP8 blocks, dequantized, then cut."""
+
+    def __init__(self, entry: CheckpointTensor, locations: dict[str, Path], files: _MappedFiles,
+                 quant: QuantConfig | None, dtype: torch.dtype) -> None:
+        self.entry, self.locations, self.files, self.quant, self.dtype = entry, locations, files, quant, dtype
+        self.shape = self._logical_shape()
+
+    def _logical_shape(self) -> list[int]:
+        entry = self.entry
+        if entry.kind == "int4":
+            return [int(v) for v in self._part(2).tolist()]
+        return self.files.shape(self.locations[entry.parts[0]], entry.parts[0])
+
+    def _part(self, i: int, index: Index | None = None) -> torch.Tensor:
+        stored = self.entry.parts[i]
+        return self.files.get(self.locations[stored], stored, index)
+
+    def read(self, index: Index | None = None) -> torch.Tensor:
+        entry = self.entry
+        if entry.kind == "plain":
+            tensor = self._part(0, index)
+            if tensor.dtype == torch.float8_e4m3fn:
+                raise ValueError(f"{entry.name!r} is stored as float8_e4m3fn without a weight_scale_inv")
+            return tensor.to(dtype=self.dtype, copy=True) if tensor.is_floating_point() else tensor.clone()
+        assert self.quant is not None
+        rows, cols = _bounds(index, self.shape)
+        if entry.kind == "int4":
+            # whole scale groups of the columns (a group is a multiple of the eight values of an int32)
+            group = self.quant.group_size
+            c0, c1 = cols.start // group * group, cols.stop
+            packed = self._part(0, (rows, slice(c0 // INT4_PACK_FACTOR, -(-c1 // INT4_PACK_FACTOR))))
+            scale = self._part(1, (rows, slice(c0 // group, -(-c1 // group))))
+            try:
+                dense = dequantize_int4_pack(packed, scale, [rows.stop - rows.start, c1 - c0], group, self.dtype)
+            except ValueError as exc:
+                raise ValueError(f"cannot dequantize {entry.name!r}: {exc}") from exc
+            return dense[:, cols.start - c0 :].contiguous()
+        br, bc = self.quant.block  # whole FP8 blocks
+        r0, c0 = rows.start // br * br, cols.start // bc * bc
+        weight = self._part(0, (slice(r0, rows.stop), slice(c0, cols.stop)))
+        scale_inv = self._part(1, (slice(r0 // br, -(-rows.stop // br)), slice(c0 // bc, -(-cols.stop // bc))))
+        if weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{entry.parts[0]!r} has a weight_scale_inv but is stored as {weight.dtype}, not float8_e4m3fn")
+        try:
+            dense = dequantize_fp8_block(weight, scale_inv, self.quant.block, self.dtype)
+        except ValueError as exc:
+            raise ValueError(f"cannot dequantize {entry.name!r}: {exc}") from exc
+        return dense[rows.start - r0 :, cols.start - c0 :].contiguous()
+
+
+def _bounds(index: Index | None, shape: Sequence[int]) -> tuple[slice, slice]:
+    """Row and column ranges of a 2-D part (None: all of it), as slices with explicit start and stop."""
+    index = tuple(index or ()) + (slice(None),) * (2 - len(index or ()))
+    if len(shape) != 2 or len(index) != 2:
+        raise ValueError(f"quantized tensors are 2-D [out, in], got shape {list(shape)} and index {index}")
+    bounds = []
+    for part, size in zip(index, shape):
+        start, stop, step = part.indices(size)
+        if step != 1:
+            raise ValueError(f"a checkpoint tensor part must be contiguous, got step {step}")
+        bounds.append(slice(start, stop))
+    return bounds[0], bounds[1]
+
+
+class _StoredPart:
+    """One stored part of a layer kept quantized, read as stored (no dtype cast)."""
+
+    def __init__(self, stored: str, locations: dict[str, Path], files: _MappedFiles) -> None:
+        self.stored, self.locations, self.files = stored, locations, files
+        self.shape = files.shape(locations[stored], stored)
+
+    def read(self, index: Index | None = None) -> torch.Tensor:
+        return self.files.get(self.locations[self.stored], self.stored, index).clone()
+
+
+def _packed_parts(
     entry: CheckpointTensor, name: str, locations: dict[str, Path], files: _MappedFiles, quant: QuantConfig | None
-) -> list[tuple[str, torch.Tensor]]:
-    """A quantized layer's stored parts as the packed expert parameters take them, named after ``name``'s layer."""
+) -> list[tuple[str, LazyTensor]]:
+    """A quantized layer's stored parts as the packed expert parameters take them, named after ``name``'s layer;
+    shapes and dtypes are checked from the file headers."""
     assert quant is not None
     base = name[: -len(".weight")]
-    parts = [files.get(locations[p], p) for p in entry.parts]
     if entry.kind == "int4":
-        packed, scale, shape = parts
-        try:
-            cols = int4_logical_shape(packed, scale, shape, quant.group_size)[1]
-        except ValueError as exc:
-            raise ValueError(f"cannot read {entry.name!r}: {exc}") from exc
+        packed, scale, shape = entry.parts
+        rows, cols = (int(v) for v in files.get(locations[shape], shape).tolist())
+        packed_shape, scale_shape = files.shape(locations[packed], packed), files.shape(locations[scale], scale)
+        expected = ([rows, math.ceil(cols / INT4_PACK_FACTOR)], [rows, math.ceil(cols / quant.group_size)])
+        if (packed_shape, scale_shape) != expected:
+            raise ValueError(f"cannot read {entry.name!r}: weight_packed {packed_shape} and weight_scale {scale_shape} do "
+                             f"not fit weight_shape {[rows, cols]} (expected {expected[0]} and {expected[1]})")
         if cols % INT4_PACK_FACTOR:
             raise ValueError(f"{entry.name!r} has {cols} input channels: kept packed, they must be a multiple of 8")
-        return [(f"{base}.weight_packed", packed.clone()), (f"{base}.weight_scale", scale.clone())]
-    weight, scale_inv = _fp8_parts(entry, parts)
-    return [(f"{base}.weight", weight.clone()), (f"{base}.weight_scale_inv", scale_inv.clone())]
-
-
-def _fp8_parts(entry: CheckpointTensor, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    weight, scale_inv = parts
-    if weight.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"{entry.parts[0]!r} has a weight_scale_inv but is stored as {weight.dtype}, not float8_e4m3fn")
-    return weight, scale_inv
-
-
-def _read(
-    entry: CheckpointTensor, locations: dict[str, Path], files: _MappedFiles, quant: QuantConfig | None, dtype: torch.dtype
-) -> torch.Tensor:
-    parts = [files.get(locations[p], p) for p in entry.parts]
-    if entry.kind == "int4":
-        assert quant is not None
-        packed, scale, shape = parts
-        try:
-            return dequantize_int4_pack(packed, scale, shape, quant.group_size, dtype)
-        except ValueError as exc:
-            raise ValueError(f"cannot dequantize {entry.name!r}: {exc}") from exc
-    if entry.kind == "fp8":
-        assert quant is not None
-        weight, scale_inv = _fp8_parts(entry, parts)
-        try:
-            return dequantize_fp8_block(weight, scale_inv, quant.block, dtype)
-        except ValueError as exc:
-            raise ValueError(f"cannot dequantize {entry.name!r}: {exc}") from exc
-    (tensor,) = parts
-    if tensor.dtype == torch.float8_e4m3fn:
-        raise ValueError(f"{entry.name!r} is stored as float8_e4m3fn without a weight_scale_inv")
-    if tensor.is_floating_point():
-        return tensor.to(dtype=dtype, copy=True)
-    return tensor.clone()
+        return [(f"{base}.weight_packed", _StoredPart(packed, locations, files)),
+                (f"{base}.weight_scale", _StoredPart(scale, locations, files))]
+    weight, scale_inv = entry.parts
+    return [(f"{base}.weight", _StoredPart(weight, locations, files)),
+            (f"{base}.weight_scale_inv", _StoredPart(scale_inv, locations, files))]

@@ -49,6 +49,28 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     engine.add_argument("--max-num-seqs", type=int, default=None)
     engine.add_argument("--max-num-batched-tokens", type=int, default=None)
     engine.add_argument("--no-enable-prefix-caching", action="store_true", help="turn the prefix cache off")
+    parallel = serve.add_argument_group("parallel", "spread the model over several processes, GPUs or nodes "
+                                        "(docs/ARCHITECTURE.md: when to pick TP, EP or DP + EP)")
+    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                          help="split attention, dense layers and the vocabulary over this many ranks")
+    parallel.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                          help="replicas that each schedule their own requests and keep their own KV cache; their "
+                               "attention runs data-parallel, the MoE layers expert-parallel over all ranks (needs "
+                               "--enable-expert-parallel)")
+    parallel.add_argument("--enable-expert-parallel", action="store_true",
+                          help="partition the routed experts over all ranks instead of splitting each expert")
+    parallel.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default=None,
+                          help="start the other ranks as child processes (mp, default) or as Ray actors in a "
+                               "placement group of the running Ray cluster (ray)")
+    parallel.add_argument("--nnodes", type=int, default=_env_int("NNODES"),
+                          help="nodes the ranks span; run this command on each (default: $NNODES, or 1)")
+    parallel.add_argument("--node-rank", type=int, default=_env_int("NODE_RANK", "GROUP_RANK"),
+                          help="this node's index; node 0 serves HTTP, the others only run their ranks "
+                               "(default: $NODE_RANK or torchrun's $GROUP_RANK, or 0)")
+    parallel.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"),
+                          help="node 0's address, where the ranks meet (default: $MASTER_ADDR, or 127.0.0.1)")
+    parallel.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT"),
+                          help="the port there (default: $MASTER_PORT; one node: a free port)")
     http = serve.add_argument_group("http")
     http.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get 413")
     http.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
@@ -72,12 +94,23 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     chat.set_defaults(func=chat_command)
 
 
+def _env_int(*names: str) -> int | None:
+    """The first of these environment variables that is set (torchrun's names, for multi-node launches)."""
+    for name in names:
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return None
+
+
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Only what the user set, so the engine's own defaults apply otherwise."""
     kwargs: dict[str, Any] = {
         "dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
         "kv_cache_blocks": args.kv_cache_blocks, "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "kernel_backend": args.kernel_backend,
+        "tensor_parallel_size": args.tensor_parallel_size, "data_parallel_size": args.data_parallel_size,
+        "distributed_executor_backend": args.distributed_executor_backend, "nnodes": args.nnodes,
+        "node_rank": args.node_rank, "master_addr": args.master_addr, "master_port": args.master_port,
     }
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     if args.no_enable_prefix_caching:
@@ -86,6 +119,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["enforce_eager"] = True
     if args.compile_decode:
         kwargs["compile_decode"] = True
+    if args.enable_expert_parallel:
+        kwargs["enable_expert_parallel"] = True
     if args.speculative_config:
         spec = json.loads(args.speculative_config)
         if not isinstance(spec, dict):
@@ -124,6 +159,8 @@ def serve_command(args: argparse.Namespace) -> int:
     except (ValueError, json.JSONDecodeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if engine_kwargs.get("node_rank", 0) > 0:
+        return _serve_node(engine_kwargs)
 
     import uvicorn
 
@@ -147,8 +184,30 @@ def serve_command(args: argparse.Namespace) -> int:
           flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                             timeout_graceful_shutdown=args.graceful_shutdown_timeout)
-    uvicorn.Server(config).run()
+    server = uvicorn.Server(config)
+    engine.on_dead(lambda: setattr(server, "should_exit", True))  # a failed rank: stop serving, exit non-zero
+    server.run()
+    if engine.failure is not None:
+        print(f"error: the engine stopped: {engine.failure}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _serve_node(engine_kwargs: dict[str, Any]) -> int:
+    """A node other than node 0: run this node's ranks (they take the engine config from node 0) until they stop."""
+    from reasoning_engine.config import ParallelConfig
+    from reasoning_engine.engine.distributed import run_node
+
+    fields = ("tensor_parallel_size", "data_parallel_size", "nnodes", "node_rank", "master_addr", "master_port")
+    config = ParallelConfig(**{k: engine_kwargs[k] for k in fields if k in engine_kwargs})
+    if config.master_port is None or config.nnodes < 2 or config.node_rank >= config.nnodes:
+        print("error: a node other than node 0 needs --nnodes > 1, --node-rank < nnodes, --master-addr and "
+              "--master-port (node 0's)", file=sys.stderr)
+        return 2
+    print(f"node {config.node_rank} of {config.nnodes}: running ranks {config.node_rank * config.ranks_per_node} to "
+          f"{(config.node_rank + 1) * config.ranks_per_node - 1}, meeting at {config.master_addr}:{config.master_port}",
+          flush=True)
+    return run_node(config)
 
 
 def chat_command(args: argparse.Namespace) -> int:

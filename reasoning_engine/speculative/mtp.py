@@ -25,36 +25,46 @@ from torch import nn
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.config import EngineConfig, ModelConfig
 from reasoning_engine.layers import use_kernel_backend
-from reasoning_engine.layers.linear import can_pack, pack_linears
+from reasoning_engine.layers.linear import can_pack, lm_head, pack_linears, vocab_embedding
 from reasoning_engine.layers.norm import RMSNorm
 from reasoning_engine.layers.rotary import RotaryEmbedding
-from reasoning_engine.models.base import CausalLM, DecoderLayer, WeightTarget, load_parameters, materialize, packed_targets
+from reasoning_engine.models.base import (
+    CausalLM,
+    DecoderLayer,
+    WeightTarget,
+    load_parameters,
+    materialize,
+    packed_targets,
+    vocab_target,
+)
 from reasoning_engine.models.deepseek_v3 import decoder_layer, map_layer_weight
 from reasoning_engine.models.quantization import parse_quant_config
-from reasoning_engine.models.weights import checkpoint_files, iter_checkpoint_weights
+from reasoning_engine.models.weights import LazyTensor, checkpoint_files, iter_checkpoint_tensors
+from reasoning_engine.parallel import Parallel
 
 
 class SharedHead(nn.Module):
-    """The MTP module's output norm and its copy of the LM head."""
+    """The MTP module's output norm and its copy of the LM head (split like the target's under tensor parallelism)."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, vocab_size: int, eps: float, parallel: Parallel) -> None:
         super().__init__()
         self.norm = RMSNorm(hidden_size, eps)
-        self.head = nn.Linear(hidden_size, vocab_size, bias=False)
+        self.head = lm_head(hidden_size, vocab_size, parallel.tp)
 
 
 class MTPLayer(DecoderLayer):
-    """A decoder block of the main stack (same attention and MLP for its index) plus the MTP inputs and head."""
+    """A decoder block of the main stack (same attention and MLP for its index, split the same way over the ranks)
+    plus the MTP inputs and head."""
 
-    def __init__(self, config: ModelConfig, index: int, rotary: RotaryEmbedding) -> None:
-        block = decoder_layer(config, index, rotary)
+    def __init__(self, config: ModelConfig, index: int, rotary: RotaryEmbedding, parallel: Parallel) -> None:
+        block = decoder_layer(config, index, rotary, parallel)
         super().__init__(block.self_attn, block.mlp, config.hidden_size, config.rms_norm_eps)
         hidden, vocab, eps = config.hidden_size, config.vocab_size, config.rms_norm_eps
-        self.embed_tokens = nn.Embedding(vocab, hidden, _weight=torch.empty(vocab, hidden))
+        self.embed_tokens = vocab_embedding(vocab, hidden, parallel.tp)
         self.enorm = RMSNorm(hidden, eps)
         self.hnorm = RMSNorm(hidden, eps)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.shared_head = SharedHead(hidden, vocab, eps)
+        self.shared_head = SharedHead(hidden, vocab, eps, parallel)
 
 
 class MTPDraftModel(nn.Module):
@@ -62,9 +72,9 @@ class MTPDraftModel(nn.Module):
 
     aux_layers: tuple[int, ...] = ()
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, parallel: Parallel = Parallel()) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([MTPLayer(config, config.num_hidden_layers, rotary)])
+        self.layers = nn.ModuleList([MTPLayer(config, config.num_hidden_layers, rotary, parallel)])
 
     def attention_layers(self) -> list[nn.Module]:
         return [layer.self_attn for layer in self.layers]
@@ -86,11 +96,11 @@ class MTPDraftModel(nn.Module):
 
 
 def _mtp_weights(config: ModelConfig, prefix: str, dtype: torch.dtype,
-                 packed: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+                 packed: Callable[[str], bool]) -> Iterator[tuple[str, LazyTensor]]:
     """The first MTP layer's tensors only (the per-tensor reader skips the rest of the checkpoint), renamed to
     `layers.0.*` so the main model's fused-layout mapping applies; `packed` says which stay quantized (by new name)."""
     quant = parse_quant_config(config.raw)
-    for name, tensor in iter_checkpoint_weights(config.path, quant, dtype, prefix_strip=prefix, progress=False,
+    for name, tensor in iter_checkpoint_tensors(config.path, quant, dtype, prefix_strip=prefix, progress=False,
                                                 keep_packed=lambda n: packed(f"layers.0.{n}")):
         yield f"layers.0.{name}", tensor
 
@@ -105,12 +115,14 @@ def load_mtp(target: CausalLM, engine_config: EngineConfig) -> MTPDraftModel:
                          f"(num_nextn_predict_layers >= 1 and tensors under {layer_prefix!r}); {config.path} has none")
     rotary = target.layers[0].self_attn.rotary
     with torch.device("meta"):
-        model = MTPDraftModel(config, rotary)
+        model = MTPDraftModel(config, rotary, target.parallel)
     model = materialize(model, engine_config.dtype, engine_config.device)
-    q_lora_rank = config.raw.get("q_lora_rank")
+    tables = ("layers.0.embed_tokens.weight", "layers.0.shared_head.head.weight")
 
-    def map_weight(name: str) -> WeightTarget:
-        return map_layer_weight(name, q_lora_rank)
+    def map_weight(name: str) -> WeightTarget | None:
+        if name in tables:
+            return vocab_target(name, config.vocab_size, target.parallel.tp)
+        return map_layer_weight(name, config, target.parallel)
 
     weights = _mtp_weights(config, layer_prefix, engine_config.dtype, packed_targets(model, map_weight))
     load_parameters(model, weights, map_weight, config.path)

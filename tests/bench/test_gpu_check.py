@@ -144,3 +144,9 @@ def test_run_steps_join_the_tests_before_any_timing(gpu_check: ModuleType) -> No
                          "e2e decode int4 experts, graphs on", "e2e decode int4 experts, graphs off"]
     assert set(steps) - {gpu_check.START_TESTS, gpu_check.JOIN_TESTS} <= set(gpu_check.SECTIONS)
     assert gpu_check.run_steps(skip_tests=True, skip_e2e=True) == ["ceilings", "kernel timing"]
+
+
+def test_tensor_parallel_section_comes_last_when_asked(gpu_check: ModuleType) -> None:
+    steps = gpu_check.run_steps(skip_tests=True, skip_e2e=False, tensor_parallel=True)
+    assert steps[-1] == "tensor parallel" and "tensor parallel" in gpu_check.SECTIONS
+    assert "tensor parallel" not in gpu_check.run_steps(skip_tests=True, skip_e2e=False)

@@ -47,10 +47,10 @@ def test_compiled_decode_matches_eager(family: str, request: pytest.FixtureReque
     common = dict(dtype="float32", device="cpu", block_size=4, max_model_len=256, max_num_seqs=8,
                   enable_prefix_caching=False)
     eager_llm = LLM(path, **common)
-    assert eager_llm.engine.runner.compiled_decode is None
+    assert eager_llm.engine.runner.worker.compiled_decode is None
     before = _compiles()
     llm = LLM(path, compile_decode=True, **common)
-    compiled = llm.engine.runner.compiled_decode
+    compiled = llm.engine.runner.worker.compiled_decode
     assert _compiles() == before + 3  # the three graphs at start, none during the requests below
     assert compiled.guards_dropped > compiled.guards_kept > 0  # the model's guards dropped, the batch's kept
     assert compiled.num_steps == compiled.num_large_steps == 0

@@ -69,7 +69,7 @@ def test_padded_static_decode_matches_eager(family: str, backend: str, request: 
     # from the eager one (1 for these short contexts), so static-shape attention is exercised
     llm = LLM(path, dtype="float32", device=DEVICE, kernel_backend=backend, block_size=4, max_model_len=512,
               max_num_seqs=8, enable_prefix_caching=False, enforce_eager=True)
-    runner = llm.engine.runner
+    runner = llm.engine.runner.worker
     assert runner.decode_graphs is None
     eager = _generate(llm)
 
@@ -87,11 +87,11 @@ def test_padded_static_decode_matches_eager(family: str, backend: str, request: 
 def test_cpu_never_captures_and_enforce_eager_is_accepted(llama_dir: Path) -> None:
     for backend in ("triton", "torch") if DEVICE == "cpu" else ("torch",):  # compiled Triton needs GPU tensors
         llm = LLM(llama_dir, dtype="float32", device="cpu", kernel_backend=backend)
-        assert llm.engine.runner.decode_graphs is None
-        assert llm.engine.runner.cuda_graph_batch_sizes == []
+        assert llm.engine.runner.worker.decode_graphs is None
+        assert llm.engine.runner.worker.cuda_graph_batch_sizes == []
     llm = LLM(llama_dir, dtype="float32", device="cpu", enforce_eager=True)
     assert llm.engine.config.enforce_eager is True
-    assert llm.engine.runner.decode_graphs is None
+    assert llm.engine.runner.worker.decode_graphs is None
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
                        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3
@@ -112,12 +112,12 @@ def test_captured_graphs_match_eager_on_gpu(family: str, request: pytest.Fixture
     common = dict(dtype="float32", device="cuda", kernel_backend="triton", block_size=4, max_model_len=512,
                   max_num_seqs=8, enable_prefix_caching=False)
     eager_llm = LLM(path, enforce_eager=True, **common)
-    assert eager_llm.engine.runner.cuda_graph_batch_sizes == []
+    assert eager_llm.engine.runner.worker.cuda_graph_batch_sizes == []
     eager = _generate(eager_llm)
     del eager_llm
 
     llm = LLM(path, **common)
-    runner = llm.engine.runner
+    runner = llm.engine.runner.worker
     assert runner.cuda_graph_batch_sizes == [1, 2, 4, 8]
     sizes = _record_sizes(runner.decode_graphs)
     _assert_same(_generate(llm), eager)

@@ -113,6 +113,33 @@ def test_fused_moe_dense(device, dtype, shape):
     assert_close(out, ref, scale=3.0)
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_expert_parallel_partial_sums_add_up(device, ranks):
+    """Expert parallelism: each rank holds E / ranks experts and sees other ranks' choices as ids past its own (E
+    local); the ranks' partial outputs sum to the whole MoE, on the sort, the torch reference and the Triton GEMMs."""
+    tokens, experts, top_k, hidden, inter = 9, 8, 3, 64, 32
+    x = torch.randn(tokens, hidden, device=device)
+    w13 = torch.randn(experts, 2 * inter, hidden, device=device) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, device=device) / inter**0.5
+    weights, ids = _route(tokens, experts, top_k, device)
+    whole = fused_moe.fused_moe(x, w13, w2, weights, ids)
+    local = experts // ranks
+    parts_ref, parts_triton = [], []
+    for rank in range(ranks):
+        rank_ids = ids - rank * local
+        rank_ids = rank_ids.masked_fill((rank_ids < 0) | (rank_ids >= local), local)
+        mine = slice(rank * local, (rank + 1) * local)
+        parts_ref.append(fused_moe.fused_moe(x, w13[mine], w2[mine], weights, rank_ids, other_experts=True))
+        parts_triton.append(triton_moe.fused_moe(x, w13[mine], w2[mine], weights, rank_ids, other_experts=True))
+        sorted_ids, _, used = fused_moe.moe_align_block_size(rank_ids.cpu(), local, 16)
+        out = triton_moe.moe_align_block_size(rank_ids, local, 16)
+        assert int(out[2]) == int(used) and torch.equal(out[0].cpu(), sorted_ids)
+        real = sorted_ids[sorted_ids < tokens * top_k].long()
+        assert torch.equal(real.sort().values, (rank_ids.flatten().cpu() < local).nonzero().squeeze(1))
+    assert_close(sum(parts_ref), whole, scale=1.0)
+    assert_close(sum(parts_triton), whole, scale=3.0)
+
+
 def test_fused_moe_reference_matches_transformers_experts():
     from types import SimpleNamespace
 

@@ -133,7 +133,7 @@ def test_mtp_draft_layer_keeps_its_experts_packed(tiny_checkpoint) -> None:
     for path in (ckpt.path, ckpt.reference_path):
         llm = LLM(str(path), dtype="float32", device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
         outs = llm.generate(requests, SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)
-        experts = llm.engine.runner.drafters["mtp"].model.layers[0].mlp.experts
+        experts = llm.engine.runner.worker.drafters["mtp"].model.layers[0].mlp.experts
         results.append(([o.outputs[0].token_ids for o in outs], llm.engine.stats().spec_decode, experts.w13.dtype))
     assert results[0][2] == torch.float8_e4m3fn and results[1][2] == torch.float32
     assert results[0][:2] == results[1][:2]

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 
 # Kimi's chat tokens are special (skipped when decoding with skip_special_tokens); <think> and </think> are plain
 # added tokens so they survive decoding, as in the bundled model; hermes' tags are plain added tokens as in Qwen.
@@ -154,3 +155,29 @@ def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> b
             return True
         time.sleep(interval)
     return predicate()
+
+
+MARKERS = ("<think>", "</think>", "<|tool_call", "<|im_")
+
+
+def stream_chat(client: openai.OpenAI, **kwargs: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"order": [], "reasoning": "", "content": "", "calls": {}, "finish": None, "usage": None}
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        out["usage"] = chunk.usage or out["usage"]
+        for choice in chunk.choices:
+            reasoning = getattr(choice.delta, "reasoning_content", None)
+            if reasoning:
+                out["order"].append("reasoning")
+                out["reasoning"] += reasoning
+            if choice.delta.content:
+                out["order"].append("content")
+                out["content"] += choice.delta.content
+            for call in choice.delta.tool_calls or []:
+                slot = out["calls"].setdefault(call.index, {"id": call.id, "name": call.function.name, "arguments": ""})
+                slot["arguments"] += call.function.arguments or ""
+            out["finish"] = choice.finish_reason or out["finish"]
+    if "content" in out["order"]:
+        assert "reasoning" not in out["order"][out["order"].index("content"):], "thinking after the answer started"
+    for piece in (out["reasoning"], out["content"]):
+        assert not any(m in piece for m in MARKERS), piece
+    return out

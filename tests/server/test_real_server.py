@@ -23,7 +23,7 @@ import pytest
 
 from reasoning_engine.server.app import ServerConfig, build_app
 
-from .helpers import LiveServer, metric_value, save_random_checkpoint, wait_for
+from .helpers import LiveServer, metric_value, save_random_checkpoint, stream_chat, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,30 +77,6 @@ def model_name(client: openai.OpenAI) -> str:
 
 
 MSG = [{"role": "user", "content": "What is 347 + 589?"}]
-MARKERS = ("<think>", "</think>", "<|tool_call", "<|im_")
-
-
-def stream_chat(client: openai.OpenAI, **kwargs: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"order": [], "reasoning": "", "content": "", "calls": {}, "finish": None, "usage": None}
-    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
-        out["usage"] = chunk.usage or out["usage"]
-        for choice in chunk.choices:
-            reasoning = getattr(choice.delta, "reasoning_content", None)
-            if reasoning:
-                out["order"].append("reasoning")
-                out["reasoning"] += reasoning
-            if choice.delta.content:
-                out["order"].append("content")
-                out["content"] += choice.delta.content
-            for call in choice.delta.tool_calls or []:
-                slot = out["calls"].setdefault(call.index, {"id": call.id, "name": call.function.name, "arguments": ""})
-                slot["arguments"] += call.function.arguments or ""
-            out["finish"] = choice.finish_reason or out["finish"]
-    if "content" in out["order"]:
-        assert "reasoning" not in out["order"][out["order"].index("content"):], "thinking after the answer started"
-    for piece in (out["reasoning"], out["content"]):
-        assert not any(m in piece for m in MARKERS), piece
-    return out
 
 
 def metrics(server: LiveServer) -> str:

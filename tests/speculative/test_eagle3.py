@@ -154,7 +154,7 @@ def test_head_drafts_what_the_published_layout_defines(target_dir: Path, tmp_pat
               speculative_config={"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 8})
     engine = llm.engine
     engine.spec.proposer = OracleTree({tuple(prompt): plain})  # verification with accepted nodes out of tree order
-    drafter = engine.runner.drafters["eagle3"]
+    drafter = engine.runner.worker.drafters["eagle3"]
     request_id = engine.add_request(None, {"prompt_token_ids": prompt}, GREEDY)
     request = engine.groups[request_id][0]
     checked = 0
@@ -187,6 +187,19 @@ def test_greedy_output_equals_plain_decoding(target_dir: Path, tmp_path: Path, c
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+def test_tensor_parallel_output_equals_plain_decoding(target_dir: Path, tmp_path: Path) -> None:
+    """The head whole on both ranks, beside a target split over two (it reads the target's split embedding and
+    whole intermediate features); a cache small enough to preempt."""
+    write_eagle3_head(tmp_path / "head", seed=3)
+    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(6, seed=4, low=3, high=30)]
+    plain = _tokens(LLM(target_dir, dtype="float32", device="cpu").generate(prompts, GREEDY))
+    spec = {"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 4}
+    with LLM(target_dir, dtype="float32", device="cpu", block_size=4, kv_cache_blocks=32, max_model_len=128,
+             tensor_parallel_size=2, speculative_config=spec) as llm:
+        assert _tokens(llm.generate(prompts, GREEDY)) == plain
+        assert llm.engine.stats().spec_decode["draft_tokens"] > 0 and llm.engine.num_preemptions > 0
+
+
 def test_aborts_leave_no_blocks(target_dir: Path, tmp_path: Path) -> None:
     write_eagle3_head(tmp_path / "head", seed=5)
     llm = LLM(target_dir, dtype="float32", device="cpu", block_size=4,
@@ -199,7 +212,7 @@ def test_aborts_leave_no_blocks(target_dir: Path, tmp_path: Path) -> None:
     for request_id in ids:
         engine.abort_request(request_id)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert not engine.runner.drafters["eagle3"].states
+    assert not engine.runner.worker.drafters["eagle3"].states
 
 
 def test_sampled_outputs_follow_the_target_distribution(target_dir: Path, tmp_path: Path) -> None:

@@ -77,7 +77,7 @@ def test_drafts_are_what_the_mtp_layer_predicts(tiny_mtp: tuple[Path, TinyDeepse
               speculative_config={"method": "mtp", "num_speculative_tokens": 8})
     engine = llm.engine
     engine.spec.proposer = OracleTree({tuple(prompt): plain})  # verification with accepted nodes out of tree order
-    drafter = engine.runner.drafters["mtp"]
+    drafter = engine.runner.worker.drafters["mtp"]
     request_id = engine.add_request(None, {"prompt_token_ids": prompt}, GREEDY)
     request = engine.groups[request_id][0]
     checked = 0
@@ -123,11 +123,11 @@ def test_aborts_leave_no_blocks_and_no_draft_state(tiny_mtp) -> None:
         engine.abort_request(request_id)
     for _ in range(3):
         engine.step()
-    assert engine.runner.drafters["mtp"].states  # the running requests have draft states
+    assert engine.runner.worker.drafters["mtp"].states  # the running requests have draft states
     for request_id in ids[2:]:
         engine.abort_request(request_id)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert not engine.runner.drafters["mtp"].states
+    assert not engine.runner.worker.drafters["mtp"].states
 
 
 def test_sampled_outputs_follow_the_target_distribution(tiny_mtp) -> None:

@@ -1,0 +1,380 @@
+"""Several processes, one model: starting the ranks, their process groups, and the calls they make in lockstep.
+
+Rank 0 is the engine's own process (the driver: scheduler, sampling, detokenizer, speculative proposers). Every other
+rank runs `serve_rank`: it builds its `ModelWorker` (its shard of the model and its KV cache) and then makes, in
+order, the calls rank 0 broadcasts (`DistributedExecutor`): the same forward passes over the same inputs, so that the
+collectives inside the model meet. Calls travel over a gloo group on every backend; the model's own collectives use
+NCCL on CUDA and gloo on CPU.
+
+Ranks are laid out data-parallel replica by replica: rank = dp_rank * tensor_parallel_size + tp_rank. They start as
+child processes of each node's launcher (`mp`: `python -m reasoning_engine.engine.distributed`, which never re-imports
+the user's script) or as Ray actors in a placement group (`ray`), and meet at a TCPStore on node 0
+(master_addr:master_port), which also hands them the engine config.
+
+A rank that dies or raises is noticed by the driver's monitor (its process ends, or its Ray task does): the other
+ranks are stopped, so that no collective waits for it, and the failure callbacks run (the server fails its requests
+and exits). Each rank also ends when the driver's connection drops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import ctypes
+import dataclasses
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from reasoning_engine.config import EngineConfig, ParallelConfig
+from reasoning_engine.engine.worker import DraftObservation, ModelWorker, StepInput
+from reasoning_engine.parallel import Group, Parallel
+from reasoning_engine.speculative.decoder import ProposeItem
+from reasoning_engine.speculative.draft import Draft
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT = timedelta(seconds=600)  # ranks must all have started (and Ray placed them) within this
+_CONFIG_KEY = "engine_config"
+
+
+class WorkerFailed(RuntimeError):
+    """A rank's process ended or raised: the engine cannot step any more."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def build_parallel(rank: int, config: ParallelConfig, device_backend: str) -> tuple[Parallel, dist.ProcessGroup]:
+    """This rank's groups, and the gloo group the driver's calls travel on. Every rank creates every group, in the
+    same order, as torch.distributed requires."""
+    tp, dp = config.tensor_parallel_size, config.data_parallel_size
+    control = dist.new_group(backend="gloo")
+    tp_groups = [dist.new_group(list(range(d * tp, (d + 1) * tp)), backend=device_backend) if tp > 1 else None
+                 for d in range(dp)]
+    dp_groups = [dist.new_group(list(range(t, tp * dp, tp)), backend=device_backend) if dp > 1 else None
+                 for t in range(tp)]
+    dp_rank, tp_rank = divmod(rank, tp)
+    parallel = Parallel(
+        tp=Group(tp_rank, tp, tp_groups[dp_rank]),
+        ep=Group(rank, tp * dp, dist.group.WORLD) if config.enable_expert_parallel else None,
+        dp=Group(dp_rank, dp, dp_groups[tp_rank]),
+    )
+    return parallel, control
+
+
+def _rank_device(config: EngineConfig, local_rank: int) -> torch.device:
+    if config.device.type != "cuda":
+        return config.device
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def _threads_for(local_ranks: int) -> int:
+    """CPU ranks on one machine share its cores."""
+    return max(1, (os.cpu_count() or 1) // local_ranks)
+
+
+def _smallest(value: int, group: dist.ProcessGroup) -> int:
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
+    return int(tensor.item())
+
+
+def _start_worker(config: EngineConfig, rank: int, control: dist.ProcessGroup, parallel: Parallel) -> ModelWorker:
+    """Build this rank's worker and allocate the KV cache every rank can hold."""
+    local_ranks = config.parallel.ranks_per_node
+    worker = ModelWorker(config, parallel, local_ranks=local_ranks)
+    worker.init_cache(_smallest(worker.available_blocks(), control))
+    return worker
+
+
+def _init_process_group(config: EngineConfig, store: dist.Store, rank: int) -> str:
+    backend = "nccl" if config.device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.PrefixStore("engine", store), rank=rank,
+                            world_size=config.parallel.world_size, timeout=timedelta(minutes=30))
+    return backend
+
+
+def serve_rank(rank: int, master_addr: str, master_port: int) -> None:
+    """A non-driver rank: meet the others, build this rank's worker, then make the driver's calls until it says
+    stop (or its connection drops, which raises)."""
+    store = dist.TCPStore(master_addr, master_port, is_master=False, timeout=STARTUP_TIMEOUT)
+    config: EngineConfig = pickle.loads(store.get(_CONFIG_KEY))
+    local_rank = rank % config.parallel.ranks_per_node
+    config = dataclasses.replace(config, device=_rank_device(config, local_rank))
+    if config.device.type == "cpu":
+        torch.set_num_threads(_threads_for(config.parallel.ranks_per_node))
+    backend = _init_process_group(config, store, rank)
+    parallel, control = build_parallel(rank, config.parallel, backend)
+    worker = _start_worker(config, rank, control, parallel)
+    while True:
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=0, group=control)
+        method, args, gather = message[0]
+        if method == "shutdown":
+            break
+        result = getattr(worker, method)(*args)
+        if gather:
+            dist.gather_object(result, None, dst=0, group=control)
+    dist.destroy_process_group()
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGTERM when its launcher dies, so no rank outlives a killed server."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def launch_ranks(ranks: range, master_addr: str, master_port: int) -> list[subprocess.Popen]:
+    """Start these ranks as child processes of this one (the `mp` backend, and nodes other than node 0)."""
+    procs = []
+    for rank in ranks:
+        cmd = [sys.executable, "-m", "reasoning_engine.engine.distributed", "--rank", str(rank),
+               "--master-addr", master_addr, "--master-port", str(master_port)]
+        procs.append(subprocess.Popen(cmd))
+    return procs
+
+
+def run_node(config: ParallelConfig) -> int:
+    """A node other than node 0 (`serve --nnodes K --node-rank R`): start this node's ranks and wait for them; the
+    exit status is the first failing rank's, else 0."""
+    per_node = config.ranks_per_node
+    procs = launch_ranks(range(config.node_rank * per_node, (config.node_rank + 1) * per_node),
+                         config.master_addr, config.master_port)
+
+    def stop(signum: int, _frame: Any) -> None:
+        for proc in procs:
+            proc.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    codes = [proc.wait() for proc in procs]
+    return next((code for code in codes if code), 0)
+
+
+class DistributedExecutor:
+    """The driver's handle on all ranks: `local` is rank 0's worker in this process, and each call is broadcast to
+    the other ranks before rank 0 makes it (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        pc = config.parallel
+        if dist.is_initialized():
+            raise RuntimeError("this process already runs a distributed engine (or another torch.distributed job): "
+                               "shut that engine down first")
+        self.failure: str | None = None
+        self._callbacks: list[Callable[[str], None]] = []
+        self._stopped = False
+        port = pc.master_port or free_port(pc.master_addr)
+        config = dataclasses.replace(config, parallel=dataclasses.replace(pc, master_port=port))
+        self._threads = torch.get_num_threads()
+        if config.device.type == "cpu":
+            torch.set_num_threads(_threads_for(pc.ranks_per_node))
+        self._store = dist.TCPStore(pc.master_addr, port, pc.world_size, is_master=True, wait_for_workers=False,
+                                    timeout=STARTUP_TIMEOUT)
+        self._store.set(_CONFIG_KEY, pickle.dumps(config))
+        self._procs: list[subprocess.Popen] = []
+        self._ray_tasks: list[Any] = []
+        self._ray_actors: list[Any] = []
+        ranks = range(1, pc.ranks_per_node)
+        if pc.distributed_executor_backend == "ray":
+            self._start_ray(config, port)
+        else:
+            self._procs = launch_ranks(ranks, pc.master_addr, port)
+        self._monitor = threading.Thread(target=self._watch, name="rank-monitor", daemon=True)
+        self._monitor.start()
+        atexit.register(self.shutdown)  # an engine never shut down still stops its ranks when Python exits
+        try:
+            config = dataclasses.replace(config, device=_rank_device(config, 0))
+            backend = _init_process_group(config, self._store, 0)
+            parallel, self._control = build_parallel(0, config.parallel, backend)
+            self.local = _start_worker(config, 0, self._control, parallel)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_blocks = self.local.num_blocks
+
+    # ---- the calls every rank makes ----
+    def _call(self, method: str, *args: Any, gather: bool = False) -> Any:
+        """Rank 0's result of `method` (every rank's, with `gather`). Any failure leaves the ranks out of step: the
+        executor is then dead and the other ranks are stopped."""
+        if self.failure is not None:
+            raise WorkerFailed(self.failure)
+        try:
+            dist.broadcast_object_list([(method, args, gather)], src=0, group=self._control)
+            result = getattr(self.local, method)(*args)
+            if not gather:
+                return result
+            results: list[Any] = [None] * dist.get_world_size()
+            dist.gather_object(result, results, dst=0, group=self._control)
+            return results
+        except Exception as exc:
+            if self.failure is None:
+                # a collective that fails is most often another rank's death: name that rank if it is found
+                deadline = time.monotonic() + 1.0
+                while (reason := self._dead_rank()) is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                self.failure = reason or f"rank 0 failed in {method}: {exc}"
+                self._kill()
+            raise WorkerFailed(self.failure) from exc
+
+    def execute_model(self, steps: list[StepInput]) -> list[torch.Tensor]:
+        return self._call("execute_model", steps)
+
+    def observe_drafts(self, observations: list[DraftObservation]) -> None:
+        self._call("observe_drafts", observations)
+
+    def propose_drafts(self, method: str, items: list[list[ProposeItem]]) -> list[list[Draft]]:
+        return self._call("propose_drafts", method, items)
+
+    def release_draft_state(self, method: str, seq_id: str) -> None:
+        self._call("release_draft_state", method, seq_id)
+
+    def move_kv(self, replica: int, block_table: list[int], moves: list[tuple[int, int]]) -> None:
+        self._call("move_kv", replica, block_table, moves)
+
+    def gather(self, method: str, *args: Any) -> list[Any]:
+        """Every rank's result of the worker method `method`, in rank order (reports such as `memory_report`)."""
+        return self._call(method, *args, gather=True)
+
+    # ---- faults and shutdown ----
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(reason)` (from the monitor thread) when a rank dies or raises."""
+        self._callbacks.append(callback)
+
+    def _watch(self) -> None:
+        while not self._stopped:
+            reason = self._dead_rank()
+            if reason is not None:
+                self.failure = reason
+                logger.error("%s: stopping the other ranks", reason)
+                self._kill()
+                for callback in self._callbacks:
+                    callback(reason)
+                return
+            time.sleep(0.2)
+
+    def _dead_rank(self) -> str | None:
+        for rank, proc in enumerate(self._procs, start=1):
+            code = proc.poll()
+            if code is not None and not self._stopped:
+                return f"rank {rank} (pid {proc.pid}) exited with status {code}"
+        if self._ray_tasks:
+            import ray
+
+            done, _ = ray.wait(self._ray_tasks, timeout=0)
+            if done and not self._stopped:
+                rank = self._ray_tasks.index(done[0]) + 1
+                try:
+                    ray.get(done[0])
+                    return f"rank {rank} (Ray actor) stopped"
+                except Exception as exc:  # noqa: BLE001 - the actor's error is the reason
+                    return f"rank {rank} (Ray actor) failed: {exc}"
+        return None
+
+    def _kill(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+        if self._ray_actors:
+            import ray
+
+            for actor in self._ray_actors:
+                ray.kill(actor)
+
+    def shutdown(self) -> None:
+        """Tell every rank to stop and wait for them (killing what does not stop within 10 s); idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.failure is None and dist.is_initialized() and hasattr(self, "_control"):
+            try:
+                dist.broadcast_object_list([("shutdown", (), False)], src=0, group=self._control)
+            except RuntimeError:  # a rank is already gone: it is killed below
+                logger.warning("a rank did not take the shutdown call")
+        deadline = time.monotonic() + 10
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._ray_tasks:
+            import ray
+
+            ray.wait(self._ray_tasks, num_returns=len(self._ray_tasks), timeout=max(0.1, deadline - time.monotonic()))
+            self._kill()
+        if dist.is_initialized() and self.failure is None:  # after a failure a thread may be stuck in a collective
+            dist.destroy_process_group()
+        torch.set_num_threads(self._threads)
+
+    # ---- Ray ----
+    def _start_ray(self, config: EngineConfig, port: int) -> None:
+        """One actor per rank 1.. in a placement group of the Ray cluster this process is connected to (or one it
+        finds at `ray start`'s address, else a local one), each bundle a GPU on CUDA or a CPU."""
+        try:
+            import ray
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        except ImportError as exc:
+            raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'reasoning-engine[ray]'") from exc
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS", "auto") if _ray_cluster_running() else None,
+                     include_dashboard=False, log_to_driver=True)
+        pc = config.parallel
+        resource = {"GPU": 1} if config.device.type == "cuda" else {"CPU": 1}
+        group = placement_group([resource] * (pc.world_size - 1), strategy="PACK")
+        ray.get(group.ready(), timeout=STARTUP_TIMEOUT.total_seconds())
+        actor_cls = ray.remote(num_cpus=resource.get("CPU", 0), num_gpus=resource.get("GPU", 0))(_RankActor)
+        master = ray.util.get_node_ip_address() if pc.master_addr in ("127.0.0.1", "localhost") and pc.nnodes > 1 \
+            else pc.master_addr
+        for rank in range(1, pc.world_size):
+            actor = actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=rank - 1)).remote()
+            self._ray_actors.append(actor)
+            self._ray_tasks.append(actor.run.remote(rank, master, port))
+
+
+def _ray_cluster_running() -> bool:
+    """A cluster to join: RAY_ADDRESS set, or `ray start` left its address file on this machine."""
+    return bool(os.environ.get("RAY_ADDRESS")) or os.path.exists("/tmp/ray/ray_current_cluster")
+
+
+class _RankActor:
+    """A rank inside a Ray actor: `run` serves until the driver's shutdown call."""
+
+    def run(self, rank: int, master_addr: str, master_port: int) -> int:
+        serve_rank(rank, master_addr, master_port)
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="One rank of a distributed engine (started by the engine itself).")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--master-addr", required=True)
+    parser.add_argument("--master-port", type=int, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"rank {args.rank} %(levelname)s %(name)s: %(message)s")
+    _die_with_parent()
+    serve_rank(args.rank, args.master_addr, args.master_port)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,468 @@
+"""One rank's share of the model: its weights, its KV cache, and the forward passes the driver asks for.
+
+The driver (`ModelRunner`: scheduling results in, sampled tokens out) calls a worker with plain data: a `StepInput`
+for the step's forward pass, a `DraftObservation` for the draft models' pass over what the step kept, the items to
+draft for. In one process it calls the worker directly. With several ranks (engine/distributed.py) every rank's
+worker makes the same call in lockstep, so the collectives inside the model meet; only rank 0's results are used.
+Nothing here decides a token: the tokens the draft models chain are argmaxes of logits every rank gathers whole, so
+all ranks of a replica draft alike.
+
+Every call carries one entry per data-parallel replica (one, without data parallelism); a rank reads its replica's.
+Replicas run their forward passes together, an idle one on a placeholder token, because their MoE layers exchange
+tokens; the replicas' logits and drafts are gathered for rank 0.
+
+On CUDA with the Triton kernels, decode steps replay CUDA graphs captured at start (`cuda_graph.py`); with
+`compile_decode`, CPU decode steps run `torch.compile` graphs (`compiled_decode.py`); everything else runs eagerly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from reasoning_engine.batch import ForwardBatch
+from reasoning_engine.config import EngineConfig
+from reasoning_engine.engine.compiled_decode import CompiledDecode
+from reasoning_engine.engine.cuda_graph import CudaGraphRunner, cuda_graphs_enabled
+from reasoning_engine.kernels import kernel_module
+from reasoning_engine.models.registry import build_model
+from reasoning_engine.models.weights import BYTES_READ
+from reasoning_engine.parallel import Parallel
+from reasoning_engine.speculative.decoder import DraftModel, ProposeItem, SpeculativeConfig, load_draft_models
+from reasoning_engine.speculative.draft import Draft
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInput:
+    """One replica's step, its tokens flattened, as the driver sends it: what `ModelWorker.make_batch` turns into a
+    ForwardBatch, and the rows whose logits the driver wants."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    logits_rows: list[int]
+    tree_parts: list[torch.Tensor] | None = None  # per sequence, which of its query tokens each may see (drafts)
+
+    @staticmethod
+    def idle(padding_block: int, block_size: int) -> StepInput:
+        """A data-parallel replica with nothing scheduled still runs a step, so that its MoE layers meet the other
+        replicas': one token in the padding block, which no request owns, and no logits."""
+        return StepInput([0], [0], [padding_block * block_size], [1], [1], [[padding_block]], [])
+
+
+@dataclass
+class DraftFinal:
+    """A request whose step produced tokens: its row in the draft pass and where its next draft starts."""
+
+    seq_id: str
+    row: int
+    position: int  # the new root's position: every position below it is now in the caches
+    block_table: list[int]  # the request's blocks holding those positions
+
+
+@dataclass
+class DraftObservation:
+    """What the draft models' pass after a replica's step reads: the rows of the step's hidden states whose
+    positions were kept, each paired with the token after it, and the requests that got new tokens."""
+
+    rows: list[int]
+    next_ids: list[int]
+    starts: list[int]  # per scheduled request, its first position this step
+    query_lens: list[int]  # per scheduled request, how many of its positions were kept
+    block_tables: list[list[int]]
+    finals: list[DraftFinal]
+
+    @staticmethod
+    def idle(padding_block: int) -> DraftObservation:
+        """The draft pass of a replica whose step was `StepInput.idle`."""
+        return DraftObservation([0], [0], [0], [1], [[padding_block]], [])
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def cache_bytes_per_token(layers: Sequence[torch.nn.Module], dtype: torch.dtype) -> int:
+    """Bytes one token takes in the caches of these attention layers."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    return sum(torch.Size(shape).numel() * size for attn in layers for shape in attn.cache_shape(1, 1))
+
+
+class ModelWorker:
+    """A rank's model shard, draft models and KV caches. `init_cache` must follow construction (with the block
+    count every rank agreed on: the smallest any can hold)."""
+
+    def __init__(self, config: EngineConfig, parallel: Parallel = Parallel(), local_ranks: int = 1) -> None:
+        """`local_ranks`: the ranks sharing this machine's memory (CPU), which split its share of the free memory."""
+        self.config = config
+        self.parallel = parallel
+        self.device = config.device
+        self.block_size = config.block_size
+        self.local_ranks = local_ranks
+        self.attention_ops = kernel_module("attention", config.kernel_backend)
+        read_before = BYTES_READ.bytes
+        self.model = build_model(config.model, config.dtype, config.device, config.max_model_len, config.kernel_backend,
+                                 load_format=config.load_format,
+                                 keep_plain_weights=config.compile_decode,  # the compiled graphs multiply them
+                                 parallel=parallel)
+        spec = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config else None
+        self.draft_models = load_draft_models(spec, config, self.model) if spec is not None else {}
+        self.max_draft_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.checkpoint_bytes_read = BYTES_READ.bytes - read_before
+        self.aux_layers = sorted({i for m in self.draft_models.values() for i in m.aux_layers})
+        self.num_blocks = 0
+        self.padding_block = 0
+        self.kv_caches: list[list[torch.Tensor]] = []
+        self.drafters: dict[str, DraftRunner] = {}
+        self.decode_graphs: CudaGraphRunner | None = None
+        self.compiled_decode: CompiledDecode | None = None
+        self._last: tuple[ForwardBatch, torch.Tensor, dict[int, torch.Tensor]] | None = None  # for the draft pass
+        self.failure: str | None = None  # one process: a failed step leaves nothing out of step
+
+    @property
+    def local(self) -> ModelWorker:
+        """The worker in this process (an executor's rank 0; here, itself)."""
+        return self
+
+    def memory_report(self) -> dict[str, int]:
+        """This rank's resident bytes: weights (the target's and its draft models', parameters and buffers), KV
+        caches, and what loading read from the checkpoint files."""
+        modules = [self.model, *self.draft_models.values()]
+        tensors = {id(t): t for m in modules for t in (*m.parameters(), *m.buffers())}  # tied weights once
+        return {"weight_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+                "kv_cache_bytes": sum(t.numel() * t.element_size() for caches in self.kv_caches for t in caches),
+                "checkpoint_bytes_read": self.checkpoint_bytes_read}
+
+    def gather(self, method: str, *args: object) -> list[object]:
+        """Every rank's result of `method`: here, the only one's."""
+        return [getattr(self, method)(*args)]
+
+    # ---- KV cache ----
+    def available_blocks(self) -> int:
+        """How many KV blocks this rank can hold: the configured count, or what fits in its share of free memory."""
+        c = self.config
+        per_token = cache_bytes_per_token(self.model.attention_layers(), c.dtype)
+        per_token += sum(cache_bytes_per_token(m.attention_layers(), c.dtype) for m in self.draft_models.values())
+        per_block = per_token * c.block_size
+        if c.kv_cache_blocks is not None:
+            blocks = c.kv_cache_blocks
+        elif c.kv_cache_memory is not None:
+            blocks = c.kv_cache_memory // per_block
+        else:
+            # enough for every sequence at full length, within a share of the free memory
+            wanted = c.max_num_seqs * ((c.max_model_len + c.block_size - 1) // c.block_size) + 1
+            share = 0.85 if self.device.type == "cuda" else 0.3 / self.local_ranks
+            blocks = min(wanted, int(available_memory(self.device) * share) // per_block)
+        min_blocks = (c.max_model_len + c.block_size - 1) // c.block_size
+        if blocks < min_blocks:
+            raise ValueError(
+                f"kv_cache_blocks={blocks} holds {blocks * c.block_size} tokens, fewer than max_model_len={c.max_model_len}; "
+                f"give more KV cache memory or a smaller max_model_len")
+        return blocks
+
+    def init_cache(self, num_blocks: int) -> None:
+        """Allocate the caches, then capture or compile the decode graphs (every rank at once: they run the model)."""
+        self.num_blocks = num_blocks
+        # one block past those the BlockManager hands out: padding rows of CUDA-graph decode batches write there, and
+        # so do the steps that compile the decode graphs (compile_decode)
+        self.padding_block = num_blocks
+        self.kv_caches = self.allocate_caches(self.model.attention_layers(), num_blocks + 1)
+        self.drafters = {method: DraftRunner(method, m, self, self.max_draft_tokens)
+                         for method, m in self.draft_models.items()}
+        # EAGLE-3 reads intermediate layers, which a captured forward does not return: its steps stay eager
+        if cuda_graphs_enabled(self.config) and not self.aux_layers:
+            self.decode_graphs = CudaGraphRunner(self.model, self.config, self.padding_block, capture=True)
+        if self.config.compile_decode and not self.aux_layers:
+            self.compiled_decode = CompiledDecode(self.model)
+            self._compile_decode_graphs()
+
+    def allocate_caches(self, layers: Sequence[torch.nn.Module], num_blocks: int) -> list[list[torch.Tensor]]:
+        """Allocate and bind the paged caches of these attention layers (the target's, or a draft model's)."""
+        kv_caches: list[list[torch.Tensor]] = []
+        for attn in layers:
+            caches = [torch.zeros(shape, dtype=self.config.dtype, device=self.device)
+                      for shape in attn.cache_shape(num_blocks, self.block_size)]
+            attn.bind_cache(caches)
+            kv_caches.append(caches)
+        total = sum(t.numel() * t.element_size() for caches in kv_caches for t in caches)
+        logger.info("KV cache: %d blocks of %d tokens for %d layers (%.1f MiB)", num_blocks, self.block_size,
+                    len(kv_caches), total / 2**20)
+        return kv_caches
+
+    @torch.inference_mode()
+    def _compile_decode_graphs(self) -> None:
+        """Compile the three decode graphs at start rather than during the first requests: steps of one, three and
+        MAX_SEQS + 1 sequences whose context lies in the padding block, which no request owns. The sizes avoid
+        coincidences (context 7, block tables 2 wider than needed): torch gives equal sizes one symbol, so a graph
+        traced with, say, batch size == table width would demand that of every later step (and one traced with two
+        sequences came out specialised to two on the test models, whose heads come in pairs)."""
+        start = time.perf_counter()
+        pad, size, length = self.padding_block, self.block_size, 7
+        table = [pad] * (-(-length // size) + 2)
+        for n in (1, 3, CompiledDecode.MAX_SEQS + 1):
+            self.compiled_decode.warm_up(self.make_batch([0] * n, [length - 1] * n, [pad * size + (length - 1) % size] * n,
+                                                         [1] * n, [length] * n, [table] * n, list(range(n))))
+        logger.info("compile_decode: decode graphs compiled in %.1f s (guards: %d kept, %d on the model dropped)",
+                    time.perf_counter() - start, self.compiled_decode.guards_kept,
+                    self.compiled_decode.guards_dropped)
+
+    @property
+    def cuda_graph_batch_sizes(self) -> list[int]:
+        """Decode batch sizes replayed from captured CUDA graphs; [] when every step runs eagerly (CPU, torch
+        kernels, enforce_eager, EAGLE-3). A step of n sequences replays the smallest of these >= n."""
+        return self.decode_graphs.captured_batch_sizes if self.decode_graphs is not None else []
+
+    def move_kv(self, replica: int, block_table: list[int], moves: list[tuple[int, int]]) -> None:
+        """Copy cache entries between token positions of one sequence of `replica` (accepted draft-tree nodes into
+        place). Draft models' caches need no move: their pass after the step writes the accepted positions in place."""
+        if replica != self.replica:
+            return
+        bs = self.block_size
+        src = torch.tensor([block_table[a // bs] * bs + a % bs for a, _ in moves], device=self.device)
+        dst = torch.tensor([block_table[b // bs] * bs + b % bs for _, b in moves], device=self.device)
+        for caches in self.kv_caches:
+            for cache in caches:
+                flat = cache.view(-1, *cache.shape[2:])
+                flat[dst] = flat[src]
+
+    # ---- one step ----
+    def make_batch(self, input_ids: list[int], positions: list[int], slots: list[int], query_lens: list[int],
+                   seq_lens: list[int], block_tables: list[list[int]], logits_rows: list[int] | None = None,
+                   tree_parts: list[torch.Tensor] | None = None, with_attention: bool = True) -> ForwardBatch:
+        """A ForwardBatch over the paged caches, its attention metadata built once for all layers (unless
+        `with_attention` is False: a step that replays a CUDA graph builds its own inside the graph). `tree_parts`: per
+        sequence, which of its query tokens each may see (draft trees); None for causal order."""
+        dev = self.device
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        query_start = [0]
+        for n in query_lens:
+            query_start.append(query_start[-1] + n)
+        tree_mask = None
+        if tree_parts is not None:
+            tree_mask = torch.zeros(len(input_ids), max(query_lens), dtype=torch.bool)
+            for part, row0 in zip(tree_parts, query_start):
+                tree_mask[row0 : row0 + part.shape[0], : part.shape[1]] = part
+            tree_mask = tree_mask.to(dev)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.long, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
+            block_tables=tables.to(dev),
+            logits_indices=torch.tensor(logits_rows or [], dtype=torch.long, device=dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            tree_mask=tree_mask,
+        )
+        if with_attention:
+            batch.attn_metadata = self.attention_ops.prepare_attention(batch, self.block_size)
+        return batch
+
+    @property
+    def replica(self) -> int:
+        return self.parallel.dp.rank
+
+    @torch.inference_mode()
+    def execute_model(self, steps: list[StepInput]) -> list[torch.Tensor]:
+        """The step's forward pass over this replica's `StepInput`; returns the float32 logits of each replica's
+        `logits_rows` (on rank 0; another rank may return only its own). With draft models, the batch and hidden
+        states stay for the draft pass (`observe_drafts`)."""
+        step = steps[self.replica]
+        batch = self.make_batch(step.input_ids, step.positions, step.slots, step.query_lens, step.seq_lens,
+                                step.block_tables, step.logits_rows, step.tree_parts, with_attention=False)
+        if len(steps) > 1:
+            batch.dp_num_tokens = [len(s.input_ids) for s in steps]
+        aux_hidden = dict.fromkeys(self.aux_layers) if self.aux_layers else None
+        logits: torch.Tensor | None = None
+        if self.decode_graphs is not None and aux_hidden is None and self.decode_graphs.can_run(batch):
+            hidden = self.decode_graphs.run(batch)
+        else:
+            batch.attn_metadata = self.attention_ops.prepare_attention(batch, self.block_size)
+            if self.compiled_decode is not None and self.compiled_decode.can_run(batch):  # never built with aux layers
+                hidden, logits = self.compiled_decode.run(batch)  # a decode step's logits rows are all of its rows
+            else:
+                hidden = self.model(batch, aux_hidden)
+        if logits is None:
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if self.drafters:
+            self._last = (batch, hidden, aux_hidden or {})
+        if len(steps) == 1 or self.parallel.tp.rank != 0:
+            return [logits]
+        counts = [len(s.logits_rows) for s in steps]
+        return list(self.parallel.dp.all_gather_rows(logits, counts).split(counts))
+
+    @torch.inference_mode()
+    def observe_drafts(self, observations: list[DraftObservation]) -> None:
+        """The draft models' pass over every position the last step kept (see `DraftObservation`)."""
+        batch, hidden, aux_hidden = self._last
+        self._last = None
+        obs, bs = observations[self.replica], self.block_size
+        if batch.tree_mask is None:  # no draft verified: the same positions as the target's batch
+            draft_batch = dataclasses.replace(batch, input_ids=torch.tensor(obs.next_ids, dtype=torch.long, device=self.device))
+        else:
+            index = torch.tensor(obs.rows, device=hidden.device)
+            hidden, aux_hidden = hidden[index], {i: t[index] for i, t in aux_hidden.items()}
+            spans = [range(start, start + n) for start, n in zip(obs.starts, obs.query_lens)]
+            draft_batch = self.make_batch(
+                obs.next_ids, [p for span in spans for p in span],
+                [table[p // bs] * bs + p % bs for table, span in zip(obs.block_tables, spans) for p in span],
+                obs.query_lens, [span.stop for span in spans], obs.block_tables)
+        if len(observations) > 1:
+            draft_batch.dp_num_tokens = [len(o.next_ids) for o in observations]
+        for drafter in self.drafters.values():
+            drafter.observe(draft_batch, hidden, aux_hidden, obs.finals)
+
+    def propose_drafts(self, method: str, items: list[list[ProposeItem]]) -> list[list[Draft]]:
+        """The draft model `method`'s chains for each replica's `items` (rank 0 gets every replica's)."""
+        drafts = self.drafters[method].propose_batch(items[self.replica])
+        if len(items) == 1 or self.parallel.tp.rank != 0:
+            return [drafts]
+        gathered: list[list[Draft] | None] = [None] * len(items)
+        dist.all_gather_object(gathered, drafts, group=self.parallel.dp.handle)
+        return gathered
+
+    def release_draft_state(self, method: str, seq_id: str) -> None:
+        """A request finished: its draft state goes."""
+        self.drafters[method].states.pop(seq_id, None)
+
+    def on_failure(self, callback: object) -> None:
+        """One process: no other rank can fail (executors with several ranks call back when one does)."""
+
+    def shutdown(self) -> None:
+        """Nothing to stop in one process; executors with several ranks stop them here."""
+
+
+@dataclass
+class DraftState:
+    """What a request's next draft starts from, left by the draft model's pass over the request's last step."""
+
+    position: int
+    block_table: list[int]
+    features: torch.Tensor  # [hidden] carried from position - 1
+    token: int  # the first draft token, predicted at position - 1
+    prob: float  # the draft model's probability of it
+
+
+class DraftRunner:
+    """Runs a `DraftModel` (MTP layer, EAGLE-3 head) beside the target and drafts its greedy chains.
+
+    Its KV cache mirrors the target's block ids and slots, so a position's draft entry lives, is shared through the
+    prefix cache and is recycled with the target's. After each target step `observe` runs the draft model over every
+    position the step kept, which fills that cache and leaves each request that got new tokens a `DraftState`: the
+    first draft token and the carried features. `propose_batch` continues the chains of all asked requests together,
+    one draft-model forward per draft position; those positions lie beyond what the target has computed, so they write
+    to the request's own partly filled last block or to scratch blocks past the shared ones (`scratch_per_seq` per
+    request of the batch), and the next `observe` overwrites whatever the target keeps.
+
+    A prefix-cache hit reuses the draft entries of the request that computed the blocks; the entry of the hit's last
+    position was paired with that request's next token, which may differ. That only costs draft quality.
+    """
+
+    def __init__(self, method: str, model: DraftModel, worker: ModelWorker, max_draft_tokens: int) -> None:
+        self.method = method
+        self.model = model
+        self.worker = worker
+        bs = worker.block_size
+        self.scratch_per_seq = -(-max(max_draft_tokens - 1, 0) // bs)
+        self.scratch_start = worker.num_blocks + 1  # past the padding block, as in the target's cache
+        num_blocks = self.scratch_start + worker.config.max_num_seqs * self.scratch_per_seq
+        self.kv_caches = worker.allocate_caches(model.attention_layers(), num_blocks)
+        self.states: dict[str, DraftState] = {}
+
+    def observe(self, batch: ForwardBatch, hidden: torch.Tensor, aux_hidden: Mapping[int, torch.Tensor],
+                finals: list[DraftFinal]) -> None:
+        """Run the draft model over a step's kept positions (batch.input_ids: the token after each position)."""
+        head_input, carried = self.model(batch, self.model.target_features(hidden, aux_hidden), batch.input_ids)
+        if not finals:
+            return
+        rows = torch.tensor([f.row for f in finals], device=head_input.device)
+        tokens, probs = self.model.greedy(head_input[rows])
+        for final, token, prob, features in zip(finals, tokens.tolist(), probs.tolist(), carried[rows]):
+            self.states[final.seq_id] = DraftState(final.position, final.block_table, features, token, prob)
+
+    @torch.inference_mode()
+    def propose_batch(self, items: Sequence[ProposeItem]) -> list[Draft]:
+        """Greedy chains, scored by their expected accepted length under the draft's own probabilities (the sum over
+        depths of the product of the probabilities so far). A request whose state is not from its last token (it
+        has not finished a step since) gets no draft. The items are running requests, at most max_num_seqs."""
+        drafts = [Draft.empty() for _ in items]
+        live: list[tuple[int, DraftState, int]] = []
+        for i, (seq_id, tokens, n) in enumerate(items):
+            state = self.states.get(seq_id)
+            if n > 0 and state is not None and len(tokens) == state.position + 1:
+                live.append((i, state, n))
+        chains = {i: ([state.token], [state.prob]) for i, state, _ in live}
+        longer = [(i, state, n) for i, state, n in live if n > 1]
+        chained = [(i, state, n, self._chain_table(slot, state, n)) for slot, (i, state, n) in enumerate(longer)]
+        features = torch.stack([state.features for _, state, _, _ in chained]) if chained else None
+        bs = self.worker.block_size
+        depth = 1
+        while counts := self._chain_counts(len(chained)):
+            if not chained:  # another replica still drafts: a placeholder pass keeps the MoE layers in step
+                self._idle_pass(counts)
+                continue
+            # draft token `depth` sits at position + depth; the draft model reads it at the position before
+            positions = [state.position + depth - 1 for _, state, _, _ in chained]
+            batch = self.worker.make_batch(
+                [chains[i][0][-1] for i, _, _, _ in chained], positions,
+                [table[p // bs] * bs + p % bs for p, (_, _, _, table) in zip(positions, chained)],
+                [1] * len(chained), [p + 1 for p in positions], [table for _, _, _, table in chained])
+            batch.dp_num_tokens = counts if len(counts) > 1 else None
+            head_input, features = self.model(batch, features, batch.input_ids)
+            tokens, probs = self.model.greedy(head_input)
+            for (i, _, _, _), token, prob in zip(chained, tokens.tolist(), probs.tolist()):
+                chains[i][0].append(token)
+                chains[i][1].append(prob)
+            depth += 1
+            keep = [j for j, (_, _, n, _) in enumerate(chained) if n > depth]
+            chained = [chained[j] for j in keep]
+            features = features[keep]
+        for i, _, _ in live:
+            tokens, probs = chains[i]
+            expected = torch.tensor(probs, dtype=torch.float64).cumprod(0).sum().item()
+            drafts[i] = Draft.path(tokens, score=expected)
+        return drafts
+
+    def _chain_counts(self, chains: int) -> list[int]:
+        """The rows of this chaining pass on every data-parallel replica (an idle one runs one placeholder row);
+        empty once no replica has chains left. Without data parallelism: [chains], or [] when done."""
+        dp = self.worker.parallel.dp
+        if dp.size == 1:
+            return [chains] if chains else []
+        counts = dp.all_gather(torch.tensor([chains], device=self.worker.device)).flatten().tolist()
+        return [max(c, 1) for c in counts] if any(counts) else []
+
+    def _idle_pass(self, counts: list[int]) -> None:
+        """One placeholder row through the draft model, written to the padding block."""
+        bs, block = self.worker.block_size, self.worker.padding_block
+        batch = self.worker.make_batch([0], [0], [block * bs], [1], [1], [[block]])
+        batch.dp_num_tokens = counts
+        width = self.model.layers[0].input_layernorm.weight.shape[0]  # the features a chained pass carries
+        hidden = torch.zeros(1, width, dtype=self.worker.config.dtype, device=self.worker.device)
+        self.model.greedy(self.model(batch, hidden, batch.input_ids)[0])
+
+    def _chain_table(self, index: int, state: DraftState, length: int) -> list[int]:
+        """The request's blocks, then the scratch blocks of chain slot `index` for draft positions past them."""
+        bs = self.worker.block_size
+        needed = -(-(state.position + length - 1) // bs) - len(state.block_table)
+        scratch = self.scratch_start + index * self.scratch_per_seq
+        return state.block_table + list(range(scratch, scratch + max(needed, 0)))

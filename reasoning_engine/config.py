@@ -281,6 +281,15 @@ class EngineConfig:
     speculative_config: dict[str, Any] | None = None
     tokenizer: str | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # adaptive optimisation (reasoning_engine/adaptive): draft lengths by goodput, latency-aware token budgets, KV
+    # retention for agent sessions, learned state kept in state_dir; False gives the static behaviour
+    adaptive: bool = True
+    state_dir: str | None = None
+    target_itl_ms: float | None = None
+    target_ttft_ms: float | None = None
+    # CUDA-graph decode buckets (None: powers of two up to max_num_seqs); the adaptive engine picks them from the
+    # batch sizes its state has seen
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -301,6 +310,12 @@ class EngineConfig:
             raise ValueError("compile_decode and enforce_eager contradict each other: enforce_eager runs every step eagerly")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        for name in ("target_itl_ms", "target_ttft_ms"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name} must be a number of milliseconds > 0, got {value!r}")
+        if (self.target_itl_ms is not None or self.target_ttft_ms is not None) and not self.adaptive:
+            raise ValueError("target_itl_ms and target_ttft_ms need the adaptive engine (adaptive=True)")
         self.parallel.check(self.model, self.device)
         if self.parallel.world_size > 1 and self.compile_decode:
             raise ValueError("compile_decode runs one process: it cannot be combined with tensor_parallel_size or "

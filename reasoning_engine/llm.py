@@ -38,7 +38,8 @@ def build_engine_config(model: str | os.PathLike | None = None, *, dtype: str | 
                         load_format: str = "auto", tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                         enable_expert_parallel: bool = False, distributed_executor_backend: str | None = None,
                         nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
-                        master_port: int | None = None) -> EngineConfig:
+                        master_port: int | None = None, adaptive: bool = True, state_dir: str | None = None,
+                        target_itl_ms: float | None = None, target_ttft_ms: float | None = None) -> EngineConfig:
     """Resolve LLM(...) keyword arguments into an EngineConfig; defaults come from the checkpoint and the machine."""
     model_config = load_model_config(model if model is not None else bundled_model_dir())
     if kernel_backend == "triton" and not triton_available():
@@ -59,6 +60,8 @@ def build_engine_config(model: str | os.PathLike | None = None, *, dtype: str | 
         if not speculative_config:
             raise ValueError("speculative_state_dir needs a speculative_config (the suffix method learns across requests)")
         speculative_config = {**speculative_config, "state_dir": speculative_state_dir}
+    elif state_dir is not None and speculative_config and "state_dir" not in speculative_config:
+        speculative_config = {**speculative_config, "state_dir": state_dir}  # one directory for all learned state
     return EngineConfig(
         model=model_config, dtype=resolved_dtype, device=resolved_device, max_model_len=limit, block_size=block_size,
         kv_cache_blocks=kv_cache_blocks, kv_cache_memory=parse_memory(kv_cache_memory) if kv_cache_memory is not None else None,
@@ -70,7 +73,8 @@ def build_engine_config(model: str | os.PathLike | None = None, *, dtype: str | 
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
                                 enable_expert_parallel=enable_expert_parallel,
                                 distributed_executor_backend=distributed_executor_backend or "mp", nnodes=nnodes,
-                                node_rank=node_rank, master_addr=master_addr, master_port=master_port))
+                                node_rank=node_rank, master_addr=master_addr, master_port=master_port),
+        adaptive=adaptive, state_dir=state_dir, target_itl_ms=target_itl_ms, target_ttft_ms=target_ttft_ms)
 
 
 class LLM:

@@ -51,6 +51,11 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                        help="requests per level; sessions per level for multi-turn data (default: 2 x concurrency, "
                             "at least 8)")
     serve.add_argument("--max-turns", type=int, default=None, help="multi-turn data: replay at most this many turns")
+    serve.add_argument("--turn-gap", type=float, default=0.0,
+                       help="multi-turn data: mean seconds (exponential) a session waits before each later turn, as "
+                            "an agent waits on its tool (default 0)")
+    serve.add_argument("--session-key", action="store_true",
+                       help="send each session's id as prompt_cache_key, as agent frameworks do")
     serve.add_argument("--no-reasoning-history", action="store_true",
                        help="multi-turn data: do not send earlier turns' thinking back as reasoning_content")
     serve.add_argument("--seed", type=int, default=None,
@@ -169,7 +174,8 @@ async def _serve(args: argparse.Namespace, settings: dict[str, Any]) -> int:
     config = ServeConfig(base_url=root, model=model, output_tokens=settings["output_tokens"],
                          concurrency=settings["concurrency"], api_key=args.api_key, max_turns=args.max_turns,
                          ignore_eos=args.ignore_eos, reasoning_history=not args.no_reasoning_history,
-                         extra_body=settings["extra_body"], timeout_s=args.timeout, max_model_len=max_model_len)
+                         extra_body=settings["extra_body"], timeout_s=args.timeout, max_model_len=max_model_len,
+                         turn_gap_s=args.turn_gap, session_key=args.session_key)
 
     err = Console(stderr=True)
     err.print(f"[bold]{workload.name}[/]: {workload.description}; seed {seed}"

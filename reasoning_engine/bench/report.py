@@ -92,6 +92,7 @@ def aggregate(level: LevelRun, multi_turn: bool) -> dict[str, Any]:
         "requests_with_answer": sum(r.ttfa_s is not None for r in ok),
         "metrics": {name: stats(_values(ok, name)) for name in LATENCY_METRICS + TOKEN_METRICS},
     }
+    result["metrics"]["inter_token_s"] = stats([gap for r in ok for gap in r.inter_token_s])
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     result["cache_hit_rate"] = sum(cached) / prompt if cached and prompt else None
     if multi_turn:

@@ -8,6 +8,11 @@ Definitions (per request, clocks start when the request is sent):
 - e2e_s: time to the end of the stream.
 - output_speed_tps: output tokens / (e2e_s - ttft_s), the leaderboard's "output speed": generation speed once tokens
   flow, so queueing and prefill do not count against it.
+- inter_token_s: the gaps between consecutive streamed deltas (a delta may carry several tokens, as after an accepted
+  draft: this is the stall a reader sees).
+With `turn_gap_s` a multi-turn session waits an exponentially distributed time (that mean, seeded by the session) before
+each turn after the first, as an agent waits on its tool; with `session_key` every request carries its session's id
+as `prompt_cache_key`, as agent frameworks do.
 Token counts come from the server's usage (`stream_options.include_usage`) when it reports them, else from the
 client's token counter, and every record says which.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +54,8 @@ class ServeConfig:
     extra_body: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = 600.0
     max_model_len: int | None = None
+    turn_gap_s: float = 0.0  # mean tool-execution gap before each later turn of a session (exponential); 0: none
+    session_key: bool = False  # send the session id as prompt_cache_key
 
 
 @dataclass
@@ -62,6 +70,7 @@ class StreamResult:
     e2e_s: float = 0.0
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
+    delta_times: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -84,6 +93,7 @@ class RequestRecord:
     token_source: str | None = None  # "usage", "usage+counted" (reasoning split counted) or "counted"
     finish_reason: str | None = None
     error: str | None = None
+    inter_token_s: list[float] = field(default_factory=list)
 
 
 def api_root(base_url: str) -> str:
@@ -111,32 +121,36 @@ def _error_text(body: str) -> str:
     return str(error.get("message", error) if isinstance(error, dict) else error)[:300]
 
 
-def request_body(config: ServeConfig, messages: list[Message], max_tokens: int) -> dict[str, Any]:
+def request_body(config: ServeConfig, messages: list[Message], max_tokens: int,
+                 session: str | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"model": config.model, "messages": messages, "max_tokens": max_tokens, "stream": True,
                             "stream_options": {"include_usage": True}}
     if config.ignore_eos:
         body["ignore_eos"] = True
+    if config.session_key and session is not None:
+        body["prompt_cache_key"] = session
     body.update(config.extra_body)
     return body
 
 
 async def stream_chat(client: httpx.AsyncClient, config: ServeConfig, messages: list[Message],
-                      max_tokens: int) -> StreamResult:
+                      max_tokens: int, session: str | None = None) -> StreamResult:
     """One streaming chat completion within the request timeout (httpx's own timeouts bound each read, not the
     whole stream)."""
     try:
-        return await asyncio.wait_for(_stream_chat(client, config, messages, max_tokens), config.timeout_s)
+        return await asyncio.wait_for(_stream_chat(client, config, messages, max_tokens, session), config.timeout_s)
     except asyncio.TimeoutError:
         raise BenchError(f"no complete response within {config.timeout_s:g} s") from None
 
 
 async def _stream_chat(client: httpx.AsyncClient, config: ServeConfig, messages: list[Message],
-                       max_tokens: int) -> StreamResult:
+                       max_tokens: int, session: str | None) -> StreamResult:
     """Send one streaming chat completion and timestamp its deltas as they arrive."""
     out = StreamResult()
     start = time.perf_counter()
+    body = request_body(config, messages, max_tokens, session)
     async with client.stream("POST", f"{api_root(config.base_url)}/chat/completions",
-                             json=request_body(config, messages, max_tokens), headers=headers(config.api_key)) as response:
+                             json=body, headers=headers(config.api_key)) as response:
         if response.status_code != 200:
             raise BenchError(f"HTTP {response.status_code}: {_error_text((await response.aread()).decode(errors='replace'))}")
         async for line in response.aiter_lines():
@@ -160,6 +174,8 @@ async def _stream_chat(client: httpx.AsyncClient, config: ServeConfig, messages:
                 content = delta.get("content") or ""
                 functions = [call.get("function") or {} for call in delta.get("tool_calls") or []]
                 tools = "".join((f.get("name") or "") + (f.get("arguments") or "") for f in functions)
+                if reasoning or content or tools:
+                    out.delta_times.append(now)
                 if (reasoning or content or tools) and out.ttft_s is None:
                     out.ttft_s = now
                 if (content or tools) and out.ttfa_s is None:
@@ -203,6 +219,7 @@ def fill_tokens(record: RequestRecord, result: StreamResult, messages: list[Mess
     record.cached_tokens = cached if isinstance(cached, int) else None
     if result.ttft_s is not None and result.e2e_s > result.ttft_s and record.output_tokens:
         record.output_speed_tps = record.output_tokens / (result.e2e_s - result.ttft_s)
+    record.inter_token_s = [b - a for a, b in zip(result.delta_times, result.delta_times[1:])]
 
 
 @dataclass
@@ -247,7 +264,10 @@ class Runner:
             context = 0  # the previous turn's prompt + output tokens: what this turn's prompt starts with
             turns = self.turns(session)
             limit = self.config.max_model_len
+            gaps = random.Random(f"{session.id}/gaps")
             for index, turn in enumerate(turns):
+                if index and self.config.turn_gap_s:
+                    await asyncio.sleep(gaps.expovariate(1.0 / self.config.turn_gap_s))  # the tool runs
                 messages = history + turn
                 if (index > 0 and limit
                         and context + _context_tokens(turn, self.counter) + self.config.output_tokens > limit):
@@ -256,7 +276,7 @@ class Runner:
                     return
                 record = RequestRecord(concurrency, session.id, index, time.perf_counter() - level_start)
                 try:
-                    result = await stream_chat(client, self.config, messages, self.config.output_tokens)
+                    result = await stream_chat(client, self.config, messages, self.config.output_tokens, session.id)
                 except (BenchError, httpx.HTTPError, json.JSONDecodeError) as exc:
                     record.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, BenchError) else str(exc)
                     records.append(record)

@@ -63,8 +63,10 @@ class AsyncLLM:
         self._died(f"a rank of the distributed engine failed: {reason}")
 
     # ---- client side ----
-    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs as tokens arrive; the last one has finished=True. Cancelling aborts the request."""
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
+                       session_id: str | None = None, workload: str = "default") -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs as tokens arrive; the last one has finished=True. Cancelling aborts the request.
+        `session_id` and `workload`: see LLMEngine.add_request."""
         if self._stopped or self.failure is not None:
             raise EngineDeadError(self.failure or "the engine is shut down")
         request_id = request_id or uuid.uuid4().hex
@@ -76,7 +78,8 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = (loop, outputs)
-        self._send("add", (request_id, {"prompt_token_ids": token_ids, "prompt": prompt if isinstance(prompt, str) else None}, params))
+        self._send("add", (request_id, {"prompt_token_ids": token_ids, "prompt": prompt if isinstance(prompt, str) else None},
+                           params, session_id, workload))
         finished = False
         try:
             while not finished:
@@ -103,6 +106,10 @@ class AsyncLLM:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def adaptive_snapshot(self) -> dict[str, Any]:
+        """The adaptive engine's last snapshot (rebuilt by the engine thread; read here without a lock)."""
+        return self.engine.adaptive_snapshot()
 
     async def shutdown(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.shutdown_sync)
@@ -142,8 +149,6 @@ class AsyncLLM:
             for out in outputs:
                 self._deliver(out.request_id, out)
         self._fail_all(EngineDeadError("the engine is shut down"))
-        if self.engine.spec is not None:
-            self.engine.spec.save_state()  # what the suffix proposer learned survives the restart
 
     def _apply_commands(self) -> bool:
         while True:
@@ -156,9 +161,9 @@ class AsyncLLM:
             if kind == "abort":
                 self.engine.abort_request(payload)
                 continue
-            request_id, prompt, params = payload
+            request_id, prompt, params, session_id, workload = payload
             try:
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, session_id=session_id, workload=workload)
             except ValueError as exc:
                 self._deliver(request_id, exc)
 

@@ -10,8 +10,9 @@ Only the model forward (ids -> final hidden states) is captured; logits and samp
 pure decode (a prefill chunk, draft verification) or are larger than the largest bucket run eagerly.
 
 Capture needs the forward to be free of host syncs and of shapes that depend on tensor values. The batch carries
-`static_shapes`: its host-side lengths are the bound max_model_len, so the attention's split count depends on the
-bucket alone (see `kernels/triton_attention.prepare_attention`). The Triton kernels (norm, rotary, cache write, paged
+`static_shapes`: its host-side lengths are the bound max_model_len, so the attention launches enough context slices
+for any length up to it, while each sequence's own slices depend on its own length alone (see
+`kernels/triton_attention.split_plan`): a graph step and an eager step give the same bits. The Triton kernels (norm, rotary, cache write, paged
 decode, MoE routing sort and grouped GEMMs) read lengths from tensors only; the torch reference MoE does not, hence
 graphs need kernel_backend="triton".
 
@@ -58,7 +59,7 @@ class CudaGraphRunner:
         self.attention_ops = kernel_module("attention", config.kernel_backend)
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
-        self.batch_sizes = decode_batch_sizes(config.max_num_seqs)
+        self.batch_sizes = list(config.cuda_graph_batch_sizes or decode_batch_sizes(config.max_num_seqs))
         self.padding_block = padding_block
         self.num_steps = 0  # steps that took the static path (replayed, or run directly without capture)
         largest = self.batch_sizes[-1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -18,9 +19,10 @@ from reasoning_engine.engine.executor import start_executor
 from reasoning_engine.engine.model_runner import ModelRunner, StepResult
 from reasoning_engine.engine.request import Request, RequestStatus
 from reasoning_engine.engine.scheduler import Scheduler
+from reasoning_engine.engine.tuning import EngineTuner
 from reasoning_engine.outputs import CompletionOutput, RequestOutput
 from reasoning_engine.sampling_params import SamplingParams
-from reasoning_engine.speculative.decoder import SpeculativeConfig, SpeculativeDecoder
+from reasoning_engine.speculative.decoder import TEXT_METHODS, SpeculativeConfig, SpeculativeDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     spec_decode: dict[str, float] = field(default_factory=dict)
+    adaptive: dict[str, float] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -56,6 +59,9 @@ class LLMEngine:
         self.model_config = config.model
         self.tokenizer = load_tokenizer(config.tokenizer or config.model.path)
         spec_config = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config else None
+        self.tuner = EngineTuner(config, spec_config, self._tool_call_ids()) if config.adaptive else None
+        if self.tuner is not None and config.device.type == "cuda":
+            config = self.config = dataclasses.replace(config, cuda_graph_batch_sizes=self.tuner.graph_batch_sizes())
         self.groups: dict[str, list[Request]] = {}
         self.runner = ModelRunner(config, start_executor(config), self._replica_of)
         # one scheduler and KV cache per data-parallel replica (one without data parallelism)
@@ -72,7 +78,10 @@ class LLMEngine:
         self.model_config.think_end_token_id = self.think_end_id
         self.num_preemptions = 0
         self._ids = itertools.count()
-        self.spec = SpeculativeDecoder(spec_config, self.runner.drafters) if spec_config is not None else None
+        self.spec = (SpeculativeDecoder(spec_config, self.runner.drafters, caller_lengths=self.tuner is not None)
+                     if spec_config is not None else None)
+        if self.tuner is not None:
+            self.tuner.calibrate(self.runner)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -103,8 +112,28 @@ class LLMEngine:
             -len(self.schedulers[r].running) - len(self.schedulers[r].waiting), -r))
 
     def shutdown(self) -> None:
-        """Stop the other ranks' workers, if any; the engine cannot step afterwards."""
+        """Keep what was learned, then stop the other ranks' workers, if any; the engine cannot step afterwards."""
+        self.save_state()
         self.runner.executor.shutdown()
+
+    def save_state(self) -> None:
+        """Write the learned state (adaptive controller, suffix proposer) to the state directory, if one is set."""
+        if self.tuner is not None:
+            self.tuner.save()
+        if self.spec is not None:
+            self.spec.save_state()
+
+    def adaptive_snapshot(self) -> dict[str, Any]:
+        """What the adaptive engine measured and decided (GET /v1/engine/adaptive), as of its last refresh (a
+        quarter of a second at most behind the engine, or the last step when it went idle)."""
+        if self.tuner is None:
+            return {"enabled": False}
+        return self.tuner.controller.snapshot_data or {"enabled": True}
+
+    def _tool_call_ids(self) -> set[int]:
+        """Single tokens that open a tool call in the formats the server parses (Kimi K2, Hermes)."""
+        markers = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>", "<|tool_call_begin|>", "<tool_call>")
+        return {i for i in (self._token_id(m) for m in markers) if i is not None}
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -139,7 +168,10 @@ class LLMEngine:
         raise ValueError(f"prompt must be a string, a list of token ids or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None, capture_logits: bool = False) -> str:
+                    arrival_time: float | None = None, capture_logits: bool = False, session_id: str | None = None,
+                    workload: str = "default") -> str:
+        """`session_id` (an agent's conversation, e.g. the OpenAI `user` or `prompt_cache_key`) and `workload` (a
+        class such as "agent" or "chat") tell the adaptive engine what to keep and what to expect."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -152,13 +184,16 @@ class LLMEngine:
         for index in range(params.n):
             request = Request(seq_id=f"{request_id}#{index}", group_id=request_id, index=index, prompt=text,
                               prompt_token_ids=token_ids, params=params, eos_token_ids=self.eos_token_ids,
-                              arrival_time=arrival, thinking=thinking, capture_logits=capture_logits, replica=replica)
+                              arrival_time=arrival, thinking=thinking, capture_logits=capture_logits, replica=replica,
+                              session=session_id, workload=workload)
             group.append(request)
             if self.spec is not None:
                 self.spec.start(request.seq_id, token_ids)
             self.detokenizers[request.seq_id] = IncrementalDetokenizer(
                 self.tokenizer, token_ids, params.skip_special_tokens, params.stop_strings, params.include_stop_str_in_output)
             self.schedulers[replica].add(request)
+            if self.tuner is not None:
+                self.tuner.request_added(request)
         self.groups[request_id] = group
         return request_id
 
@@ -195,6 +230,8 @@ class LLMEngine:
                 request.finish_reason = "abort"
                 if self.spec is not None:
                     self.spec.finish(request.seq_id, learn=False)
+                if self.tuner is not None:
+                    self.tuner.controller.forget(request.seq_id)
             self.detokenizers.pop(request.seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -202,10 +239,16 @@ class LLMEngine:
 
     # ---- the step ----
     def step(self) -> list[RequestOutput]:
-        plans = [scheduler.schedule() for scheduler in self.schedulers]
+        tuner = self.tuner
+        if tuner is not None:
+            tuner.begin_step()
+            plans = [scheduler.schedule(tuner.budget(scheduler)) for scheduler in self.schedulers]
+        else:
+            plans = [scheduler.schedule() for scheduler in self.schedulers]
         self.num_preemptions += sum(len(plan.preempted) for plan in plans)
         if not any(plan.scheduled for plan in plans):
             return []
+        shape = tuner.shape(plans) if tuner is not None else None
         now = time.monotonic()
         forced = [{i: self.think_end_id for i, s in enumerate(plan.scheduled) if self._budget_spent(s.request)}
                   for plan in plans]
@@ -220,14 +263,21 @@ class LLMEngine:
                 touched[request.group_id] = None
         if self.spec is not None:
             self._propose_drafts()
+        if tuner is not None:
+            for scheduler in self.schedulers:
+                tuner.returned(scheduler)
+            tuner.expire(self.schedulers)
+            tuner.end_step(plans, shape)
+            tuner.refresh(self.schedulers, force=not self.has_unfinished_requests())
         return [self._output(group_id) for group_id in touched if group_id in self.groups]
 
     def _propose_drafts(self) -> None:
         """Give each decoding request a draft for the next step, unless its replica's batch is too large to gain
         from it."""
         running: list[Request] = []
+        cap = self.spec.batch_cap
         for scheduler in self.schedulers:
-            if len(scheduler.running) > self.spec.config.max_batch_size:
+            if cap is not None and len(scheduler.running) > cap:
                 for request in scheduler.running:
                     request.draft = None
             else:
@@ -246,7 +296,24 @@ class LLMEngine:
                 limit = min(limit, budget - request.thinking_tokens - 1)  # the forced </think> is never drafted over
             asking.append(request)
             limits.append(limit)
-        drafts = self.spec.propose_batch([(r.seq_id, r.all_token_ids, n) for r, n in zip(asking, limits)])
+        keep = None
+        if self.tuner is not None:
+            # seeded sampling stays reproducible: its draft lengths (which decide the random draws) must not depend
+            # on measured timings, so those requests keep the static per-request length
+            seeded = [r.params.seed is not None and not r.params.greedy for r in asking]
+            static = [min(self.spec.draft_len.get(r.seq_id, 1), n) for r, n in zip(asking, limits)]
+            if self.spec.config.method in TEXT_METHODS:
+                # text proposers draft for almost nothing and say how far they are confident: draft in full, then
+                # verify the goodput-optimal part of each draft
+                limits = [s if seed else n for s, n, seed in zip(static, limits, seeded)]
+
+                def keep(drafts: list) -> list[int]:
+                    chosen = self.tuner.draft_lengths(asking, [len(d) for d in drafts])
+                    return [len(d) if seed else c for d, c, seed in zip(drafts, chosen, seeded)]
+            else:  # a draft model pays per drafted position: choose the lengths first
+                chosen = self.tuner.draft_lengths(asking, limits)
+                limits = [s if seed else c for s, c, seed in zip(static, chosen, seeded)]
+        drafts = self.spec.propose_batch([(r.seq_id, r.all_token_ids, n) for r, n in zip(asking, limits)], keep)
         for request, draft in zip(asking, drafts):
             request.draft = draft if len(draft) else None
 
@@ -277,6 +344,8 @@ class LLMEngine:
             scheduler.finish(request)
             if self.spec is not None:
                 self.spec.finish(request.seq_id, learn=True)
+            if self.tuner is not None:
+                self.tuner.request_finished(request, scheduler.blocks)
 
     def _keep_accepted(self, request: Request, accepted: list[int], new_tokens: list[int]) -> None:
         """After verification: the root and the accepted draft nodes hold valid K/V; move tree nodes that are not
@@ -292,6 +361,8 @@ class LLMEngine:
             self.spec.record(request.seq_id, draft, accepted, new_tokens)
             request.spec_draft_tokens += len(draft)
             request.spec_accepted_tokens += len(accepted)
+        if self.tuner is not None:
+            self.tuner.record_draft(request, max(draft.depths()), len(accepted))
         request.draft = None
 
     def _append_token(self, request: Request, token: int, logprob: float, logprobs: dict | None) -> None:
@@ -369,7 +440,21 @@ class LLMEngine:
             free_blocks=sum(bm.num_free_blocks for bm in managers), total_blocks=sum(bm.num_blocks for bm in managers),
             prefix_cache_queries=sum(bm.prefix_queries for bm in managers),
             prefix_cache_hits=sum(bm.prefix_hits for bm in managers), num_preemptions=self.num_preemptions,
-            spec_decode=self.spec.stats_dict() if self.spec is not None else {})
+            spec_decode=self.spec.stats_dict() if self.spec is not None else {},
+            adaptive=self._adaptive_gauges())
+
+    def _adaptive_gauges(self) -> dict[str, float]:
+        """Numbers of the adaptive snapshot for Prometheus."""
+        snap = self.adaptive_snapshot()
+        if not snap.get("enabled") or "cost_model" not in snap:
+            return {}
+        gauges = {f"cost_seconds_per_{k}": v for k, v in snap["cost_model"]["seconds_per"].items()}
+        gauges["draft_length_mean"] = snap["speculation"]["last_draft_lengths"]["mean"]
+        if snap["batching"]["last_token_budget"] is not None:
+            gauges["token_budget"] = snap["batching"]["last_token_budget"]
+        gauges["protected_blocks"] = snap["retention"]["protected_blocks"]
+        gauges["retention_hit_tokens"] = snap["retention"]["retention_hit_tokens"]
+        return gauges
 
 
 def default_device() -> torch.device:

@@ -53,6 +53,8 @@ class Request:
     capture_logits: bool = False
     captured_logits: torch.Tensor | None = None
     replica: int = 0  # the data-parallel replica whose scheduler and KV cache hold it
+    session: str | None = None  # an agent's conversation (adaptive KV retention)
+    workload: str = "default"  # its class, for the adaptive engine's statistics
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:

@@ -50,6 +50,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.group_leaders: dict[str, Request] = {}  # n > 1: sample 0 of each unfinished group
+        self.returned_turns: list[str] = []  # finished turns whose protected blocks an admitted request found
         self._added = itertools.count()
 
     def add(self, request: Request) -> None:
@@ -62,9 +63,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, budget: int | None = None) -> SchedulerOutput:
+        """The next step; `budget` (adaptive batching) replaces max_num_batched_tokens for it."""
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget = self.max_num_batched_tokens if budget is None else budget
         for request in list(self.running):
             if budget == 0:
                 break
@@ -93,7 +95,7 @@ class Scheduler:
                 break
             self.blocks.allocate(request, num_tokens)
             if request.num_preemptions == 0:
-                self.blocks.record_prefix_lookup(request)
+                self.returned_turns += self.blocks.record_prefix_lookup(request)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -6,16 +6,21 @@ Kernels
   long-context inference"): each program takes one sequence, one KV head with a block of the query heads that share it
   (so a cache tile is read once for the whole group), and one slice of the context; it keeps an online softmax
   (Milakov & Gimelshein, 2018; FlashAttention, Dao et al., 2022) and writes a normalised partial output with its
-  log-sum-exp. `_decode_reduce_kernel` merges the slices. The number of slices is fixed per step (not per sequence),
-  so the launch grid depends only on the batch size: each sequence divides its own length into that many slices, and
-  a slice past a short sequence's end only marks itself empty (cheap, so a CUDA graph can fix a count for long ones).
+  log-sum-exp. `_decode_reduce_kernel` merges the slices, a fixed number at a time, in slice order (one
+  program per sequence, head and block of output channels).
+  A sequence's slices depend on its own length only (`split_plan`: slices of a fixed number of tokens, lengthened
+  past `_MAX_SPLITS` slices), never on the batch it shares or on the launch's bound, so its output is bitwise the
+  same alone or in any batch, eagerly or replayed from a CUDA graph (batch invariance, as argued in He et al., 2025,
+  "Defeating Nondeterminism in LLM Inference"). The launch has as many slices as the longest possible sequence
+  needs (the step's longest eagerly, max_model_len in a graph); programs past a sequence's last slice return at once.
 - varlen prefill / extend / verification (`_prefill_kernel`): FlashAttention-2 tiling (Dao, 2023) over the ragged
   batch; queries are the last query_len tokens of each sequence, so the causal bound for query i is its absolute
   position context_len + i and chunked prefill needs nothing special. An optional draft-tree mask restricts which of
   the step's own tokens a query sees (speculative tree verification, e.g. SpecInfer, Miao et al., 2024).
 
 MLA runs through the same kernels in absorbed form: one KV head whose key is [latent | rope] (split into two dot
-products so neither part is padded to a power of two) and whose value is the latent part of the same cache row.
+products so neither part is padded to a power of two) and whose value is the latent part of the same cache row: the
+kernels multiply the probabilities by the key's latent tile they already hold instead of loading it again.
 """
 
 from __future__ import annotations
@@ -31,8 +36,12 @@ from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.kernels._triton_utils import dot_mode, mma, num_warps_for, pow2
 
 _LOG2E = 1.4426950408889634
-_SPLIT_MIN_TOKENS = 128  # a decode slice shorter than this costs more in the merge than it gains in parallelism
-_TARGET_PROGRAMS = 256  # about two waves of an H100/H200's 132 multiprocessors
+_SPLIT_TOKENS = 256  # tokens per decode slice: enough work per program that the partial results (H x Dv float32 per
+# slice) stay a small share of the cache bytes read, small enough that a 32k context spreads over 128 programs
+_MAX_SPLITS = 128  # slices per sequence at most (about one per SM of an H200); longer contexts get longer slices
+_MERGE_SPLITS = 32  # slices the merge kernel reads per step ...
+_MERGE_CHANNELS = 64  # ... of this many output channels: a [32, 64] float32 tile, 16 registers a thread; a batch-1
+# step of 8 heads x 512 channels is 64 programs (one per (sequence, head) would be 8, each reading 128 slices)
 
 
 @dataclass
@@ -42,27 +51,38 @@ class TritonAttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     tree_mask: torch.Tensor | None  # [T, max_query_len] int8, or None for causal
     max_query_len: int
+    max_seq_len: int  # host bound on every sequence's length: the step's longest, or max_model_len in a CUDA graph
     block_size: int
-    num_splits: int  # decode context slices per sequence
+    split_tokens: int  # tokens per decode slice (see `split_plan`)
 
 
-def prepare_attention(batch: ForwardBatch, block_size: int, num_splits: int | None = None) -> TritonAttentionMetadata:
-    """Per-step metadata shared by all layers. `num_splits` fixes the decode split count; by default it is a power of
-    two that grows with the context and shrinks with the batch (a power of two keeps the number of compiled variants
-    of the merge kernel small). A captured CUDA graph needs the same grid at every replay: its batch has
-    `static_shapes`, whose max_seq_len is the bound max_model_len, so the count depends on the batch size alone.
+def split_plan(seq_len: int, split_tokens: int = _SPLIT_TOKENS) -> tuple[int, int]:
+    """(tokens per slice, slices) of a decoding sequence of `seq_len` tokens: slices of `split_tokens`, or whole
+    multiples of it once that would exceed `_MAX_SPLITS` slices. The kernels compute the same (`_split_plan`)."""
+    per_split = split_tokens * triton.cdiv(triton.cdiv(max(seq_len, 1), split_tokens), _MAX_SPLITS)
+    return per_split, triton.cdiv(max(seq_len, 1), per_split)
+
+
+def launch_splits(max_seq_len: int, split_tokens: int = _SPLIT_TOKENS) -> int:
+    """Slices a decode launch provides: as many as any sequence of at most `max_seq_len` tokens uses (the count is
+    not monotonic in the length: past the cap, slices lengthen and their number drops)."""
+    return min(triton.cdiv(max(max_seq_len, 1), split_tokens), _MAX_SPLITS)
+
+
+def prepare_attention(batch: ForwardBatch, block_size: int, split_tokens: int = _SPLIT_TOKENS) -> TritonAttentionMetadata:
+    """Per-step metadata shared by all layers. `split_tokens` sets the decode slice length (tests shorten it to split
+    small contexts). A CUDA-graph batch has `static_shapes`: its max_seq_len is the bound max_model_len, so the launch
+    has the slices of the longest possible sequence, while each sequence still uses its own (`split_plan`).
     Nothing here reads a tensor's values, so this runs inside the capture and its conversions replay with the graph."""
-    if num_splits is None:
-        wanted = min(triton.cdiv(max(batch.max_seq_len, 1), _SPLIT_MIN_TOKENS), triton.cdiv(_TARGET_PROGRAMS, max(batch.num_seqs, 1)))
-        num_splits = triton.next_power_of_2(max(wanted, 1))
     return TritonAttentionMetadata(
         query_start_loc=batch.query_start_loc.to(torch.int32),
         seq_lens=batch.seq_lens.to(torch.int32),
         block_tables=batch.block_tables.to(torch.int32),
         tree_mask=None if batch.tree_mask is None else batch.tree_mask.to(torch.int8),
         max_query_len=batch.max_query_len,
+        max_seq_len=batch.max_seq_len,
         block_size=block_size,
-        num_splits=num_splits,
+        split_tokens=split_tokens,
     )
 
 
@@ -92,6 +112,13 @@ def write_kv_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torc
 
 
 @triton.jit
+def _split_plan(seq_len, split_tokens, MAX_SPLITS: tl.constexpr):
+    """(tokens per slice, slices) of a sequence, as `split_plan`."""
+    per_split = split_tokens * tl.cdiv(tl.cdiv(seq_len, split_tokens), MAX_SPLITS)
+    return per_split, tl.cdiv(seq_len, per_split)
+
+
+@triton.jit
 def _decode_partial_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
     qk_scale,
@@ -99,30 +126,29 @@ def _decode_partial_kernel(
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_bt,
-    num_heads, group, block_size, num_splits,
+    num_heads, group, block_size, num_splits, split_tokens,
     D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, V_FROM_K: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
+    """One slice of one sequence for a block of the query heads of one KV head. V_FROM_K: the value is the key's first
+    DV channels (MLA's latent), taken from the key tile instead of loaded again."""
     seq = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    per_split, splits = _split_plan(seq_len, split_tokens, MAX_SPLITS)
+    if split >= splits:
+        return  # past this sequence's last slice: the merge reads only its own slices
     num_head_blocks = tl.cdiv(group, BLOCK_G)
     kv_head = head_block // num_head_blocks
     g = (head_block % num_head_blocks) * BLOCK_G + tl.arange(0, BLOCK_G)
     g_ok = g < group
     heads = kv_head * group + g
-
-    seq_len = tl.load(seq_lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
     part_row = (seq * num_heads + heads).to(tl.int64) * num_splits + split
-    if start >= end:
-        # a slice past this sequence's end (the split count is the batch's, or a CUDA graph's bound): no keys, so
-        # only its log-sum-exp, which tells the merge to skip it
-        tl.store(part_lse_ptr + part_row, tl.full([BLOCK_G], float("-inf"), tl.float32), mask=g_ok)
-        return
 
     d1 = tl.arange(0, BLOCK_D1)
     dv = tl.arange(0, BLOCK_DV)
@@ -151,34 +177,46 @@ def _decode_partial_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_rows = v_ptr + blk * stride_vb + slot_in_block * stride_vs + kv_head * stride_vh
-        v = tl.load(v_rows[:, None] + dv[None, :], mask=ok[:, None] & (dv < DV)[None, :], other=0.0)
+        if V_FROM_K:
+            v = k1
+        else:
+            v_rows = v_ptr + blk * stride_vb + slot_in_block * stride_vs + kv_head * stride_vh
+            v = tl.load(v_rows[:, None] + dv[None, :], mask=ok[:, None] & (dv < DV)[None, :], other=0.0)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION)
         m_i = m_new
 
-    has_keys = l_i > 0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    tl.store(part_lse_ptr + part_row, lse, mask=g_ok)
+    out = acc / l_i[:, None]
+    tl.store(part_lse_ptr + part_row, m_i + tl.log2(l_i), mask=g_ok)
     tl.store(part_out_ptr + part_row[:, None] * DV + dv[None, :], out, mask=g_ok[:, None] & (dv < DV)[None, :])
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_heads, num_splits,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+    part_out_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, stride_ot, stride_oh, num_heads, num_splits, split_tokens,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):
+    """Merge one (sequence, head)'s slices for BLOCK_DV of its channels: the largest log-sum-exp first, then the
+    slices' outputs weighted by exp2(lse - max), BLOCK_S slices at a time in slice order, so the sum's order depends
+    on the sequence alone."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    dv = tl.arange(0, BLOCK_DV)
+    _, splits = _split_plan(tl.load(seq_lens_ptr + seq), split_tokens, MAX_SPLITS)
     base = (seq * num_heads + head).to(tl.int64) * num_splits
-    lse = tl.load(part_lse_ptr + base + s, mask=s < num_splits, other=float("-inf"))
-    weights = tl.exp2(lse - tl.max(lse, axis=0))
-    used = lse > float("-inf")  # empty slices wrote no output (their weight is 0)
-    parts = tl.load(part_out_ptr + (base + s)[:, None] * DV + dv[None, :], mask=used[:, None] & (dv < DV)[None, :], other=0.0)
-    out = tl.sum(weights[:, None] * parts, axis=0) / tl.sum(weights, axis=0)
-    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + dv, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
+    dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    top = tl.full([], float("-inf"), tl.float32)
+    for s0 in range(0, splits, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        top = tl.maximum(top, tl.max(tl.load(part_lse_ptr + base + s, mask=s < splits, other=float("-inf")), axis=0))
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    total = tl.zeros([], tl.float32)
+    for s0 in range(0, splits, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        used = s < splits
+        weights = tl.exp2(tl.load(part_lse_ptr + base + s, mask=used, other=float("-inf")) - top)
+        parts = tl.load(part_out_ptr + (base + s)[:, None] * DV + dv[None, :], mask=used[:, None] & (dv < DV)[None, :], other=0.0)
+        acc += tl.sum(weights[:, None] * parts, axis=0)
+        total += tl.sum(weights, axis=0)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + dv, (acc / total).to(out_ptr.dtype.element_ty), mask=dv < DV)
 
 
 @triton.jit
@@ -193,7 +231,8 @@ def _prefill_kernel(
     group, block_size,
     D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_TREE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_TREE: tl.constexpr, V_FROM_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -245,14 +284,52 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_rows = v_ptr + blk * stride_vb + slot_in_block * stride_vs + kv_head * stride_vh
-        v = tl.load(v_rows[:, None] + dv[None, :], mask=ok[:, None] & (dv < DV)[None, :], other=0.0)
+        if V_FROM_K:
+            v = k1
+        else:
+            v_rows = v_ptr + blk * stride_vb + slot_in_block * stride_vs + kv_head * stride_vh
+            v = tl.load(v_rows[:, None] + dv[None, :], mask=ok[:, None] & (dv < DV)[None, :], other=0.0)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION)
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = out_ptr + tok[:, None] * stride_ot + head * stride_oh
     tl.store(o_rows + dv[None, :], out.to(out_ptr.dtype.element_ty), mask=i_ok[:, None] & (dv < DV)[None, :])
+
+
+def _decode_tiles(group: int, block_dv: int, v_from_k: bool) -> tuple[int, int, int]:
+    """(query heads per program, keys per tile, warps) of the decode kernel. Wide values (MLA's 512-channel latent)
+    keep a [heads, 512] float32 accumulator in registers: 16 heads x 32 keys, or, when the key tile doubles as the
+    value tile, 32 heads x 16 keys (Kimi's 64 heads: two programs per cache tile), both 128 registers, 56 KB shared,
+    two CTAs per SM on sm_90 and sm_100 (benchmarks/results/kernel_report_2026-12-02.md). 64 heads per program spills
+    76 to 1,040 bytes a thread on sm_90 at 8 or 16 warps, 16 or 32 keys, 1 to 3 stages."""
+    if block_dv >= 256:
+        if v_from_k and group > 16:
+            return 32, 16, 8
+        return min(pow2(group, 16), 16), 32, 8
+    return min(pow2(group, 16), 64), 64, 4
+
+
+def decode_traffic(seq_lens: list[int], num_heads: int, num_kv_heads: int, k_dims: tuple[int, int], v_dim: int,
+                   elem_bytes: int, v_from_k: bool, split_tokens: int = _SPLIT_TOKENS) -> dict[str, tuple[float, int]]:
+    """(bytes requested as written, programs that do work) of each of a decode step's two kernels, for
+    benchmarks/kernel_report.py's roofline table: a program reads its slice's cache rows (and value rows unless
+    V_FROM_K) and its queries, and writes a partial output per head; the merge reads them back (the log-sum-exps once
+    per pass and block of channels) and writes the output. Programs past a sequence's last slice are not counted."""
+    group = num_heads // num_kv_heads
+    block_g = _decode_tiles(group, pow2(v_dim, 16), v_from_k)[0]
+    head_blocks = num_kv_heads * triton.cdiv(group, block_g)
+    channel_blocks = triton.cdiv(v_dim, min(pow2(v_dim, 16), _MERGE_CHANNELS))
+    row = (sum(k_dims) + (0 if v_from_k else v_dim)) * elem_bytes
+    partial = merge = 0.0
+    programs = 0
+    for seq_len in seq_lens:
+        splits = split_plan(seq_len, split_tokens)[1]
+        partial += head_blocks * seq_len * row + splits * num_heads * (sum(k_dims) * elem_bytes + v_dim * 4 + 4)
+        merge += num_heads * (splits * (v_dim * 4 + 8 * channel_blocks) + v_dim * elem_bytes)
+        programs += head_blocks * splits
+    return {"_decode_partial_kernel": (partial, programs),
+            "_decode_reduce_kernel": (merge, len(seq_lens) * num_heads * channel_blocks)}
 
 
 def _attend(
@@ -278,19 +355,22 @@ def _attend(
     wide = dims["BLOCK_DV"] >= 256
     qk_scale = scale * _LOG2E
     num_seqs = batch.num_seqs
+    v_from_k = v_cache is k_cache and v_dim == d1
     if meta.max_query_len == 1:
-        splits = meta.num_splits
-        block_g = min(pow2(group, 16), 16 if wide else 64)
+        splits = launch_splits(meta.max_seq_len, meta.split_tokens)
+        block_g, block_n, warps = _decode_tiles(group, dims["BLOCK_DV"], v_from_k)
         part_out = torch.empty(num_seqs, num_heads, splits, v_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
         _decode_partial_kernel[(num_seqs, num_kv_heads * triton.cdiv(group, block_g), splits)](
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, part_out, part_lse,
-            qk_scale, *strides, meta.block_tables.stride(0), num_heads, group, meta.block_size, splits,
-            BLOCK_G=block_g, BLOCK_N=32 if wide else 64, num_warps=8 if wide else 4, **dims,
+            qk_scale, *strides, meta.block_tables.stride(0), num_heads, group, meta.block_size, splits, meta.split_tokens,
+            BLOCK_G=block_g, BLOCK_N=block_n, V_FROM_K=v_from_k, MAX_SPLITS=_MAX_SPLITS, num_warps=warps, **dims,
         )
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1), num_heads, splits,
-            DV=v_dim, BLOCK_DV=dims["BLOCK_DV"], BLOCK_S=pow2(splits), num_warps=num_warps_for(dims["BLOCK_DV"]),
+        merge_dv = min(dims["BLOCK_DV"], _MERGE_CHANNELS)
+        _decode_reduce_kernel[(num_seqs, num_heads, triton.cdiv(v_dim, merge_dv))](
+            part_out, part_lse, out, meta.seq_lens, out.stride(0), out.stride(1), num_heads, splits, meta.split_tokens,
+            DV=v_dim, BLOCK_DV=merge_dv, BLOCK_S=_MERGE_SPLITS, MAX_SPLITS=_MAX_SPLITS,
+            num_warps=num_warps_for(_MERGE_SPLITS * merge_dv),
         )
         return out
     tree = meta.tree_mask
@@ -299,7 +379,8 @@ def _attend(
         q, k_cache, v_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens, tree if tree is not None else meta.seq_lens,
         qk_scale, *strides, out.stride(0), out.stride(1), meta.block_tables.stride(0), tree.stride(0) if tree is not None else 0,
         group, meta.block_size,
-        BLOCK_M=block_m, BLOCK_N=32 if wide else 64, HAS_TREE=tree is not None, num_warps=8 if wide else 4, **dims,
+        BLOCK_M=block_m, BLOCK_N=32 if wide else 64, HAS_TREE=tree is not None, V_FROM_K=v_from_k,
+        num_warps=8 if wide else 4, num_stages=2 if wide else 3, **dims,  # wide, 3 stages: the tree mask spills
     )
     return out
 

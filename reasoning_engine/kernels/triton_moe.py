@@ -20,6 +20,11 @@ from reasoning_engine.kernels._triton_utils import dot_mode, mma, num_warps_for,
 from reasoning_engine.kernels.fused_moe import MoEQuant
 
 _ALIGN_CHUNK = 128  # pairs per program of the sort; the rank inside a chunk costs CHUNK^2 comparisons
+_SCAN_EXPERTS = 32  # experts per program of the scan over chunks (Kimi's 384: 12 programs)
+_SCAN_CHUNKS = 64  # chunks per step of that scan: a 16k-token prefill (1,024 chunks) takes 16 steps
+_TILE_ELEMS = 64 * 64  # weight-tile elements per GEMM step
+_BUSY_PROGRAMS = 4 * 132  # programs a decode GEMM launch aims for: 4 per H200 SM, since the row tiles counted are a
+# bound (with expert parallelism most may hold another rank's experts and return at once)
 
 
 @triton.jit
@@ -105,33 +110,46 @@ def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, CHUNK: tl.c
 
 
 @triton.jit
-def _align_offsets_kernel(
-    counts_ptr, offsets_ptr, expert_ids_ptr, num_post_pad_ptr,
-    num_chunks, num_experts, num_tiles, block_m,
-    BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
-):
-    e = tl.arange(0, BLOCK_E)
+def _align_scan_kernel(counts_ptr, offsets_ptr, totals_ptr, num_chunks, num_experts, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
+    """For BLOCK_E experts: each chunk's first row within the expert's run (an exclusive scan over chunks, BLOCK_C
+    chunks per step) and the expert's total."""
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = e < num_experts
-    total = tl.zeros([BLOCK_E], tl.int32)
-    for c in range(num_chunks):
-        total += tl.load(counts_ptr + c * num_experts + e, mask=e_ok, other=0)
-    padded = tl.cdiv(total, block_m) * block_m
-    ends = tl.cumsum(padded, axis=0)
-    running = ends - padded  # each expert's first row, advanced chunk by chunk
-    for c in range(num_chunks):
-        tl.store(offsets_ptr + c * num_experts + e, running, mask=e_ok)
-        running += tl.load(counts_ptr + c * num_experts + e, mask=e_ok, other=0)
-    used = tl.sum(padded, axis=0)
-    tl.store(num_post_pad_ptr, used)
-    for t0 in range(0, num_tiles, BLOCK_T):
-        tiles = t0 + tl.arange(0, BLOCK_T)
-        first_row = tiles * block_m
-        owner = tl.sum(tl.where((ends[None, :] <= first_row[:, None]) & e_ok[None, :], 1, 0), axis=1)
-        tl.store(expert_ids_ptr + tiles, tl.where(first_row < used, owner, -1), mask=tiles < num_tiles)
+    carry = tl.zeros([BLOCK_E], tl.int32)
+    for c0 in range(0, num_chunks, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        at = c[:, None] * num_experts + e[None, :]
+        ok = (c < num_chunks)[:, None] & e_ok[None, :]
+        counts = tl.load(counts_ptr + at, mask=ok, other=0)
+        tl.store(offsets_ptr + at, carry[None, :] + tl.cumsum(counts, axis=0) - counts, mask=ok)
+        carry += tl.sum(counts, axis=0)
+    tl.store(totals_ptr + e, carry, mask=e_ok)
 
 
 @triton.jit
-def _align_scatter_kernel(ids_ptr, offsets_ptr, sorted_ptr, num_pairs, num_experts, CHUNK: tl.constexpr):
+def _align_experts_kernel(
+    totals_ptr, starts_ptr, expert_ids_ptr, num_post_pad_ptr, num_experts, num_tiles, block_m,
+    BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Each expert's first row (its run padded to block_m) and the expert of each of BLOCK_T row tiles (-1 past the
+    last used row); every program recomputes the scan over the experts' totals, program 0 also stores it."""
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < num_experts
+    total = tl.load(totals_ptr + e, mask=e_ok, other=0)
+    padded = tl.cdiv(total, block_m) * block_m
+    ends = tl.cumsum(padded, axis=0)
+    used = tl.sum(padded, axis=0)
+    if tl.program_id(0) == 0:
+        tl.store(starts_ptr + e, ends - padded, mask=e_ok)
+        tl.store(num_post_pad_ptr, used)
+    tiles = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    first_row = tiles * block_m
+    owner = tl.sum(tl.where((ends[None, :] <= first_row[:, None]) & e_ok[None, :], 1, 0), axis=1)
+    tl.store(expert_ids_ptr + tiles, tl.where(first_row < used, owner, -1), mask=tiles < num_tiles)
+
+
+@triton.jit
+def _align_scatter_kernel(ids_ptr, starts_ptr, offsets_ptr, sorted_ptr, num_pairs, num_experts, CHUNK: tl.constexpr):
     chunk = tl.program_id(0)
     local = tl.arange(0, CHUNK)
     offs = chunk * CHUNK + local
@@ -139,15 +157,16 @@ def _align_scatter_kernel(ids_ptr, offsets_ptr, sorted_ptr, num_pairs, num_exper
     ok = (offs < num_pairs) & (ids < num_experts)  # another rank's expert: left out of the sort
     earlier_same = (ids[:, None] == ids[None, :]) & (local[None, :] < local[:, None])
     rank = tl.sum(earlier_same.to(tl.int32), axis=1)
-    base = tl.load(offsets_ptr + chunk * num_experts + ids, mask=ok, other=0)
+    base = tl.load(starts_ptr + ids, mask=ok, other=0) + tl.load(offsets_ptr + chunk * num_experts + ids, mask=ok, other=0)
     tl.store(sorted_ptr + base + rank, offs, mask=ok)
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort (token, choice) pairs by expert, each expert's run padded to block_m (see `fused_moe.moe_align_block_size`
-    for the outputs). Three launches, no host sync: per-chunk expert histograms; per-chunk starting rows (an exclusive
-    scan over experts, then over chunks) and each tile's expert; a stable scatter where a pair's rank inside its chunk
-    is the count of earlier pairs of the same expert."""
+    for the outputs). Four launches, no host sync, none serial over the pairs: per-chunk expert histograms; per
+    expert, an exclusive scan over the chunks (parallel over experts); the experts' starting rows and each tile's
+    expert (parallel over tiles); a stable scatter where a pair's rank inside its chunk is the count of earlier pairs
+    of the same expert."""
     flat = topk_ids.flatten()
     if flat.dtype != torch.int32:
         flat = flat.to(torch.int32)
@@ -164,37 +183,54 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     num_chunks = triton.cdiv(pairs, _ALIGN_CHUNK)
     counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
     offsets = torch.empty_like(counts)
+    totals = torch.empty(num_experts, dtype=torch.int32, device=device)
+    starts = torch.empty_like(totals)
     _align_count_kernel[(num_chunks,)](flat, counts, pairs, num_experts, CHUNK=_ALIGN_CHUNK, BINS=pow2(num_experts + 1))
-    _align_offsets_kernel[(1,)](
-        counts, offsets, expert_ids, num_post_pad, num_chunks, num_experts, num_tiles, block_m,
-        BLOCK_E=pow2(num_experts), BLOCK_T=max(1, 4096 // pow2(num_experts)), num_warps=4,
+    _align_scan_kernel[(triton.cdiv(num_experts, _SCAN_EXPERTS),)](
+        counts, offsets, totals, num_chunks, num_experts, BLOCK_C=_SCAN_CHUNKS, BLOCK_E=_SCAN_EXPERTS, num_warps=4,
     )
-    _align_scatter_kernel[(num_chunks,)](flat, offsets, sorted_ids, pairs, num_experts, CHUNK=_ALIGN_CHUNK, num_warps=4)
+    block_e = pow2(num_experts)
+    block_t = max(1, 4096 // block_e)
+    _align_experts_kernel[(triton.cdiv(num_tiles, block_t),)](
+        totals, starts, expert_ids, num_post_pad, num_experts, num_tiles, block_m,
+        BLOCK_E=block_e, BLOCK_T=block_t, num_warps=4,
+    )
+    _align_scatter_kernel[(num_chunks,)](flat, starts, offsets, sorted_ids, pairs, num_experts, CHUNK=_ALIGN_CHUNK, num_warps=4)
     return sorted_ids, expert_ids, num_post_pad
 
 
 @triton.jit
 def _load_weight_tile(
-    w_ptr, s_ptr, expert, rows, scale_rows, kk, mask,
+    w_ptr, s_ptr, expert, rows, scale_rows, k0, k_in, col_ok,
     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-    QUANT: tl.constexpr, SCALE_K: tl.constexpr, DTYPE: tl.constexpr,
+    QUANT: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
 ):
-    """[BLOCK_K, BLOCK_N] tile of expert `expert`'s weight (rows = output channels, kk = input channels), dequantized
-    to DTYPE: QUANT 0 plain, 1 INT4 packed (8 per int32, lowest nibble first, +8 offset), 2 FP8 with block scales.
-    scale_rows: the scale row of each output channel; the scale column is kk // SCALE_K."""
+    """[BLOCK_K, BLOCK_N] tile of expert `expert`'s weight (rows = output channels; input channels k0 .. k0 + BLOCK_K),
+    dequantized to DTYPE: QUANT 0 plain, 1 INT4 packed (8 per int32, lowest nibble first, +8 offset), 2 FP8 with block
+    scales. Every byte is loaded once: INT4 as [BLOCK_K / 8, BLOCK_N] words unpacked in registers, scales as one row
+    per group of SCALE_K inputs (BLOCK_K and SCALE_K divide one another) broadcast over the group.
+    scale_rows: the scale row of each output channel."""
     w_base = w_ptr + expert * stride_we + rows[None, :] * stride_wn
     if QUANT == 0:
-        w = tl.load(w_base + kk[:, None] * stride_wk, mask=mask, other=0.0).to(DTYPE)
+        kk = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_base + kk[:, None] * stride_wk, mask=(kk < k_in)[:, None] & col_ok[None, :], other=0.0).to(DTYPE)
     else:
+        SCALE_ROWS: tl.constexpr = BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1
+        groups = k0 // SCALE_K + tl.arange(0, SCALE_ROWS)
         scale = tl.load(
-            s_ptr + expert * stride_se + scale_rows[None, :] * stride_sn + (kk // SCALE_K)[:, None] * stride_sk,
-            mask=mask, other=0.0,
+            s_ptr + expert * stride_se + scale_rows[None, :] * stride_sn + groups[:, None] * stride_sk,
+            mask=(groups < tl.cdiv(k_in, SCALE_K))[:, None] & col_ok[None, :], other=0.0,
         ).to(tl.float32)
+        scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (SCALE_ROWS, BLOCK_K // SCALE_ROWS, scale.shape[1])),
+                           (BLOCK_K, scale.shape[1]))
         if QUANT == 1:
-            packed = tl.load(w_base + (kk // 8)[:, None] * stride_wk, mask=mask, other=0)
-            w = (((packed >> ((kk % 8) * 4)[:, None]) & 0xF) - 8).to(tl.float32)
+            words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            packed = tl.load(w_base + words[:, None] * stride_wk, mask=(words < k_in // 8)[:, None] & col_ok[None, :], other=0)
+            nibbles = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+            w = (tl.reshape(nibbles, (BLOCK_K, packed.shape[1])) - 8).to(tl.float32)
         else:
-            w = tl.load(w_base + kk[:, None] * stride_wk, mask=mask, other=0.0).to(tl.float32)
+            kk = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_base + kk[:, None] * stride_wk, mask=(kk < k_in)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
         w = (w * scale).to(DTYPE)
     return w
 
@@ -224,15 +260,14 @@ def _moe_gemm_kernel(
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k_in, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < k_in
-        a = tl.load(a_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        w = _load_weight_tile(w_ptr, s_ptr, expert, cols, cols // SCALE_N, kk, w_mask, stride_we, stride_wn, stride_wk,
-                              stride_se, stride_sn, stride_sk, QUANT, SCALE_K, a.dtype)
+        a = tl.load(a_rows + kk[None, :], mask=row_ok[:, None] & (kk < k_in)[None, :], other=0.0)
+        w = _load_weight_tile(w_ptr, s_ptr, expert, cols, cols // SCALE_N, k0, k_in, col_ok, stride_we, stride_wn,
+                              stride_wk, stride_se, stride_sn, stride_sk, QUANT, SCALE_K, BLOCK_K, a.dtype)
         acc += mma(a, w, MODE)
         if GATED:
-            w_up = _load_weight_tile(w_ptr, s_ptr, expert, n_out + cols, up_scale_row0 + cols // SCALE_N, kk, w_mask,
-                                     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, QUANT, SCALE_K, a.dtype)
+            w_up = _load_weight_tile(w_ptr, s_ptr, expert, n_out + cols, up_scale_row0 + cols // SCALE_N, k0, k_in,
+                                     col_ok, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, QUANT,
+                                     SCALE_K, BLOCK_K, a.dtype)
             acc_up += mma(a, w_up, MODE)
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
@@ -240,6 +275,29 @@ def _moe_gemm_kernel(
         acc = acc * tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     out_rows = out_ptr + pair.to(tl.int64)[:, None] * stride_om
     tl.store(out_rows + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _block_k(scale_k: int, widest: int) -> int:
+    """Input channels per GEMM step: the widest power of two up to `widest` such that BLOCK_K and the scale group
+    divide one another (a tile then needs one scale row per group it holds, or one for all of it)."""
+    block_k = widest
+    while block_k >= 16:
+        if block_k % scale_k == 0 or scale_k % block_k == 0:
+            return block_k
+        block_k //= 2
+    raise ValueError(f"scale groups of {scale_k} input channels are not supported: the group must divide {widest} or be a multiple of 16")
+
+
+def _gemm_tiles(row_tiles: int, block_m: int, n_out: int, scale_k: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of a grouped GEMM. Decode-sized row tiles over few experts leave few programs (a batch-1
+    Kimi TP8 gate_up, 8 experts x 256 channels, is 32 programs of 64 channels for 132 SMs), so for 16-row tiles the
+    column tile narrows, down to 16, until the launch has about `_BUSY_PROGRAMS` programs, and K steps deepen to keep
+    the weight tile (the bytes in flight per step) at `_TILE_ELEMS`."""
+    block_n = 64
+    if block_m == 16:
+        while block_n > 16 and row_tiles * triton.cdiv(n_out, block_n) < _BUSY_PROGRAMS:
+            block_n //= 2
+    return block_n, _block_k(scale_k, _TILE_ELEMS // block_n)
 
 
 def _block_m(pairs: int, num_experts: int) -> int:
@@ -277,25 +335,27 @@ def fused_moe(
     else:
         scale_n, scale_k = quant.block_shape
         kind, s13, s2, up_row0 = 2, quant.w13_scale, quant.w2_scale, triton.cdiv(inter, scale_n)
-    mode = dot_mode(hidden.dtype)
-    common = dict(QUANT=kind, SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_M=block_m, BLOCK_K=64, MODE=mode, num_warps=4)
+    common = dict(QUANT=kind, SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_M=block_m, MODE=dot_mode(hidden.dtype), num_warps=4)
     num_tiles = expert_ids.numel()
+    row_tiles = min(pairs, num_experts) if block_m == 16 else num_tiles
     intermediate = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    _moe_gemm_kernel[(num_tiles, triton.cdiv(inter, 64))](
+    block_n, block_k = _gemm_tiles(row_tiles, block_m, inter, scale_k)
+    _moe_gemm_kernel[(num_tiles, triton.cdiv(inter, block_n))](
         hidden, w13, s13, intermediate, sorted_ids, expert_ids, num_post_pad, topk_weights,
         pairs, top_k, inter, hidden_size, up_row0,
         hidden.stride(0), *w13.stride(), *s13.stride(), intermediate.stride(0),
-        GATED=True, APPLY_WEIGHT=False, BLOCK_N=64, **common,
+        GATED=True, APPLY_WEIGHT=False, BLOCK_N=block_n, BLOCK_K=block_k, **common,
     )
     # pairs of another rank's expert are never written: zeros, so they add nothing to their token's sum
     per_pair = (torch.zeros if other_experts else torch.empty)(pairs, hidden_size, dtype=torch.float32, device=hidden.device)
     weights = topk_weights.reshape(-1)
     if weights.dtype != torch.float32:
         weights = weights.float()
-    _moe_gemm_kernel[(num_tiles, triton.cdiv(hidden_size, 64))](
+    block_n, block_k = _gemm_tiles(row_tiles, block_m, hidden_size, scale_k)
+    _moe_gemm_kernel[(num_tiles, triton.cdiv(hidden_size, block_n))](
         intermediate, w2, s2, per_pair, sorted_ids, expert_ids, num_post_pad, weights,
         pairs, 1, hidden_size, inter, 0,
         intermediate.stride(0), *w2.stride(), *s2.stride(), per_pair.stride(0),
-        GATED=False, APPLY_WEIGHT=True, BLOCK_N=64, **common,
+        GATED=False, APPLY_WEIGHT=True, BLOCK_N=block_n, BLOCK_K=block_k, **common,
     )
     return per_pair.view(tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)

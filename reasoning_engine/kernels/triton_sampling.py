@@ -5,7 +5,9 @@ Top-k and top-p thresholds come from a radix select (as in GPU selection, Alabi 
 algorithms for graphics processing units") over 32-bit order-preserving keys of the scaled logits, four bits per pass:
 each pass builds a 16-bin histogram of the next digit among the entries that share the digits chosen so far, weighted
 by 1 (top-k: the k-th largest value) or by exp(x - max) (top-p: the smallest set of top entries holding top_p of the
-mass). Eight passes give the exact threshold key, instead of the ~32 passes of a bisection.
+mass). Eight passes give the exact threshold key, instead of the ~32 passes of a bisection. A pass compares
+`_RADIX_BLOCK` entries with the 16 digits at a time ([256, 16] fits in registers; [1024, 16] spilled ~28 KB a
+thread). Greedy rows read the logits once (the argmax pass); the row maximum is read first only for top-p or min-p.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import triton.language as tl
 from reasoning_engine.kernels._triton_utils import pow2
 from reasoning_engine.kernels.sampling import GREEDY_TEMPERATURE
 
-_BLOCK_V = 1024
+_BLOCK_V = 1024  # vocabulary entries per step of the streaming passes
+_RADIX_BLOCK = 256  # entries per step of a radix-select pass (its [entries, 16] digit compare is held in registers)
 
 
 @triton.jit
@@ -94,9 +97,29 @@ def _radix_select(row_ptr, vocab, inv_t, row_max, floor, target, USE_MASS: tl.co
 
 
 @triton.jit
+def _pick(row_ptr, vocab, inv_t, row_max, floor, min_ratio, key, NOISE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Index of the best kept entry (the first on ties): of x + Gumbel noise with NOISE, else of x."""
+    best = tl.full([], float("-inf"), tl.float32)
+    best_idx = tl.zeros([], tl.int64)
+    for v0 in range(0, vocab, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        x = _load_scaled(row_ptr, offs, vocab, inv_t)
+        kept = (offs < vocab) & (_ordered_key(x) >= floor) & (tl.exp(x - row_max) >= min_ratio)
+        if NOISE:
+            x += _gumbel(key, offs)
+        score = tl.where(kept, x, float("-inf"))
+        chunk_best = tl.max(score, axis=0)
+        chunk_idx = tl.min(tl.where(score == chunk_best, offs, vocab), axis=0).to(tl.int64)
+        take = chunk_best > best
+        best_idx = tl.where(take, chunk_idx, best_idx)
+        best = tl.where(take, chunk_best, best)
+    return best_idx
+
+
+@triton.jit
 def _sample_kernel(
     logits_ptr, stride_row, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, counters_ptr, out_ptr,
-    vocab, GREEDY_T: tl.constexpr, BLOCK_V: tl.constexpr,
+    vocab, GREEDY_T: tl.constexpr, BLOCK_V: tl.constexpr, RADIX_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
@@ -106,35 +129,36 @@ def _sample_kernel(
     top_k = tl.load(top_k_ptr + row)
     top_p = tl.load(top_p_ptr + row).to(tl.float32)
     min_p = tl.load(min_p_ptr + row).to(tl.float32)
+    min_ratio = tl.where(sampled & (min_p > 0.0), min_p, 0.0)
 
-    row_max = tl.full([], float("-inf"), tl.float32)
-    for v0 in range(0, vocab, BLOCK_V):
-        row_max = tl.maximum(row_max, tl.max(_load_scaled(row_ptr, v0 + tl.arange(0, BLOCK_V), vocab, inv_t), axis=0))
+    # without top-p or min-p the maximum is not needed: it stays 0, and exp(x - 0) >= 0 keeps every entry
+    row_max = tl.zeros([], tl.float32)
+    if sampled & ((top_p < 1.0) | (min_ratio > 0.0)):
+        row_max = tl.full([], float("-inf"), tl.float32)
+        for v0 in range(0, vocab, BLOCK_V):
+            row_max = tl.maximum(row_max, tl.max(_load_scaled(row_ptr, v0 + tl.arange(0, BLOCK_V), vocab, inv_t), axis=0))
     floor = tl.zeros([], tl.int64)
     if sampled & (top_k > 0) & (top_k < vocab):
-        floor = _radix_select(row_ptr, vocab, inv_t, row_max, floor, top_k.to(tl.float32), False, BLOCK_V)
+        floor = _radix_select(row_ptr, vocab, inv_t, row_max, floor, top_k.to(tl.float32), False, RADIX_BLOCK)
     if sampled & (top_p < 1.0):
         kept_mass = tl.zeros([], tl.float32)
         for v0 in range(0, vocab, BLOCK_V):
             x = _load_scaled(row_ptr, v0 + tl.arange(0, BLOCK_V), vocab, inv_t)
             kept_mass += tl.sum(tl.where(_ordered_key(x) >= floor, tl.exp(x - row_max), 0.0), axis=0)
-        floor = tl.maximum(floor, _radix_select(row_ptr, vocab, inv_t, row_max, floor, top_p * kept_mass, True, BLOCK_V))
-    min_ratio = tl.where(sampled & (min_p > 0.0), min_p, 0.0)
+        floor = tl.maximum(floor, _radix_select(row_ptr, vocab, inv_t, row_max, floor, top_p * kept_mass, True, RADIX_BLOCK))
 
-    key = _stream_key(tl.load(seeds_ptr + row), tl.load(counters_ptr + row))
-    best = tl.full([], float("-inf"), tl.float32)
-    best_idx = tl.zeros([], tl.int64)
-    for v0 in range(0, vocab, BLOCK_V):
-        offs = v0 + tl.arange(0, BLOCK_V)
-        x = _load_scaled(row_ptr, offs, vocab, inv_t)
-        kept = (offs < vocab) & (_ordered_key(x) >= floor) & (tl.exp(x - row_max) >= min_ratio)
-        score = tl.where(kept, x + tl.where(sampled, _gumbel(key, offs), 0.0), float("-inf"))
-        chunk_best = tl.max(score, axis=0)
-        chunk_idx = tl.min(tl.where(score == chunk_best, offs, vocab), axis=0).to(tl.int64)
-        take = chunk_best > best
-        best_idx = tl.where(take, chunk_idx, best_idx)
-        best = tl.where(take, chunk_best, best)
+    if sampled:
+        key = _stream_key(tl.load(seeds_ptr + row), tl.load(counters_ptr + row))
+        best_idx = _pick(row_ptr, vocab, inv_t, row_max, floor, min_ratio, key, True, BLOCK_V)
+    else:
+        best_idx = _pick(row_ptr, vocab, inv_t, row_max, floor, min_ratio, 0, False, BLOCK_V)
     tl.store(out_ptr + row, best_idx)
+
+
+def logit_passes(top_k: bool, top_p: bool) -> int:
+    """Reads of a row's logits by `_sample_kernel`: the argmax pass; the maximum for top-p; eight radix passes for
+    top-k; the kept mass and eight radix passes for top-p (min-p adds the maximum too)."""
+    return 1 + (8 if top_k else 0) + (1 + 1 + 8 if top_p else 0)
 
 
 def sample(
@@ -155,7 +179,8 @@ def sample(
             logits = logits.contiguous()
         _sample_kernel[(rows,)](
             logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds.long(), counters.long(), out,
-            vocab, GREEDY_T=GREEDY_TEMPERATURE, BLOCK_V=min(_BLOCK_V, pow2(vocab)), num_warps=4,
+            vocab, GREEDY_T=GREEDY_TEMPERATURE, BLOCK_V=min(_BLOCK_V, pow2(vocab)), RADIX_BLOCK=min(_RADIX_BLOCK, pow2(vocab)),
+            num_warps=4,
         )
     return out
 

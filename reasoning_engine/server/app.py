@@ -233,6 +233,10 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
              "root": str(getattr(model_config, "path", name)), "max_model_len": serving.max_model_len}
             for name in names]})
 
+    @app.get("/v1/engine/adaptive")
+    async def adaptive() -> Response:
+        return JSONResponse(engine.adaptive_snapshot())
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -243,7 +247,8 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         req = await _json_body(request, ChatCompletionRequest)
         model = serving.check_model(req.model)
         prepared = serving.prepare_chat(req)
-        engine_requests = EngineRequests(engine, prepared.prompts, prepared.params, new_request_id("chatcmpl"))
+        engine_requests = EngineRequests(engine, prepared.prompts, prepared.params, new_request_id("chatcmpl"),
+                                         _session(request, req), prepared.workload)
         if req.stream:
             await _start_or_close(request, engine_requests)
             return EngineStreamResponse(serving.chat_stream(req, model, prepared, engine_requests, arrival),
@@ -262,7 +267,8 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         req = await _json_body(request, CompletionRequest)
         model = serving.check_model(req.model)
         prepared = serving.prepare_completion(req)
-        engine_requests = EngineRequests(engine, prepared.prompts, prepared.params, new_request_id("cmpl"))
+        engine_requests = EngineRequests(engine, prepared.prompts, prepared.params, new_request_id("cmpl"),
+                                         _session(request, req), prepared.workload)
         if req.stream:
             await _start_or_close(request, engine_requests)
             return EngineStreamResponse(serving.completion_stream(req, model, prepared, engine_requests, arrival),
@@ -305,6 +311,12 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
 
     mount_playground(app)
     return app
+
+
+def _session(request: Request, body: ChatCompletionRequest | CompletionRequest) -> str | None:
+    """The conversation a request belongs to, for KV retention: the `x-session-id` header, else OpenAI's
+    `prompt_cache_key`, else its `user`."""
+    return request.headers.get("x-session-id") or body.prompt_cache_key or body.user
 
 
 async def _start_or_close(request: Request, engine_requests: EngineRequests) -> None:

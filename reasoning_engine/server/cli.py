@@ -33,7 +33,20 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--speculative-config", default=None,
                        help='speculative decoding as JSON, e.g. \'{"method": "suffix", "num_speculative_tokens": 4}\'')
     serve.add_argument("--speculative-state-dir", default=None,
-                       help="folder where the speculative proposer keeps its state across restarts")
+                       help="folder where the speculative proposer keeps its state across restarts (default: "
+                            "--state-dir)")
+    adaptive = serve.add_argument_group("adaptive", "the engine measures its step costs and its workload and tunes "
+                                        "speculation, batching and KV retention from them (GET /v1/engine/adaptive)")
+    adaptive.add_argument("--no-adaptive", action="store_true",
+                          help="static behaviour: draft lengths that double and halve, the configured token budget, "
+                               "LRU eviction only")
+    adaptive.add_argument("--state-dir", default=None,
+                          help="folder for everything the engine learns (cost model, acceptance statistics, agents' "
+                               "return gaps, the suffix store), reloaded at the next start")
+    adaptive.add_argument("--target-itl-ms", type=float, default=None,
+                          help="keep running decodes' inter-token latency under this: prefill chunks are sized to fit")
+    adaptive.add_argument("--target-ttft-ms", type=float, default=None,
+                          help="let a waiting prompt through in bigger chunks when its first token is at risk")
     engine = serve.add_argument_group("engine")
     engine.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     engine.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
@@ -111,6 +124,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "tensor_parallel_size": args.tensor_parallel_size, "data_parallel_size": args.data_parallel_size,
         "distributed_executor_backend": args.distributed_executor_backend, "nnodes": args.nnodes,
         "node_rank": args.node_rank, "master_addr": args.master_addr, "master_port": args.master_port,
+        "state_dir": args.state_dir, "target_itl_ms": args.target_itl_ms, "target_ttft_ms": args.target_ttft_ms,
     }
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     if args.no_enable_prefix_caching:
@@ -121,6 +135,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["compile_decode"] = True
     if args.enable_expert_parallel:
         kwargs["enable_expert_parallel"] = True
+    if args.no_adaptive:
+        kwargs["adaptive"] = False
     if args.speculative_config:
         spec = json.loads(args.speculative_config)
         if not isinstance(spec, dict):

@@ -48,6 +48,9 @@ class _EngineCollector(Collector):
         for name, (doc, value) in counters.items():
             yield self._one(CounterMetricFamily(PREFIX + name, doc, labels=["model_name"]), value)
         yield from self._spec_decode(stats.spec_decode)
+        for name, value in sorted(getattr(stats, "adaptive", {}).items()):
+            yield self._one(GaugeMetricFamily(f"{PREFIX}adaptive_{name}", f"Adaptive engine: {name}.",
+                                              labels=["model_name"]), value)
 
     def _spec_decode(self, counters: Mapping[str, Any]) -> Iterator[Metric]:
         """`{"num_drafts": 3, "num_accepted_tokens_per_pos": [5, 2]}` -> spec_decode_num_drafts_total and a

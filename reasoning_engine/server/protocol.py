@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible API, validated by pydantic.
 
-Unknown fields are ignored (clients and agent frameworks send many: user, metadata, store, ...), known fields are
+Unknown fields are ignored (clients and agent frameworks send many: metadata, store, ...), known fields are
 typed so a wrong type becomes a 400 naming the field. Sampling ranges are left to SamplingParams, whose ValueError
 already names the field, so there is one source of truth for them.
 """
@@ -110,6 +110,8 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    user: str | None = Field(default=None, max_length=512)  # OpenAI's end-user id: a session key for KV retention
+    prompt_cache_key: str | None = Field(default=None, max_length=512)  # OpenAI's cache-routing key: the same
 
 
 class ChatCompletionRequest(_SamplingFields):

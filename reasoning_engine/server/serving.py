@@ -115,11 +115,14 @@ class EngineRequests:
     """The engine requests behind one HTTP request (one per prompt), merged into one output stream; `close`
     aborts whichever did not finish, which frees their KV blocks."""
 
-    def __init__(self, engine: Any, prompts: list[list[int]], params: SamplingParams, base_id: str) -> None:
+    def __init__(self, engine: Any, prompts: list[list[int]], params: SamplingParams, base_id: str,
+                 session: str | None = None, workload: str = "default") -> None:
+        """`session` and `workload`: for the adaptive engine (KV retention, acceptance by class)."""
         self._engine = engine
         self.ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         self._gens: list[AsyncGenerator[RequestOutput, None]] = [
-            engine.generate(p, params, rid) for p, rid in zip(prompts, self.ids, strict=True)]
+            engine.generate(p, params, rid, session_id=session, workload=workload)
+            for p, rid in zip(prompts, self.ids, strict=True)]
         self._first: list[RequestOutput] = []
         self._finished = [False] * len(prompts)
         self._tasks: list[asyncio.Future[None]] = []
@@ -199,11 +202,13 @@ def _param_of(message: str) -> str | None:
 
 @dataclass
 class Prepared:
-    """A validated request ready for the engine: token-id prompts, sampling settings, a per-choice parser factory."""
+    """A validated request ready for the engine: token-id prompts, sampling settings, a per-choice parser factory,
+    and its workload class for the adaptive engine ("agent" with tools, "chat", "completion")."""
 
     prompts: list[list[int]]
     params: SamplingParams
     new_parser: Callable[[], ChatOutputParser | None]
+    workload: str = "default"
 
 
 @dataclass
@@ -332,7 +337,7 @@ class OpenAIServing:
                                        thinking_requested=rendered.thinking_requested, tools_active=tools_active,
                                        drop=self.special_tokens)
 
-        return Prepared([rendered.token_ids], params, new_parser)
+        return Prepared([rendered.token_ids], params, new_parser, "agent" if tools_active else "chat")
 
     def _check_tools(self, req: ChatCompletionRequest) -> bool:
         """Whether the prompt offers the tools and calls are parsed into `tool_calls` for this request."""
@@ -436,7 +441,7 @@ class OpenAIServing:
         params = self._sampling_params(req, max_tokens=max_tokens, max_tokens_param="max_tokens",
                                        logprobs=req.logprobs, logprobs_param="logprobs",
                                        skip_special_tokens=req.skip_special_tokens, thinking_token_budget=None)
-        return Prepared(prompts, params, lambda: None)
+        return Prepared(prompts, params, lambda: None, "completion")
 
     def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
         if isinstance(prompt, str):

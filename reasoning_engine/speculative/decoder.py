@@ -1,8 +1,10 @@
 """The engine's side of speculative decoding: which proposer, how long a draft, and the acceptance statistics.
 
-Draft length adapts per request: it doubles (up to num_speculative_tokens) while whole drafts are accepted and drops
-to one more than what was accepted after a rejection. Speculation backs off entirely when the running batch is larger
-than `max_batch_size`: verification then costs more than the extra tokens save.
+Draft length, without the adaptive engine (adaptive/goodput.py picks lengths by measured cost and acceptance), adapts
+per request: it doubles (up to num_speculative_tokens) while whole drafts are accepted and drops to one more than what
+was accepted after a rejection, and speculation backs off entirely when the running batch is larger than
+`max_batch_size` (16 unless set): verification then costs more than the extra tokens save. With the adaptive engine,
+`max_batch_size` is only a cap, and only when set.
 
 Proposers come in two kinds. Text proposers (ngram, lookup, suffix) draft from token sequences alone. Draft-model
 proposers (mtp, eagle3) run a small network beside the target over its hidden states; the engine loads their
@@ -12,7 +14,7 @@ or more of either kind and keeps, per request and step, the draft expected to ga
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -38,7 +40,7 @@ ProposeItem = tuple[str, Sequence[int], int]  # (request id, its tokens, draft b
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int = 8
-    max_batch_size: int = 16
+    max_batch_size: int | None = None  # None: 16 for the static back-off, no cap for the adaptive engine
     state_dir: str | None = None
     model: str | None = None  # eagle3: the draft checkpoint folder
     methods: tuple[str, ...] = ()  # hybrid: the proposers it chooses between
@@ -53,7 +55,9 @@ class SpeculativeConfig:
         k = raw.pop("num_speculative_tokens", 8)
         if not isinstance(k, int) or not 1 <= k <= 64:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, 64], got {k!r}")
-        max_batch = raw.pop("max_batch_size", 16)
+        max_batch = raw.pop("max_batch_size", None)
+        if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 0):
+            raise ValueError(f"speculative_config.max_batch_size must be an integer >= 0, got {max_batch!r}")
         state_dir = raw.pop("state_dir", None)
         model = raw.pop("model", None)
         methods: tuple[str, ...] = ()
@@ -267,11 +271,23 @@ class SpecStats:
 
 
 class SpeculativeDecoder:
-    def __init__(self, config: SpeculativeConfig, draft_proposers: Mapping[str, Proposer] | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, draft_proposers: Mapping[str, Proposer] | None = None,
+                 caller_lengths: bool = False) -> None:
+        """With `caller_lengths` (the adaptive engine) each item's limit is its draft length: no doubling and
+        halving here."""
         self.config = config
         self.proposer = make_proposer(config, draft_proposers)
         self.stats = SpecStats()
         self.draft_len: dict[str, int] = {}
+        self.caller_lengths = caller_lengths
+
+    @property
+    def batch_cap(self) -> int | None:
+        """Above this many running requests of a replica, no drafts: the static back-off (16 unless set), or the
+        adaptive engine's optional cap."""
+        if self.caller_lengths:
+            return self.config.max_batch_size
+        return 16 if self.config.max_batch_size is None else self.config.max_batch_size
 
     def start(self, seq_id: str, prompt_token_ids: Sequence[int]) -> None:
         self.proposer.start_request(seq_id, prompt_token_ids)
@@ -280,13 +296,22 @@ class SpeculativeDecoder:
     def propose(self, seq_id: str, token_ids: Sequence[int], limit: int) -> Draft:
         return self.propose_batch([(seq_id, token_ids, limit)])[0]
 
-    def propose_batch(self, items: Sequence[ProposeItem]) -> list[Draft]:
-        """Drafts for several requests at once, each within its adaptive length and its `limit`."""
-        asked = [(seq_id, tokens, min(self.draft_len.get(seq_id, 1), limit)) for seq_id, tokens, limit in items]
+    def propose_batch(self, items: Sequence[ProposeItem],
+                      keep: Callable[[list[Draft]], list[int]] | None = None) -> list[Draft]:
+        """Drafts for several requests at once, each within its adaptive length and its `limit`; `keep` (the
+        adaptive engine, for text proposers, whose drafts are cheap to make) sees the drafts and says how many
+        tokens of each to verify."""
+        if self.caller_lengths:
+            asked = [(seq_id, tokens, limit) for seq_id, tokens, limit in items]
+        else:
+            asked = [(seq_id, tokens, min(self.draft_len.get(seq_id, 1), limit)) for seq_id, tokens, limit in items]
         wanted = [i for i, (_, _, n) in enumerate(asked) if n > 0]
         drafts = [Draft.empty() for _ in items]
         for i, draft in zip(wanted, propose_many(self.proposer, [asked[i] for i in wanted])):
             drafts[i] = draft
+        if keep is not None:
+            drafts = [d.truncated(n) for d, n in zip(drafts, keep(drafts))]
+        for draft in drafts:
             if len(draft):
                 self.stats.drafts += 1
                 self.stats.draft_tokens += len(draft)

@@ -45,6 +45,12 @@ class Draft:
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    def truncated(self, length: int) -> Draft:
+        """The first `length` nodes: still a tree, since every node's parent comes before it."""
+        if length >= len(self.token_ids):
+            return self
+        return Draft(self.token_ids[:length], self.parents[:length], min(self.score, float(length)))
+
     def is_path(self) -> bool:
         return all(parent == i - 1 for i, parent in enumerate(self.parents))
 

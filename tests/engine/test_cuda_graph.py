@@ -65,8 +65,8 @@ def test_decode_batch_sizes() -> None:
 @pytest.mark.parametrize("family", ["llama_dir", "deepseek_dir"])
 def test_padded_static_decode_matches_eager(family: str, backend: str, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue(family)
-    # block_size 4: tables span several blocks; max_model_len 512: the static split count (4 for 8 rows) differs
-    # from the eager one (1 for these short contexts), so static-shape attention is exercised
+    # block_size 4: tables span several blocks; max_model_len 512: the static launch covers 2 context slices where
+    # the eager one covers 1 (for these short contexts), so static-shape attention is exercised
     llm = LLM(path, dtype="float32", device=DEVICE, kernel_backend=backend, block_size=4, max_model_len=512,
               max_num_seqs=8, enable_prefix_caching=False, enforce_eager=True)
     runner = llm.engine.runner.worker

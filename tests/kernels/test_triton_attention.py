@@ -119,7 +119,7 @@ DTYPE_BLOCKS = [(torch.float32, 1), (torch.float32, 3), (torch.float32, 16), (to
 def test_paged_attention(device, dtype, block_size, heads, kv_heads, head_dim, lens):
     batch, q, k_cache, v_cache = gqa_case(*lens, block_size, heads, kv_heads, head_dim, dtype, device)
     scale = head_dim**-0.5
-    meta = triton_attention.prepare_attention(batch, block_size, num_splits=3)
+    meta = triton_attention.prepare_attention(batch, block_size, split_tokens=16)
     out = triton_attention.paged_attention(q, k_cache, v_cache, batch, meta, scale)
     ref = attention.paged_attention(q, k_cache, v_cache, batch, attention.prepare_attention(batch, block_size), scale)
     assert_close(out, ref, scale=2.0)
@@ -163,32 +163,92 @@ def test_tree_masked_attention(device, dtype, block_size, lens):
     assert_close(out, ref, scale=2.0)
 
 
-def test_decode_split_count_does_not_change_result(device):
+def test_decode_slice_length_does_not_change_result(device):
     batch, q, k_cache, v_cache = gqa_case([200, 9], [1, 1], 16, 4, 2, 16, torch.float32, device)
     outs = [
-        triton_attention.paged_attention(q, k_cache, v_cache, batch, triton_attention.prepare_attention(batch, 16, num_splits=n), 0.25)
-        for n in (1, 2, 7)
+        triton_attention.paged_attention(q, k_cache, v_cache, batch, triton_attention.prepare_attention(batch, 16, split_tokens=n), 0.25)
+        for n in (256, 16, 7)
     ]
     assert_close(outs[1], outs[0])
     assert_close(outs[2], outs[0])
 
 
+def test_split_plan_depends_on_the_sequence_alone():
+    """Slices of split_tokens up to _MAX_SPLITS of them, then whole multiples of split_tokens; a launch sized for any
+    longer bound has at least as many slices."""
+    cap = triton_attention._MAX_SPLITS
+    assert triton_attention.split_plan(1, 16) == (16, 1)
+    assert triton_attention.split_plan(16 * cap, 16) == (16, cap)
+    assert triton_attention.split_plan(16 * cap + 1, 16) == (32, cap // 2 + 1)
+    assert triton_attention.split_plan(131072) == (1024, 128)
+    for length in (1, 37, 256, 4097, 32768, 100_000):
+        per_split, splits = triton_attention.split_plan(length)
+        assert per_split % triton_attention._SPLIT_TOKENS == 0 and (splits - 1) * per_split < length <= splits * per_split
+        assert splits <= min(triton_attention.launch_splits(bound) for bound in (length, length + 1, 32769, 131072, 10**6))
+
+
+def _static(batch, bound, num_blocks, device):
+    """`batch` as the CUDA-graph runner builds it: host lengths at the bound, block tables that wide (stale ids past
+    each sequence's blocks), static_shapes."""
+    wide = torch.randint(0, num_blocks, (batch.num_seqs, -(-bound // 16)), dtype=torch.int32, device=device)
+    wide[:, : batch.block_tables.shape[1]] = batch.block_tables
+    return dataclasses.replace(batch, block_tables=wide, max_seq_len=bound, seq_lens_cpu=[bound] * batch.num_seqs,
+                               static_shapes=True)
+
+
+def _rows(batch, rows):
+    """The decode batch of only the sequences `rows` (same caches and block tables)."""
+    index = torch.tensor(rows, device=batch.seq_lens.device)
+    seq_lens = batch.seq_lens[index]
+    return dataclasses.replace(
+        batch, input_ids=batch.input_ids[index], positions=batch.positions[index], slot_mapping=batch.slot_mapping[index],
+        query_start_loc=torch.arange(len(rows) + 1, device=index.device), seq_lens=seq_lens,
+        block_tables=batch.block_tables[index], logits_indices=torch.arange(len(rows), device=index.device),
+        max_seq_len=int(seq_lens.max()), query_lens_cpu=[1] * len(rows), seq_lens_cpu=seq_lens.tolist(),
+    )
+
+
+def _decode(kind, q, caches, batch):
+    meta = triton_attention.prepare_attention(batch, 16, split_tokens=16)
+    if kind == "gqa":
+        return triton_attention.paged_attention(q, *caches, batch, meta, 0.25)
+    return triton_attention.paged_latent_attention(q, caches[0], 32, batch, meta, 0.2)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_decode_is_bitwise_batch_and_graph_invariant(device, kind):
+    """A sequence's bf16 decode output is the same bits alone, in a batch with shorter and much longer sequences
+    (which change the launch's slice count), and with the CUDA-graph path's static arguments (a bound of 4096)."""
+    lens = [37, 300, 5, 2100]  # 2100 > 16 x _MAX_SPLITS: its slices are 32 tokens
+    if kind == "gqa":
+        batch, q, *caches = gqa_case(lens, [1] * 4, 16, 4, 2, 16, torch.bfloat16, device)
+    else:
+        batch, q, *caches = mla_case(lens, [1] * 4, 16, 4, 32, 16, torch.bfloat16, device)
+    mixed = _decode(kind, q, caches, batch)
+    assert torch.equal(_decode(kind, q, caches, _static(batch, 4096, caches[0].shape[0], device)), mixed)
+    for rows in ([0], [3], [2, 0]):
+        index = torch.tensor(rows, device=q.device)
+        assert torch.equal(_decode(kind, q[index], caches, _rows(batch, rows)), mixed[index]), rows
+
+
 @pytest.mark.parametrize("lens", [[37], [150, 2, 9]])
 def test_static_shape_decode_matches_exact_lengths(device, lens):
     """A CUDA-graph decode batch (`static_shapes`): host lengths are the bound max_model_len and the block tables are
-    that wide, with stale ids past each sequence's blocks. Triton (mostly empty slices) and the torch reference
-    (masking a single sequence too) must give what the batch with exact lengths gives."""
+    that wide, with stale ids past each sequence's blocks. Triton (launching slices for the bound that return at
+    once) and the torch reference (masking a single sequence too) must give what the batch with exact lengths gives."""
     batch, q, k_cache, v_cache = gqa_case(lens, [1] * len(lens), 16, 4, 2, 16, torch.float32, device)
     bound = 4096
     wide = torch.randint(0, k_cache.shape[0], (batch.num_seqs, bound // 16), dtype=torch.int32, device=device)
     wide[:, : batch.block_tables.shape[1]] = batch.block_tables
     static = dataclasses.replace(batch, block_tables=wide, max_seq_len=bound, seq_lens_cpu=[bound] * batch.num_seqs,
                                  static_shapes=True)
-    assert triton_attention.prepare_attention(static, 16).num_splits == 32
     for module in (triton_attention, attention):
         exact = module.paged_attention(q, k_cache, v_cache, batch, module.prepare_attention(batch, 16), 0.25)
         out = module.paged_attention(q, k_cache, v_cache, static, module.prepare_attention(static, 16), 0.25)
-        assert_close(out, exact)
+        if module is triton_attention:  # each sequence's slices do not depend on the bound: the same bits
+            assert torch.equal(out, exact)
+        else:
+            assert_close(out, exact)
 
 
 def test_empty_batch(device):
@@ -212,7 +272,7 @@ def mla_case(context_lens, query_lens, block_size, heads, latent, rope, dtype, d
 def test_paged_latent_attention(device, dtype, block_size, heads, latent, rope, lens):
     batch, q, kv_cache = mla_case(*lens, block_size, heads, latent, rope, dtype, device)
     scale = (latent + rope) ** -0.5
-    meta = triton_attention.prepare_attention(batch, block_size, num_splits=2)
+    meta = triton_attention.prepare_attention(batch, block_size, split_tokens=16)
     out = triton_attention.paged_latent_attention(q, kv_cache, latent, batch, meta, scale)
     ref = attention.paged_latent_attention(q, kv_cache, latent, batch, attention.prepare_attention(batch, block_size), scale)
     assert_close(out, ref, scale=2.0)

@@ -67,9 +67,12 @@ def test_router_group_limit_excludes_strong_expert_in_weak_group(device):
     assert torch.equal(ids.cpu(), ref_ids)
 
 
-@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(0, 2, 4, 16), (1, 1, 3, 16), (7, 3, 5, 4), (300, 2, 8, 16), (2, 6, 64, 16)])
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", [
+    (0, 2, 4, 16), (1, 1, 3, 16), (7, 3, 5, 4), (300, 2, 8, 16), (2, 6, 64, 16),
+    (4500, 2, 40, 16),  # 71 chunks of 128 pairs: the scan over chunks takes two steps; 40 experts: two scan programs
+])
 def test_align_block_size(device, tokens, top_k, experts, block_m):
-    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]) if tokens else torch.zeros(0, top_k, dtype=torch.int64)
+    ids = torch.rand(tokens, experts).topk(top_k, dim=1).indices
     ref = fused_moe.moe_align_block_size(ids, experts, block_m)
     out = triton_moe.moe_align_block_size(ids.to(device), experts, block_m)
     used = int(ref[2])
@@ -180,7 +183,10 @@ def test_int4_unpack_matches_layout():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("shape", MOE_SHAPES[:3] + [(9, 5, 3, 128, 96)])
+@pytest.mark.parametrize("shape", MOE_SHAPES[:3] + [
+    (9, 5, 3, 128, 96),
+    (2, 6, 2, 576, 64),  # decode tiles (16 rows): 256-deep K steps, two whole and a partial one
+])
 def test_fused_moe_w4a16(device, dtype, shape):
     tokens, experts, top_k, hidden, inter = shape
     p13, s13, _ = int4_weights(experts, 2 * inter, hidden, 32)

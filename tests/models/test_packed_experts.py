@@ -124,14 +124,16 @@ def test_triton_kernels_match_the_dequantized_checkpoint(engines, name: str) -> 
 
 
 def test_mtp_draft_layer_keeps_its_experts_packed(tiny_checkpoint) -> None:
-    """The MTP layer loads its FP8 experts packed too and drafts exactly what the dequantized one drafts."""
+    """The MTP layer loads its FP8 experts packed too and drafts exactly what the dequantized one drafts (static
+    draft lengths: the adaptive engine's depend on measured step times)."""
     from reasoning_engine import LLM, SamplingParams
 
     ckpt = tiny_checkpoint("deepseek_v3_fp8_mtp")
     requests = [{"prompt_token_ids": ids} for ids in prompts()[:2]]
     results = []
     for path in (ckpt.path, ckpt.reference_path):
-        llm = LLM(str(path), dtype="float32", device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+        llm = LLM(str(path), dtype="float32", device="cpu", adaptive=False,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 2})
         outs = llm.generate(requests, SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)
         experts = llm.engine.runner.worker.drafters["mtp"].model.layers[0].mlp.experts
         results.append(([o.outputs[0].token_ids for o in outs], llm.engine.stats().spec_decode, experts.w13.dtype))

@@ -192,6 +192,16 @@ def test_speculative_decoding_state_and_acceptance(page: Page, serve: Callable[.
     expect(page.locator(".turn.assistant .fig-spec")).to_have_text(re.compile(r"\d+% \(\d+ of \d+ drafted\)"))
 
 
+def test_adaptive_state_is_shown_read_only(page: Page, served: Served) -> None:
+    open_playground(page, served)
+    adaptive = page.locator("#adaptive")
+    expect(adaptive).to_have_text(re.compile(r"^On"))
+    ask(page, "What is 347 + 589?")
+    wait_for_replies(page, 1)
+    expect(adaptive).to_have_text(re.compile(r"On: cost model (ready|learning) \(\d+ steps.*tokens reused"))
+    assert adaptive.evaluate("el => el.tagName") == "OUTPUT"  # shown, not editable
+
+
 def test_api_errors_are_shown_plainly(page: Page, served: Served) -> None:
     open_playground(page, served, max_tokens="1000000")
     ask(page, "What is 347 + 589?")

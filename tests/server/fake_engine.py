@@ -45,6 +45,7 @@ class FakeEngine:
     total_blocks: int = 64
     block_size: int = 16
     calls: list[tuple[list[int], SamplingParams]] = field(default_factory=list)
+    sessions: list[tuple[str | None, str]] = field(default_factory=list)  # (session, workload) per call
     _blocks: dict[str, int] = field(default_factory=dict)
     _aborted: set[str] = field(default_factory=set)
     shut_down: bool = False
@@ -52,11 +53,12 @@ class FakeEngine:
     def __post_init__(self) -> None:
         self.model_config.vocab_size = len(self.tokenizer)
 
-    async def generate(self, prompt: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
+                       session_id: str | None = None, workload: str = "default") -> AsyncIterator[RequestOutput]:
         if len(prompt) + (params.max_tokens or 0) > self.model_config.max_model_len:
             raise ValueError("max_tokens: prompt + max_tokens exceeds max_model_len")
         self.calls.append((list(prompt), params))
+        self.sessions.append((session_id, workload))
         scripts = [self.tokenizer.encode(self.script(prompt, params, i), add_special_tokens=False)
                    for i in range(params.n)]
         self._blocks[request_id] = params.n * math.ceil((len(prompt) + max(len(s) for s in scripts)) / self.block_size)
@@ -103,6 +105,9 @@ class FakeEngine:
                            kv_cache_usage=used / self.total_blocks, free_blocks=self.total_blocks - used,
                            total_blocks=self.total_blocks, prefix_cache_queries=0, prefix_cache_hits=0,
                            num_preemptions=0, spec_decode={"num_drafts": 3, "num_accepted_tokens_per_pos": [2, 1]})
+
+    def adaptive_snapshot(self) -> dict[str, Any]:
+        return {"enabled": True, "cost_model": {"ready": False}}
 
     async def shutdown(self) -> None:
         self.shut_down = True

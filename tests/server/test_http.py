@@ -462,7 +462,7 @@ def test_api_key(fake_server: Any) -> None:
     _, url = fake_server("</think>ok", api_key="s3cret")
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
     assert httpx.get(f"{url}/", timeout=30).status_code == 200, "the playground page holds no secret"
-    for path in ("/v1/models", "/metrics", "/v1/nowhere", "/playground/info"):
+    for path in ("/v1/models", "/metrics", "/v1/nowhere", "/playground/info", "/v1/engine/adaptive"):
         response = httpx.get(url + path, timeout=30)
         assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     assert _post(url, {"prompt": "x"}, "/tokenize").status_code == 401
@@ -473,6 +473,23 @@ def test_api_key(fake_server: Any) -> None:
     answer = client(url, "s3cret").chat.completions.create(model="fake-model", messages=MSG)
     assert answer.choices[0].message.content == "ok"
     assert httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer s3cret"}, timeout=30).status_code == 200
+    adaptive = httpx.get(f"{url}/v1/engine/adaptive", headers={"Authorization": "Bearer s3cret"}, timeout=30)
+    assert adaptive.status_code == 200 and adaptive.json()["enabled"] is True
+
+
+def test_adaptive_endpoint_without_a_key_and_session_keys(fake_server: Any) -> None:
+    """Without an API key the adaptive snapshot is open like every route; a request's session key comes from the
+    x-session-id header, else prompt_cache_key, else user, and its workload class from the tools it offers."""
+    engine, url = fake_server("</think>ok", tool_call_parser="kimi_k2")
+    assert httpx.get(f"{url}/v1/engine/adaptive", timeout=30).json()["enabled"] is True
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    bodies = [({"messages": MSG, "user": "u1"}, {}), ({"messages": MSG, "user": "u1", "prompt_cache_key": "k"}, {}),
+              ({"messages": MSG, "user": "u1"}, {"x-session-id": "h"}), ({"messages": MSG, "tools": tools}, {}),
+              ({"prompt": "x"}, {})]
+    for body, headers in bodies:
+        path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        assert httpx.post(url + path, json={"model": "fake-model", **body}, headers=headers, timeout=30).status_code == 200
+    assert engine.sessions == [("u1", "chat"), ("k", "chat"), ("h", "chat"), (None, "agent"), (None, "completion")]
 
 
 def test_fuzzed_bodies_never_500(fake_server: Any) -> None:

@@ -73,8 +73,8 @@ def test_drafts_are_what_the_mtp_layer_predicts(tiny_mtp: tuple[Path, TinyDeepse
     path, model = tiny_mtp
     prompt = torch.randint(2, 128, (21,), generator=torch.Generator().manual_seed(1)).tolist()
     plain = _tokens(LLM(path, dtype="float32", device="cpu").generate([{"prompt_token_ids": prompt}], GREEDY))[0]
-    llm = LLM(path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=8,
-              speculative_config={"method": "mtp", "num_speculative_tokens": 8})
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=8, adaptive=False,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 8})  # static lengths: long drafts
     engine = llm.engine
     engine.spec.proposer = OracleTree({tuple(prompt): plain})  # verification with accepted nodes out of tree order
     drafter = engine.runner.worker.drafters["mtp"]

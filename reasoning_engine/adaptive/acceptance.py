@@ -1,0 +1,118 @@
+"""How much of a draft the target accepts: per draft position, per proposer and workload class, and per request.
+
+A verified draft of length L with a accepted tokens says, for each position i <= min(a + 1, L), whether the target
+took it given that it took positions 1..i-1: positions 1..a yes, position a + 1 no. Counting those gives the
+conditional acceptance rate p_i of each position, from which a draft of length k is worth
+E(k) = 1 + sum_{i<=k} prod_{j<=i} p_j tokens (the 1 is the token the target adds after any draft). Speculative
+sampling's analysis (Leviathan et al., 2023, arXiv:2211.17192) uses one rate for all positions; measuring each
+position keeps the estimate honest for proposers whose later positions are weaker.
+
+A request's own counts start from its class's (proposer method and workload class, e.g. agentic tool use vs plain
+chat) scaled down to a prior of `PRIOR_WEIGHT` drafts, so a new request of a known kind starts where its kind stands
+and its own history takes over after a few steps. Counts fade (exponential forgetting) to follow a changing workload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+PRIOR_WEIGHT = 4.0  # drafts' worth of class statistics a request starts from
+UNSEEN_RATE = 0.5  # the conditional rate assumed with no observation at all
+
+
+@dataclass
+class PositionCounts:
+    """Decayed trials and acceptances per draft position (index 0 = the first draft token)."""
+
+    trials: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def record(self, draft_len: int, accepted: int, decay: float = 1.0) -> None:
+        if decay != 1.0:
+            self.trials = [t * decay for t in self.trials]
+            self.accepted = [a * decay for a in self.accepted]
+        seen = min(accepted + 1, draft_len)
+        while len(self.trials) < seen:
+            self.trials.append(0.0)
+            self.accepted.append(0.0)
+        for i in range(seen):
+            self.trials[i] += 1.0
+            if i < accepted:
+                self.accepted[i] += 1.0
+
+    def rates(self, length: int, prior: PositionCounts | None = None, prior_weight: float = PRIOR_WEIGHT) -> list[float]:
+        """Conditional acceptance rate of positions 1..length: own counts plus the prior's rescaled to
+        `prior_weight` trials at its first position (Beta-Bernoulli smoothing towards the class)."""
+        rates = []
+        scale = 0.0
+        if prior is not None and prior.trials and prior.trials[0] > 0:
+            scale = prior_weight / prior.trials[0]
+        for i in range(length):
+            trials = self.trials[i] if i < len(self.trials) else 0.0
+            accepted = self.accepted[i] if i < len(self.accepted) else 0.0
+            if prior is not None and i < len(prior.trials):
+                trials += scale * prior.trials[i]
+                accepted += scale * prior.accepted[i]
+            previous = rates[-1] if rates else UNSEEN_RATE
+            rates.append((accepted + previous) / (trials + 1.0))  # one pseudo-trial at the previous position's rate
+        return rates
+
+    def to_dict(self) -> dict[str, list[float]]:
+        return {"trials": self.trials, "accepted": self.accepted}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PositionCounts:
+        trials, accepted = [float(v) for v in data["trials"]], [float(v) for v in data["accepted"]]
+        if len(trials) != len(accepted) or any(a > t + 1e-9 or a < 0 for a, t in zip(accepted, trials)):
+            raise ValueError("acceptance counts are inconsistent")
+        return cls(trials, accepted)
+
+
+def expected_tokens(rates: list[float], length: int) -> float:
+    """Tokens a step yields with a draft of `length` tokens at these conditional acceptance rates."""
+    total, alive = 1.0, 1.0
+    for rate in rates[:length]:
+        alive *= rate
+        total += alive
+    return total
+
+
+class AcceptanceModel:
+    """Position counts per (method, workload class) and per running request."""
+
+    def __init__(self, decay: float = 0.999) -> None:
+        self.decay = decay
+        self.classes: dict[str, PositionCounts] = {}
+        self.requests: dict[str, PositionCounts] = {}
+
+    @staticmethod
+    def class_key(method: str, workload: str) -> str:
+        return f"{method}/{workload}"
+
+    def record(self, seq_id: str, method: str, workload: str, draft_len: int, accepted: int) -> None:
+        if draft_len <= 0:
+            return
+        self.classes.setdefault(self.class_key(method, workload), PositionCounts()).record(draft_len, accepted,
+                                                                                           self.decay)
+        self.requests.setdefault(seq_id, PositionCounts()).record(draft_len, accepted, 0.9)
+
+    def rates(self, seq_id: str, method: str, workload: str, length: int) -> list[float]:
+        prior = self.classes.get(self.class_key(method, workload))
+        own = self.requests.get(seq_id, PositionCounts())
+        return own.rates(length, prior)
+
+    def forget(self, seq_id: str) -> None:
+        self.requests.pop(seq_id, None)
+
+    def summary(self, length: int) -> dict[str, dict[str, Any]]:
+        """Per class: drafts seen (decayed) and the conditional rate of each position."""
+        return {key: {"drafts": round(counts.trials[0], 1) if counts.trials else 0.0,
+                      "rates": [round(r, 3) for r in counts.rates(min(length, len(counts.trials)))]}
+                for key, counts in sorted(self.classes.items())}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {key: counts.to_dict() for key, counts in self.classes.items()}
+
+    def load(self, data: dict[str, Any]) -> None:
+        self.classes = {str(key): PositionCounts.from_dict(value) for key, value in data.items()}

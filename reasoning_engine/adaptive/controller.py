@@ -1,0 +1,218 @@
+"""The engine's adaptive side: what it measures each step, what it decides from that, and what it keeps.
+
+`AdaptiveController` owns the step cost model, the draft acceptance statistics, the sessions' return gaps and the
+decode batch-size histogram; the engine feeds it every step (`observe_step`, `record_draft`, session arrivals and
+finishes) and asks it for the next step's draft lengths (goodput.py), token budget (batching.py) and how long to
+protect a finished agent turn's blocks (retention.py). It saves itself to the state directory now and then and when
+the engine shuts down, and `snapshot()` is what `GET /v1/engine/adaptive` and the metrics show.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from reasoning_engine.adaptive.acceptance import AcceptanceModel
+from reasoning_engine.adaptive.batching import LatencyTargets, token_budget
+from reasoning_engine.adaptive.cost_model import StepCostModel, StepShape
+from reasoning_engine.adaptive.goodput import DraftCandidate, choose_draft_lengths
+from reasoning_engine.adaptive.retention import SessionRetention
+from reasoning_engine.adaptive.state import load_state, save_state
+
+logger = logging.getLogger(__name__)
+
+SAVE_EVERY_S = 30.0
+PROBE_EVERY = 8  # a request without a draft for this many steps gets a short one, to keep measuring acceptance
+PROBE_LENGTH = 2
+
+
+@dataclass
+class DraftAsk:
+    """A decoding request that may get a draft."""
+
+    seq_id: str
+    workload: str
+    limit: int  # the longest draft its budget allows (context, max_tokens, thinking budget)
+
+
+class AdaptiveController:
+    def __init__(self, identity: dict[str, Any], method: str | None, max_draft_tokens: int, state_dir: str | None,
+                 targets: LatencyTargets) -> None:
+        """`identity` names the model and device (a state learned elsewhere is not loaded); `method` the speculative
+        proposer, if any."""
+        self.identity = identity
+        self.method = method
+        self.max_draft_tokens = max_draft_tokens
+        self.state_dir = state_dir
+        self.targets = targets
+        self.cost = StepCostModel()
+        self.acceptance = AcceptanceModel()
+        self.retention = SessionRetention()
+        self.batch_sizes: Counter[int] = Counter()
+        self.warm = False
+        self._saved_at = time.monotonic()
+        self.last_lengths: list[int] = []
+        self._undrafted: dict[str, int] = {}  # steps since each request's last draft
+        self.last_budget: int | None = None
+        self.retention_protected = 0  # turns whose blocks were protected
+        self.snapshot_data: dict[str, Any] = {}
+        if state_dir:
+            self._load()
+
+    # ---- state ----
+    def _load(self) -> None:
+        state = load_state(self.state_dir, self.identity)
+        if state is None:
+            return
+        try:
+            cost = StepCostModel.from_dict(state["cost_model"])
+            acceptance = AcceptanceModel()
+            acceptance.load(state["acceptance"])
+            retention = SessionRetention()
+            retention.load(state["return_gaps"])
+            sizes = Counter({int(k): int(v) for k, v in state["batch_sizes"].items()})
+        except (KeyError, TypeError, ValueError) as exc:
+            logger.warning("adaptive state in %s is malformed (%s): starting cold", self.state_dir, exc)
+            return
+        self.cost, self.acceptance, self.retention, self.batch_sizes = cost, acceptance, retention, sizes
+        self.warm = True
+        logger.info("adaptive state loaded from %s (%d steps in the cost model)", self.state_dir, cost.observations)
+
+    def save(self) -> None:
+        if not self.state_dir:
+            return
+        save_state(self.state_dir, self.identity, {
+            "cost_model": self.cost.to_dict(), "acceptance": self.acceptance.to_dict(),
+            "return_gaps": self.retention.to_dict(), "batch_sizes": {str(k): v for k, v in self.batch_sizes.items()}})
+        self._saved_at = time.monotonic()
+
+    def maybe_save(self) -> None:
+        if self.state_dir and time.monotonic() - self._saved_at > SAVE_EVERY_S:
+            self.save()
+
+    # ---- measurements ----
+    def calibrate(self, run: Callable[[StepShape], float], max_seqs: int, max_tokens: int, block_size: int) -> None:
+        """Warm the cost model with steps of known shape (`run` times one and returns seconds): decodes of 1, 4
+        and max_seqs sequences at short and long contexts, prefill chunks, a verification step."""
+        shapes = []
+        for seqs in sorted({1, min(4, max_seqs), max_seqs}):
+            for context in (block_size, 16 * block_size):
+                shapes.append(StepShape(seqs, seqs, seqs * context))
+        for chunk in sorted({min(64, max_tokens), min(512, max_tokens)}):
+            shapes.append(StepShape(chunk, 1, chunk))
+        if self.max_draft_tokens:
+            shapes.append(StepShape(1 + self.max_draft_tokens, 1, 1 + self.max_draft_tokens, self.max_draft_tokens))
+        for _ in range(2):
+            for shape in shapes:
+                self.cost.observe(shape, run(shape))
+
+    def observe_step(self, shape: StepShape, seconds: float, decode_batch: int) -> None:
+        self.cost.observe(shape, seconds)
+        if decode_batch:
+            self.batch_sizes[decode_batch] += 1
+
+    def record_draft(self, seq_id: str, workload: str, draft_len: int, accepted: int) -> None:
+        self.acceptance.record(seq_id, self.method or "none", workload, draft_len, accepted)
+
+    def forget(self, seq_id: str) -> None:
+        self.acceptance.forget(seq_id)
+        self._undrafted.pop(seq_id, None)
+
+    # ---- decisions ----
+    def draft_lengths(self, asks: list[DraftAsk], step: StepShape) -> list[int]:
+        """Per ask, its draft length by goodput (all zero until the cost model is ready). A request left without a
+        draft for PROBE_EVERY steps gets a short probe: acceptance that was low may have risen (a repetitive stretch
+        of an agent's output), and only drafting measures it."""
+        if not self.cost.ready or self.method is None:
+            return [0] * len(asks)
+        candidates = [DraftCandidate(self.acceptance.rates(a.seq_id, self.method, a.workload,
+                                                           min(a.limit, self.max_draft_tokens)),
+                                     max(0, min(a.limit, self.max_draft_tokens))) for a in asks]
+        lengths = choose_draft_lengths(candidates, step, self.cost)
+        for i, ask in enumerate(asks):
+            if lengths[i]:
+                self._undrafted[ask.seq_id] = 0
+                continue
+            waited = self._undrafted.get(ask.seq_id, 0) + 1
+            if waited >= PROBE_EVERY:
+                lengths[i], waited = min(PROBE_LENGTH, candidates[i].max_length), 0
+            self._undrafted[ask.seq_id] = waited
+        self.last_lengths = lengths
+        return lengths
+
+    def token_budget(self, decodes: StepShape, max_tokens: int, oldest_wait_s: float, waiting_tokens: int) -> int:
+        self.last_budget = token_budget(self.cost, decodes, max_tokens, self.targets, oldest_wait_s, waiting_tokens)
+        return self.last_budget
+
+    # ---- sessions ----
+    def session_arrived(self, session: str, now: float) -> None:
+        self.retention.arrived(session, now)
+
+    def turn_finished(self, session: str, workload: str, now: float) -> float:
+        """Seconds to protect the finished turn's blocks."""
+        self.retention_protected += 1
+        return self.retention.finished(session, workload, now)
+
+    # ---- what it shows ----
+    def refresh_snapshot(self, extra: dict[str, Any]) -> None:
+        """Rebuild what the endpoint and metrics read (called by the engine thread; readers take the reference)."""
+        lengths = self.last_lengths
+        self.snapshot_data = {
+            "enabled": True,
+            "warm_start": self.warm,
+            "state_dir": self.state_dir,
+            "cost_model": {"ready": self.cost.ready, "observations": self.cost.observations,
+                           "seconds_per": self.cost.coefficients()},
+            "speculation": {"method": self.method, "max_draft_tokens": self.max_draft_tokens,
+                            "last_draft_lengths": {"requests": len(lengths),
+                                                   "mean": sum(lengths) / len(lengths) if lengths else 0.0,
+                                                   "max": max(lengths, default=0)},
+                            "acceptance_by_class": self.acceptance.summary(self.max_draft_tokens)},
+            "batching": {"target_itl_ms": self.targets.itl_ms, "target_ttft_ms": self.targets.ttft_ms,
+                         "last_token_budget": self.last_budget},
+            "retention": {"turns_protected": self.retention_protected, "classes": self.retention.summary(), **extra},
+            "decode_batch_sizes": dict(sorted(self.batch_sizes.items())),
+        }
+
+
+def choose_graph_batch_sizes(histogram: Counter[int], max_num_seqs: int, max_graphs: int) -> list[int]:
+    """CUDA-graph buckets from observed decode batch sizes: at most `max_graphs` sizes (each graph holds memory),
+    always including max_num_seqs, chosen to minimise the padding rows the observed steps would have run (a step of
+    n sequences replays the smallest bucket >= n): dynamic programming over the observed sizes."""
+    sizes = sorted(s for s in histogram if 1 <= s <= max_num_seqs)
+    if not sizes:
+        return []
+    if sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    m = len(sizes)
+    steps, rows = [0] * (m + 1), [0] * (m + 1)  # prefix sums of step counts and of their rows
+    for t, size in enumerate(sizes):
+        steps[t + 1] = steps[t] + histogram.get(size, 0)
+        rows[t + 1] = rows[t] + histogram.get(size, 0) * size
+
+    def waste(i: int, j: int) -> int:
+        """Padding rows when the steps of sizes[i..j] all replay the bucket sizes[j]."""
+        return sizes[j] * (steps[j + 1] - steps[i]) - (rows[j + 1] - rows[i])
+
+    inf = float("inf")
+    # best[k][j]: least padding covering sizes[0..j] with k buckets, the last at sizes[j]
+    best = [[inf] * m for _ in range(max_graphs + 1)]
+    back = [[-1] * m for _ in range(max_graphs + 1)]
+    for j in range(m):
+        best[1][j] = waste(0, j)
+    for k in range(2, max_graphs + 1):
+        for j in range(m):
+            for i in range(j):
+                cost = best[k - 1][i] + waste(i + 1, j)
+                if cost < best[k][j]:
+                    best[k][j], back[k][j] = cost, i
+    k = min(range(1, max_graphs + 1), key=lambda n: (best[n][m - 1], n))
+    chosen, j = [], m - 1
+    while j >= 0 and k >= 1:
+        chosen.append(sizes[j])
+        j, k = back[k][j], k - 1
+    return sorted(chosen)

@@ -1,0 +1,103 @@
+"""What a step costs: a linear model of step time learned online from the steps the engine runs.
+
+A step's time is, to first order, a fixed cost (launches, scheduling, sampling) plus terms proportional to the tokens
+it computes, the sequences it carries (per-sequence attention and bookkeeping), the context tokens its attention reads,
+and the draft tokens it verifies (draft-tree masks, verification). The weights differ by model and device, and by how
+loaded the machine is, so they are fitted from measurements: a short calibration at start warms the model up, then
+every step refines it. Old observations fade (exponential forgetting), so the model follows a drifting machine.
+
+Fit: weighted least squares with non-negative weights (an active-set loop over five features) on decayed sufficient
+statistics, so each observation costs O(features^2) and a fit O(features^3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+FEATURES = ("step", "query_tokens", "sequences", "context_tokens", "draft_tokens")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step computes, in the cost model's terms."""
+
+    query_tokens: int  # tokens run through the model, draft tokens included
+    sequences: int
+    context_tokens: int  # tokens of context the step's attention reads (sum of sequence lengths)
+    draft_tokens: int = 0
+
+    def features(self) -> np.ndarray:
+        return np.array([1.0, self.query_tokens, self.sequences, self.context_tokens, self.draft_tokens])
+
+
+class StepCostModel:
+    """Predicted seconds per step from observed (shape, seconds) pairs."""
+
+    def __init__(self, decay: float = 0.998, ridge: float = 1e-9) -> None:
+        self.decay = decay
+        self.ridge = ridge
+        n = len(FEATURES)
+        self._xtx = np.zeros((n, n))
+        self._xty = np.zeros(n)
+        self.observations = 0
+        self.weights = np.zeros(n)
+
+    @property
+    def ready(self) -> bool:
+        """Enough observations for predictions worth acting on."""
+        return self.observations >= 8
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """Fold one measured step in (relative weighting: a 1 ms step counts as much as a 1 s one)."""
+        if seconds <= 0:
+            return
+        x = shape.features()
+        scale = 1.0 / seconds
+        self._xtx = self.decay * self._xtx + scale * scale * np.outer(x, x)
+        self._xty = self.decay * self._xty + scale * scale * x * seconds
+        self.observations += 1
+        if self.observations <= 64 or self.observations % 16 == 0:
+            self.weights = self._solve()
+
+    def _solve(self) -> np.ndarray:
+        """Non-negative least squares by an active set: drop the most negative weight and solve again."""
+        n = len(FEATURES)
+        free = list(range(n))
+        weights = np.zeros(n)
+        scale = np.maximum(np.diag(self._xtx), 1e-30)
+        while free:
+            a = self._xtx[np.ix_(free, free)] + self.ridge * np.diag(scale[free])
+            try:
+                solved = np.linalg.solve(a, self._xty[free])
+            except np.linalg.LinAlgError:
+                solved = np.linalg.lstsq(a, self._xty[free], rcond=None)[0]
+            if (solved >= 0).all():
+                weights[:] = 0.0
+                weights[free] = solved
+                return weights
+            free.pop(int(np.argmin(solved)))
+        return weights
+
+    def predict(self, shape: StepShape) -> float:
+        return float(shape.features() @ self.weights)
+
+    def coefficients(self) -> dict[str, float]:
+        """Seconds per unit of each feature ("step": the fixed cost)."""
+        return dict(zip(FEATURES, (float(w) for w in self.weights)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"xtx": self._xtx.tolist(), "xty": self._xty.tolist(), "observations": self.observations}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepCostModel:
+        model = cls()
+        xtx, xty = np.array(data["xtx"], dtype=float), np.array(data["xty"], dtype=float)
+        n = len(FEATURES)
+        if xtx.shape != (n, n) or xty.shape != (n,) or not np.isfinite(xtx).all() or not np.isfinite(xty).all():
+            raise ValueError("cost model statistics have the wrong shape or are not finite")
+        model._xtx, model._xty, model.observations = xtx, xty, int(data["observations"])
+        model.weights = model._solve()
+        return model

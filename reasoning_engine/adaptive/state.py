@@ -1,0 +1,56 @@
+"""What the engine learned, kept across restarts: one JSON file in the state directory, written atomically.
+
+The file names the model and device it was learned on; a file for another model or device (a cost model of a
+different GPU would mislead), or one that is corrupt or truncated, is set aside with a warning and the engine starts
+cold. Writing goes to a temporary file in the same directory, then `os.replace`, so a crash mid-write leaves the
+previous state whole.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "adaptive_state.json"
+VERSION = 1
+
+
+def save_state(state_dir: str | Path, identity: dict[str, Any], payload: dict[str, Any]) -> Path:
+    folder = Path(state_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / STATE_FILE
+    fd, tmp = tempfile.mkstemp(prefix=".adaptive_state.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump({"version": VERSION, "identity": identity, "state": payload}, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_state(state_dir: str | Path, identity: dict[str, Any]) -> dict[str, Any] | None:
+    """The saved state when it is this model's and device's, else None (a warning says why, unless there is none)."""
+    path = Path(state_dir) / STATE_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("state"), dict):
+            raise ValueError(f"not an adaptive state of version {VERSION}")
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        logger.warning("adaptive state %s is unreadable (%s): starting cold", path, exc)
+        return None
+    if data.get("identity") != identity:
+        logger.warning("adaptive state %s was learned on %s, not %s: starting cold", path, data.get("identity"), identity)
+        return None
+    return data["state"]

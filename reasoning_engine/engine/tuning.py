@@ -1,0 +1,195 @@
+"""The adaptive controller (reasoning_engine/adaptive) wired into this engine: what each hook of a step measures and
+decides. `LLMEngine` calls an `EngineTuner` at its hook points (scheduling, drafting, verification, finishing) and
+never needs to know how the decisions are made.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from reasoning_engine.adaptive.batching import LatencyTargets
+from reasoning_engine.adaptive.controller import AdaptiveController, DraftAsk, choose_graph_batch_sizes
+from reasoning_engine.adaptive.cost_model import StepShape
+from reasoning_engine.config import EngineConfig
+from reasoning_engine.engine.kv_cache import BlockManager
+from reasoning_engine.engine.request import Request
+from reasoning_engine.engine.scheduler import Scheduler, SchedulerOutput
+from reasoning_engine.engine.worker import StepInput
+from reasoning_engine.speculative.decoder import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from reasoning_engine.engine.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+MAX_CUDA_GRAPHS = 12  # captured decode buckets at most (each graph holds its own buffers)
+REFRESH_S = 0.25
+
+
+def identity(config: EngineConfig) -> dict[str, Any]:
+    """What learned state is specific to: the model, its dtype, the device and the ranks it runs on."""
+    model = config.model
+    device = config.device.type
+    if device == "cuda":
+        device = torch.cuda.get_device_name(config.device)
+    return {"model": model.name, "model_type": model.model_type, "layers": model.num_hidden_layers,
+            "hidden": model.hidden_size, "vocab": model.vocab_size, "dtype": str(config.dtype), "device": device,
+            "kernels": config.kernel_backend, "tp": config.parallel.tensor_parallel_size,
+            "dp": config.parallel.data_parallel_size, "ep": config.parallel.enable_expert_parallel}
+
+
+class EngineTuner:
+    def __init__(self, config: EngineConfig, spec: SpeculativeConfig | None, tool_call_ids: set[int]) -> None:
+        """`tool_call_ids`: tokens that open a tool call (a turn ending in one is an agent waiting on its tool)."""
+        self.config = config
+        self.tool_call_ids = tool_call_ids
+        self.controller = AdaptiveController(
+            identity(config), spec.method if spec is not None else None,
+            spec.num_speculative_tokens if spec is not None else 0, config.state_dir,
+            LatencyTargets(config.target_itl_ms, config.target_ttft_ms))
+        self._step_start = 0.0
+        self._refreshed = 0.0
+
+    @property
+    def uses_cost_model(self) -> bool:
+        """Decisions read the cost model (speculation or latency targets): worth calibrating at start."""
+        targets = self.config.target_itl_ms is not None or self.config.target_ttft_ms is not None
+        return self.controller.method is not None or targets
+
+    def graph_batch_sizes(self) -> tuple[int, ...] | None:
+        """CUDA-graph buckets from the batch sizes the saved state has seen, or None (the default buckets)."""
+        if not self.controller.batch_sizes:
+            return None
+        sizes = choose_graph_batch_sizes(self.controller.batch_sizes, self.config.max_num_seqs, MAX_CUDA_GRAPHS)
+        return tuple(sizes) or None
+
+    def calibrate(self, runner: ModelRunner) -> None:
+        """Time a few synthetic steps (their tokens live in the padding block, which no request owns) so the cost
+        model is ready before the first request; skipped when the saved state already has one."""
+        if self.controller.cost.ready or not self.uses_cost_model:
+            return
+        start = time.perf_counter()
+        replicas = self.config.parallel.data_parallel_size
+
+        def run(shape: StepShape) -> float:
+            step = _synthetic_step(shape, runner.num_blocks, self.config.block_size, self.config.max_model_len)
+            begin = time.perf_counter()
+            runner.executor.execute_model([step] * replicas)
+            return time.perf_counter() - begin
+
+        c = self.config
+        self.controller.calibrate(run, c.max_num_seqs, c.max_num_batched_tokens, c.block_size)
+        logger.info("adaptive: cost model calibrated in %.1f s: %s", time.perf_counter() - start,
+                    {k: f"{v:.2e}" for k, v in self.controller.cost.coefficients().items()})
+
+    # ---- a step ----
+    def budget(self, scheduler: Scheduler) -> int | None:
+        """The next step's token budget for this replica under the latency targets (None: the configured one)."""
+        if self.config.target_itl_ms is None and self.config.target_ttft_ms is None:
+            return None
+        decodes = [r for r in scheduler.running if not r.is_prefilling]
+        shape = StepShape(sum(1 + (len(r.draft) if r.draft is not None else 0) for r in decodes), len(decodes),
+                          sum(r.num_tokens for r in decodes))
+        oldest = scheduler.waiting[0] if scheduler.waiting else None
+        wait = time.monotonic() - oldest.arrival_time if oldest is not None else 0.0
+        left = oldest.num_tokens - oldest.num_computed_tokens if oldest is not None else 0
+        return self.controller.token_budget(shape, self.config.max_num_batched_tokens, wait, left)
+
+    def begin_step(self) -> None:
+        self._step_start = time.perf_counter()
+
+    def end_step(self, plans: list[SchedulerOutput], shape: StepShape) -> None:
+        """After postprocessing: the step's measured time into the cost model."""
+        decode_batch = max((sum(1 for s in plan.scheduled if s.num_tokens - s.num_draft_tokens == 1) for plan in plans),
+                           default=0)
+        self.controller.observe_step(shape, time.perf_counter() - self._step_start, decode_batch)
+
+    @staticmethod
+    def shape(plans: list[SchedulerOutput]) -> StepShape:
+        """What the scheduled step computes (before postprocessing moves the requests on)."""
+        items = [s for plan in plans for s in plan.scheduled]
+        return StepShape(sum(s.num_tokens for s in items), len(items),
+                         sum(s.request.num_computed_tokens + s.num_tokens for s in items),
+                         sum(s.num_draft_tokens for s in items))
+
+    # ---- speculation ----
+    def draft_lengths(self, requests: list[Request], limits: list[int]) -> list[int]:
+        """Per decoding request, its draft length by goodput within its limit."""
+        asks = [DraftAsk(r.seq_id, r.workload, limit) for r, limit in zip(requests, limits)]
+        step = StepShape(len(requests), len(requests), sum(r.num_tokens + 1 for r in requests))
+        return self.controller.draft_lengths(asks, step)
+
+    def record_draft(self, request: Request, draft_len: int, accepted: int) -> None:
+        self.controller.record_draft(request.seq_id, request.workload, draft_len, accepted)
+
+    # ---- sessions and retention ----
+    def request_added(self, request: Request) -> None:
+        if request.session is not None and request.index == 0:
+            self.controller.session_arrived(request.session, time.monotonic())
+
+    def returned(self, scheduler: Scheduler) -> None:
+        """Admitted requests that found a finished turn's protected blocks: those turns' return gaps."""
+        now = time.monotonic()
+        for origin in scheduler.returned_turns:
+            self.controller.session_arrived(origin, now)
+        scheduler.returned_turns.clear()
+
+    def request_finished(self, request: Request, blocks: BlockManager) -> None:
+        """A finished turn that carries a session key or ends in a tool call keeps its blocks protected for its
+        class's learned hold time."""
+        self.controller.forget(request.seq_id)
+        if request.finish_reason == "abort":
+            return
+        tool_call = any(t in self.tool_call_ids for t in request.output_token_ids)
+        if request.session is None and not tool_call:
+            return
+        origin = request.session if request.session is not None else f"turn:{request.seq_id}"
+        workload = f"{request.workload}/{'tool_call' if tool_call else 'session'}"
+        now = time.monotonic()
+        hold = self.controller.turn_finished(origin, workload, now)
+        blocks.protect(blocks.full_block_keys(request), now + hold, origin)
+
+    def expire(self, schedulers: list[Scheduler]) -> None:
+        now = time.monotonic()
+        for scheduler in schedulers:
+            scheduler.blocks.expire(now)
+
+    # ---- what it shows and keeps ----
+    def refresh(self, schedulers: list[Scheduler], force: bool = False) -> None:
+        """Rebuild the snapshot (at most every REFRESH_S: a step of a small model takes a few milliseconds) and save
+        the state now and then."""
+        now = time.monotonic()
+        if not force and now - self._refreshed < REFRESH_S:
+            return
+        self._refreshed = now
+        managers = [s.blocks for s in schedulers]
+        self.controller.refresh_snapshot({
+            "protected_blocks": sum(len(bm.protected) for bm in managers),
+            "retention_hit_tokens": sum(bm.retention_hits for bm in managers),
+            "prefix_hit_rate": (sum(bm.prefix_hits for bm in managers) / max(1, sum(bm.prefix_queries for bm in managers))),
+        })
+        self.controller.maybe_save()
+
+    def save(self) -> None:
+        self.controller.save()
+
+
+def _synthetic_step(shape: StepShape, padding_block: int, block_size: int, max_model_len: int) -> StepInput:
+    """A step of `shape` whose every token is written to the padding block and whose context reads it repeatedly."""
+    per_seq = max(1, shape.query_tokens // shape.sequences)
+    context = min(max(per_seq, shape.context_tokens // shape.sequences), max_model_len - 1)
+    per_seq = min(per_seq, context)
+    tokens, positions, slots, rows = [], [], [], []
+    for _ in range(shape.sequences):
+        span = range(context - per_seq, context)
+        tokens += [0] * per_seq
+        positions += list(span)
+        slots += [padding_block * block_size + p % block_size for p in span]
+        rows.append(len(tokens) - 1)
+    table = [padding_block] * -(-context // block_size)
+    return StepInput(tokens, positions, slots, [per_seq] * shape.sequences, [context] * shape.sequences,
+                     [table] * shape.sequences, rows)

@@ -1,0 +1,180 @@
+"""The adaptive engine's parts on their own: cost model, acceptance, goodput draft lengths, token budgets, return-gap
+retention, CUDA-graph buckets and the state file (issue: adaptive optimisation)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from reasoning_engine.adaptive.acceptance import AcceptanceModel, PositionCounts, expected_tokens
+from reasoning_engine.adaptive.batching import LatencyTargets, token_budget
+from reasoning_engine.adaptive.controller import AdaptiveController, choose_graph_batch_sizes
+from reasoning_engine.adaptive.cost_model import StepCostModel, StepShape
+from reasoning_engine.adaptive.goodput import DraftCandidate, choose_draft_lengths
+from reasoning_engine.adaptive.retention import DEFAULT_HOLD_S, SessionRetention
+from reasoning_engine.adaptive.state import STATE_FILE
+
+TRUE = {"step": 2e-3, "query_tokens": 5e-5, "sequences": 1e-5, "context_tokens": 1e-7, "draft_tokens": 3e-5}
+
+
+def _true_time(shape: StepShape) -> float:
+    return (TRUE["step"] + TRUE["query_tokens"] * shape.query_tokens + TRUE["sequences"] * shape.sequences
+            + TRUE["context_tokens"] * shape.context_tokens + TRUE["draft_tokens"] * shape.draft_tokens)
+
+
+def _random_shapes(rng: random.Random, count: int) -> list[StepShape]:
+    shapes = []
+    for _ in range(count):
+        seqs = rng.randint(1, 64)
+        drafts = rng.choice([0, 0, rng.randint(1, 4 * seqs)])
+        prefill = rng.choice([0, 0, rng.randint(16, 2048)])
+        shapes.append(StepShape(seqs + drafts + prefill, seqs + (prefill > 0), seqs * rng.randint(16, 4096) + prefill,
+                                drafts))
+    return shapes
+
+
+def test_cost_model_recovers_synthetic_step_times() -> None:
+    rng = random.Random(0)
+    model = StepCostModel()
+    for shape in _random_shapes(rng, 400):
+        model.observe(shape, _true_time(shape) * rng.uniform(0.97, 1.03))  # 3% noise
+    for name, value in TRUE.items():
+        assert model.coefficients()[name] == pytest.approx(value, rel=0.15), name
+    for shape in _random_shapes(rng, 50):
+        assert model.predict(shape) == pytest.approx(_true_time(shape), rel=0.05)
+
+
+def test_cost_model_follows_a_slower_machine_and_stays_non_negative() -> None:
+    rng = random.Random(1)
+    model = StepCostModel()
+    for shape in _random_shapes(rng, 300):
+        model.observe(shape, _true_time(shape))
+    for shape in _random_shapes(rng, 1500):  # the machine got twice as slow
+        model.observe(shape, 2 * _true_time(shape))
+    shape = StepShape(32, 32, 32 * 1000)
+    assert model.predict(shape) == pytest.approx(2 * _true_time(shape), rel=0.1)
+    assert all(value >= 0 for value in model.coefficients().values())
+
+
+def test_acceptance_counts_per_position_and_prior_from_the_class() -> None:
+    counts = PositionCounts()
+    for accepted in (3, 3, 1, 0):  # drafts of 3: positions seen 3, 3, 2, 1 times
+        counts.record(3, accepted)
+    assert counts.trials == [4.0, 3.0, 2.0] and counts.accepted == [3.0, 2.0, 2.0]
+    model = AcceptanceModel()
+    for _ in range(50):
+        model.record("old", "suffix", "agent", 4, 4)
+    fresh = model.rates("new", "suffix", "agent", 4)
+    assert all(rate > 0.75 for rate in fresh)  # a new request of a known kind starts high
+    assert model.rates("new", "suffix", "chat", 4)[0] == pytest.approx(0.5)  # an unknown kind: no prior
+    assert expected_tokens([1.0, 1.0], 2) == 3.0 and expected_tokens([0.5, 0.5], 2) == 1.75
+
+
+def _cost(fixed: float, per_token: float) -> StepCostModel:
+    """A model fitted to steps costing `fixed` plus `per_token` per token run (draft tokens included)."""
+    model = StepCostModel()
+    for shape in _random_shapes(random.Random(4), 200):
+        model.observe(shape, fixed + per_token * shape.query_tokens)
+    return model
+
+
+def test_goodput_drafts_long_when_cheap_and_likely() -> None:
+    cost = _cost(fixed=10e-3, per_token=0.1e-3)  # batch 1 decode: a step is its fixed cost
+    high = DraftCandidate([0.9] * 8, 8)
+    assert choose_draft_lengths([high], StepShape(1, 1, 500), cost) == [8]
+
+
+def test_goodput_gives_no_draft_when_acceptance_is_low_or_the_batch_is_large() -> None:
+    cost = _cost(fixed=10e-3, per_token=0.1e-3)
+    low = DraftCandidate([0.005] * 8, 8)  # below the 1% a draft token adds to the step
+    assert choose_draft_lengths([low], StepShape(1, 1, 500), cost) == [0]
+    compute_bound = _cost(fixed=1e-3, per_token=1e-3)  # a large batch: every token costs
+    batch = [DraftCandidate([0.6] * 8, 8) for _ in range(64)]
+    lengths = choose_draft_lengths(batch, StepShape(64, 64, 64 * 500), compute_bound)
+    assert lengths == [0] * 64
+    mixed = [DraftCandidate([0.95] * 8, 8), DraftCandidate([0.1] * 8, 8)]
+    long, short = choose_draft_lengths(mixed, StepShape(2, 2, 1000), cost)
+    assert long > short  # the likely request gets the longer draft
+
+
+def test_token_budget_keeps_decodes_under_the_itl_target() -> None:
+    cost = _cost(fixed=5e-3, per_token=0.2e-3)
+    decodes = StepShape(16, 16, 16 * 100)
+    free = token_budget(cost, decodes, 2048, LatencyTargets())
+    assert free == 2048  # no target: the configured budget
+    budget = token_budget(cost, decodes, 2048, LatencyTargets(itl_ms=20.0))
+    assert cost.predict(StepShape(budget, 17, 16 * 100 + budget - 16)) <= 0.021
+    assert 16 + 16 <= budget < 2048  # a prefill still moves forward
+    at_risk = token_budget(cost, decodes, 2048, LatencyTargets(itl_ms=20.0, ttft_ms=200.0), oldest_wait_s=0.19,
+                           waiting_tokens=1000)
+    assert at_risk >= 1016  # the waiting prompt's first token is due: it goes through
+
+
+def test_return_gaps_set_the_hold_time() -> None:
+    retention = SessionRetention()
+    assert retention.finished("s0", "agent/tool_call", 0.0) == DEFAULT_HOLD_S
+    now = 0.0
+    for i in range(20):
+        retention.finished(f"s{i}", "agent/tool_call", now)
+        now += 3.0 + i % 3  # tools take 3-5 s
+        assert retention.arrived(f"s{i}", now) is not None
+    hold = retention.hold_seconds("agent/tool_call")
+    assert 5.0 <= hold <= 5.0 * 1.5 + 1e-9
+    assert retention.arrived("never-finished", now) is None
+
+
+def test_graph_buckets_follow_the_observed_batch_sizes() -> None:
+    seen = Counter({1: 500, 3: 200, 24: 300, 25: 10, 60: 5})
+    sizes = choose_graph_batch_sizes(seen, 64, 4)
+    assert sizes[-1] == 64 and len(sizes) <= 4
+    assert {1, 3, 25} <= set(sizes)  # the common sizes get their own bucket
+    assert choose_graph_batch_sizes(Counter(), 64, 4) == []
+
+
+def _controller(state_dir: Path, model: str = "m") -> AdaptiveController:
+    return AdaptiveController({"model": model, "device": "cpu"}, "suffix", 8, str(state_dir), LatencyTargets())
+
+
+def test_state_round_trips(tmp_path: Path) -> None:
+    first = _controller(tmp_path)
+    rng = random.Random(2)
+    for shape in _random_shapes(rng, 50):
+        first.observe_step(shape, _true_time(shape), decode_batch=shape.sequences)
+    for _ in range(10):
+        first.record_draft("r", "agent", 4, 3)
+    first.retention.finished("s", "agent/tool_call", 0.0)
+    first.retention.arrived("s", 4.0)
+    first.save()
+    second = _controller(tmp_path)
+    assert second.warm
+    assert second.cost.coefficients() == pytest.approx(first.cost.coefficients())
+    assert second.acceptance.to_dict() == first.acceptance.to_dict()
+    assert second.retention.to_dict() == first.retention.to_dict()
+    assert second.batch_sizes == first.batch_sizes
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign", "wrong_shape"])
+def test_bad_state_starts_cold_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str) -> None:
+    first = _controller(tmp_path)
+    for shape in _random_shapes(random.Random(3), 20):
+        first.observe_step(shape, _true_time(shape), decode_batch=1)
+    first.save()
+    path = tmp_path / STATE_FILE
+    text = path.read_text()
+    if damage == "corrupt":
+        path.write_text("{not json")
+    elif damage == "truncated":
+        path.write_text(text[: len(text) // 2])
+    elif damage == "wrong_shape":
+        data = json.loads(text)
+        data["state"]["cost_model"]["xtx"] = [[1.0]]
+        path.write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING):
+        second = _controller(tmp_path, model="another" if damage == "foreign" else "m")
+    assert not second.warm and second.cost.observations == 0
+    assert "starting cold" in caplog.text

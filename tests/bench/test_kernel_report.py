@@ -1,0 +1,89 @@
+"""benchmarks/kernel_report.py on CPU: a handful of real ahead-of-time compiles for sm_90 and sm_100 (the decode
+attention at the CUDA-graph path's 128k bound, which spilled 32 KB a thread before issue #30, and the batch-1 INT4
+MoE), the occupancy and roofline arithmetic, and the --measure path through the interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from .scripts import load_script
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "kernel_report.py"
+FIELDS = {"kernel", "target", "shape", "registers", "spill_bytes", "shared_bytes", "shared_limit", "decode_path"}
+
+
+@pytest.fixture(scope="module")
+def kernel_report() -> ModuleType:
+    return load_script("kernel_report")
+
+
+def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the script chooses the mode itself
+    return subprocess.run([sys.executable, str(SCRIPT), "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path),
+                           "--date", "2026-12-02", *args], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+
+
+def test_compiles_decode_kernels_for_hopper_and_blackwell(tmp_path: Path) -> None:
+    only = "^kimi-tp8 (mla decode b1 ctx128k graph|moe w4a16 t1)$"
+    proc = _run(tmp_path, "--only", only, "--json", "--jobs", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = json.loads(proc.stdout.strip().splitlines()[-1])
+    kernels = {r["kernel"] for r in records}
+    assert {"_decode_partial_kernel", "_decode_reduce_kernel", "_moe_gemm_kernel", "_align_scan_kernel"} <= kernels
+    assert {r["target"] for r in records} == {"sm_90", "sm_100"}
+    for r in records:
+        assert FIELDS <= set(r), r
+        assert r["decode_path"] is True and "error" not in r, r
+        assert 0 < r["registers"] <= 255
+        assert r["spill_bytes"] == 0 and r["shared_bytes"] <= r["shared_limit"] == 232448, r
+    report = (tmp_path / "kernel_report_2026-12-02.md").read_text()
+    assert "| sm_90 no spills, shared within limit | " in report and "FAIL" not in report
+    assert "## Decode ops: bytes moved vs the roofline" in report
+    assert "python benchmarks/kernel_report.py --cache-dir" in report  # the command that produced it
+
+    again = _run(tmp_path, "--only", only, "--json", "--no-write")  # every variant from the cache now
+    assert "compiling" not in again.stderr
+    assert json.loads(again.stdout.strip().splitlines()[-1]) == records
+
+
+def test_measure_runs_through_the_interpreter_without_a_gpu(tmp_path: Path) -> None:
+    proc = _run(tmp_path, "--measure", "--only", "^moonlight mla decode b1 ctx1k eager$")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = (tmp_path / "kernel_report_2026-12-02.md").read_text()
+    assert "## Measured on CPU through Triton's interpreter" in report
+    assert "| moonlight | mla decode | b1 ctx1k eager |" in report
+
+
+def test_occupancy_limits(kernel_report: ModuleType) -> None:
+    # 128 registers x 256 threads = half the register file; 56 KB: four would fit
+    assert kernel_report.ctas_per_sm(128, 8, 56_576) == 2
+    assert kernel_report.ctas_per_sm(255, 8, 1_024) == 1
+    assert kernel_report.ctas_per_sm(32, 4, 1_024) == 16  # 2048 threads
+    assert kernel_report.ctas_per_sm(16, 1, 0) == 32  # the CTA limit
+    assert kernel_report.ctas_per_sm(64, 4, 232_449) == 0  # over 227 KB: does not launch
+
+
+def test_modelled_time_charges_small_grids(kernel_report: ModuleType) -> None:
+    h200 = kernel_report.TARGETS["sm_90"]
+    full = kernel_report.Traffic(4.8e6, {"a": (4.8e6, 10_000)})
+    assert full.modelled_seconds(h200) == pytest.approx(1e-6)
+    quarter = kernel_report.Traffic(4.8e6, {"a": (4.8e6, 33)})  # 33 of 132 SMs
+    assert quarter.modelled_seconds(h200) == pytest.approx(4e-6)
+    assert quarter.modelled / quarter.minimum == 1.0
+
+
+def test_every_case_names_a_model_op_and_shape(kernel_report: ModuleType) -> None:
+    cases = kernel_report.all_cases()
+    labels = [c.label for c in cases]
+    assert len(labels) == len(set(labels))
+    decode = [c for c in cases if c.op == "mla decode"]
+    assert len(decode) == 3 * 3 * 3 * 2  # models x batches x contexts x (eager, graph)
+    assert {c.model for c in cases} >= {"kimi-tp8", "kimi-ep8", "moonlight", "moonlight-int4"}

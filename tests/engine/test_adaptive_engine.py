@@ -1,0 +1,130 @@
+"""The adaptive engine in the engine (issue: adaptive optimisation): exact outputs, KV retention for agent sessions,
+latency-aware budgets, state across restarts."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from reasoning_engine import LLM, SamplingParams
+from reasoning_engine.engine.kv_cache import BlockManager
+from reasoning_engine.engine.request import Request
+from char_models import mixed_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _ids(prompts: list[list[int]]) -> list[dict]:
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def _request(name: str, tokens: list[int]) -> Request:
+    return Request(name, name, 0, None, tokens, SamplingParams(max_tokens=1), frozenset())
+
+
+def test_protected_blocks_go_after_unprotected_ones_and_never_block_admission() -> None:
+    bm = BlockManager(num_blocks=6, block_size=2)
+    turn = _request("turn", [1, 2, 3, 4, 5])
+    bm.allocate(turn, 5)
+    turn.num_computed_tokens = 5
+    bm.cache_full_blocks(turn)
+    keys = bm.full_block_keys(turn)
+    other = _request("other", [9, 9, 9, 9, 9])
+    bm.allocate(other, 5)
+    other.num_computed_tokens = 5
+    bm.cache_full_blocks(other)
+    bm.free(other)
+    bm.free(turn)
+    assert bm.protect(keys, until=time.monotonic() + 60, origin="session-1") == 2
+    assert bm.num_free_blocks == 6  # protected blocks still count as free
+    newcomer = _request("new", [7] * 10)
+    assert bm.can_allocate(newcomer, 10)
+    bm.allocate(newcomer, 8)  # four blocks: "other"'s three and the turn's partial one, not a protected one
+    assert all(key in bm.cached for key in keys)
+    bm.allocate(newcomer, 10)  # a fifth: now a protected block must go, and it does
+    assert sum(key in bm.cached for key in keys) == 1
+    follow_up = _request("follow", [1, 2, 3, 4, 5, 6])
+    bm.match_prefix(follow_up)
+    assert bm.record_prefix_lookup(follow_up) == ["session-1"] and bm.retention_hits == 2
+
+
+def test_protection_expires_to_the_front_of_the_free_queue() -> None:
+    bm = BlockManager(num_blocks=4, block_size=2)
+    turn = _request("turn", [1, 2, 3])
+    bm.allocate(turn, 3)
+    turn.num_computed_tokens = 3
+    bm.cache_full_blocks(turn)
+    full_block = turn.block_table[0]
+    bm.free(turn)
+    bm.protect(bm.full_block_keys(turn), until=1.0, origin="s")
+    assert full_block in bm.protected_free
+    bm.expire(now=0.5)
+    assert full_block in bm.protected_free  # not yet
+    bm.expire(now=2.0)
+    assert not bm.protected and not bm.protected_free
+    assert next(iter(bm.free_queue)) == full_block  # stale: evicted first
+
+
+@pytest.fixture(scope="module")
+def plain(llama_dir: Path) -> list[list[int]]:
+    prompts = mixed_prompts(10, seed=21, low=5, high=40)
+    outs = LLM(llama_dir, dtype="float32", device="cpu", adaptive=False).generate(_ids(prompts), GREEDY)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_outputs_with_adaptive_on_equal_plain_decoding(llama_dir: Path, plain: list[list[int]],
+                                                              tmp_path: Path) -> None:
+    prompts = mixed_prompts(10, seed=21, low=5, high=40)
+    llm = LLM(llama_dir, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=64,
+              speculative_config={"method": "suffix", "num_speculative_tokens": 8}, target_itl_ms=50.0,
+              target_ttft_ms=500.0, state_dir=str(tmp_path))
+    engine = llm.engine
+    ids = [engine.add_request(None, p, GREEDY, session_id=f"s{i % 3}", workload="agent")
+           for i, p in enumerate(_ids(prompts))]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((out.request_id, out) for out in engine.step() if out.finished)
+    assert [done[i].outputs[0].token_ids for i in ids] == plain
+    snapshot = engine.adaptive_snapshot()
+    assert snapshot["cost_model"]["ready"] and snapshot["batching"]["last_token_budget"] is not None
+    assert snapshot["retention"]["turns_protected"] == 10
+    assert engine.stats().adaptive["protected_blocks"] > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_an_agents_next_turn_finds_its_blocks_despite_pressure(llama_dir: Path) -> None:
+    """A turn with a session key keeps its blocks while other requests cycle the cache (each fits in the
+    unprotected blocks, so protection costs them nothing); plain LRU loses them."""
+    first, crowd = mixed_prompts(1, seed=22, low=40, high=41)[0], mixed_prompts(6, seed=23, low=40, high=41)
+    cached = {}
+    for adaptive in (True, False):
+        llm = LLM(llama_dir, dtype="float32", device="cpu", block_size=4, kv_cache_blocks=40, max_model_len=128,
+                  adaptive=adaptive)
+        engine = llm.engine
+        turn = engine.add_request(None, {"prompt_token_ids": first}, GREEDY, session_id="agent-7")
+        answer = None
+        while engine.has_unfinished_requests():
+            answer = next((o for o in engine.step() if o.request_id == turn and o.finished), answer)
+        for prompt in crowd:  # 6 x 64 tokens, one after another, through a 160-token cache: LRU cycles it
+            llm.generate(_ids([prompt]), GREEDY)
+        follow = first + answer.outputs[0].token_ids + [5, 6, 7]
+        cached[adaptive] = llm.generate(_ids([follow]), GREEDY)[0].num_cached_tokens
+        if adaptive:
+            assert engine.adaptive_snapshot()["retention"]["retention_hit_tokens"] >= 56
+    assert cached[True] >= 56 and cached[False] == 0
+
+
+def test_learned_state_survives_a_restart(llama_dir: Path, tmp_path: Path) -> None:
+    spec = {"method": "suffix", "num_speculative_tokens": 4}
+    prompts = _ids(mixed_prompts(4, seed=24, low=5, high=30))
+    with LLM(llama_dir, dtype="float32", device="cpu", speculative_config=spec, state_dir=str(tmp_path)) as first:
+        first.generate(prompts, GREEDY)
+        steps = first.engine.tuner.controller.cost.observations
+    assert (tmp_path / "adaptive_state.json").is_file() and (tmp_path / "suffix_state.json").is_file()
+    second = LLM(llama_dir, dtype="float32", device="cpu", speculative_config=spec, state_dir=str(tmp_path))
+    controller = second.engine.tuner.controller
+    assert controller.warm and controller.cost.observations == steps  # no calibration over a warm model
+    cold = LLM(llama_dir, dtype="float32", device="cpu", speculative_config=spec, adaptive=False)
+    assert cold.engine.tuner is None and cold.engine.adaptive_snapshot() == {"enabled": False}

@@ -9,9 +9,9 @@ started one after another on this machine with:
 - static default: `--no-adaptive`, suffix with 8 draft tokens (doubling/halving, back-off above 16 requests);
 - the static grid: `--no-adaptive` with num_speculative_tokens in {0 (no speculation), 2, 4, 8, 16} x
   max_num_batched_tokens in {256, 2048}; its best configuration per level is the "best static".
-Two more experiments: a KV cache smaller than the agents' working set (adaptive retention vs plain LRU: prefix-cache
-hit rate and TTFT), and 16 decoding requests joined by one long prompt (`--target-itl-ms` vs the static budget:
-inter-token latency p99 of the 16 while the prompt is prefilled).
+Two more experiments: agent sessions beside one-off traffic on a KV cache smaller than the agents' working set
+(adaptive retention vs plain LRU: the agents' prefix-cache hit rate and TTFT), and 16 decoding requests joined by one
+long prompt (`--target-itl-ms` vs the static budget: the 16's inter-token latency while the prompt is prefilled).
 
 Reported per configuration and level: output tok/s per request (p50 of each request's output speed), total output
 tok/s, TTFT p50 / p99, inter-token latency p99 and prefix-cache hit rate; ratios are taken within this one run.
@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from reasoning_engine.bench.datasets import default_workloads_dir, from_dataset  # noqa: E402
 from reasoning_engine.bench.report import aggregate  # noqa: E402
-from reasoning_engine.bench.serve import Runner, ServeConfig  # noqa: E402
+from reasoning_engine.bench.serve import Runner, ServeConfig, stream_chat  # noqa: E402
 from reasoning_engine.bench.tokens import TokenCounter  # noqa: E402
 from reasoning_engine.engine.distributed import free_port  # noqa: E402
 
@@ -138,15 +138,19 @@ def matrix(args: argparse.Namespace, counter: TokenCounter, dataset: str, grid: 
 
 
 def kv_pressure(args: argparse.Namespace, counter: TokenCounter) -> dict[str, Any]:
-    """Agents whose working set exceeds the KV cache: adaptive retention against plain LRU."""
-    concurrency = 8
-    workload = from_dataset("agentic", counter, [concurrency * 2], 1, default_workloads_dir(), args.max_prompt_tokens)
+    """Agent sessions beside one-off traffic on a KV cache smaller than the agents' working set: while each agent's
+    tool runs, the one-off requests cycle the cache. Adaptive retention against plain LRU, on the agents' turns."""
+    agents = args.pressure_agents
+    workload = from_dataset("agentic", counter, [agents], 1, default_workloads_dir(), args.max_prompt_tokens)
+    background = from_dataset("reasoning", counter, [64], 2, default_workloads_dir(), args.max_prompt_tokens)
+    prompts = [s.turns[0] for s in background.levels[0]]
     out = {}
     for name, flags in (("adaptive", []), ("LRU", ["--no-adaptive"])):
         server = Server(args.model, [*flags, "--kv-cache-blocks", str(args.pressure_blocks), "--block-size", "16"],
                         args.max_model_len)
         try:
-            (run,) = replay(server, workload, counter, args, [concurrency])
+            run = asyncio.run(_agents_among_traffic(server, workload, prompts, counter, args, agents,
+                                                    args.pressure_streams))
         finally:
             server.close()
         out[name] = summarize(run, True)
@@ -154,10 +158,35 @@ def kv_pressure(args: argparse.Namespace, counter: TokenCounter) -> dict[str, An
     return out
 
 
+async def _agents_among_traffic(server: Server, workload: Any, prompts: list[Any], counter: TokenCounter,
+                                args: argparse.Namespace, agents: int, streams: int) -> Any:
+    config = ServeConfig(base_url=server.url, model=server.model_name(), output_tokens=args.output_tokens,
+                         concurrency=[agents], max_turns=args.max_turns, ignore_eos=True,
+                         max_model_len=args.max_model_len, turn_gap_s=max(args.turn_gap, 2.0), session_key=True)
+    runner = Runner(config, counter)
+    done = asyncio.Event()
+    one_off = ServeConfig(base_url=server.url, model=config.model, output_tokens=args.output_tokens,
+                          concurrency=[streams], ignore_eos=True)
+
+    async def traffic(client: httpx.AsyncClient, offset: int) -> None:
+        i = offset
+        while not done.is_set():
+            await stream_chat(client, one_off, prompts[i % len(prompts)], args.output_tokens)
+            i += streams
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        tasks = [asyncio.create_task(traffic(client, k)) for k in range(streams)]
+        run = await runner.run_level(client, agents, workload.levels[0])
+        done.set()
+        await asyncio.gather(*tasks)
+    return run
+
+
 async def _itl_probe(url: str, model: str, long_text: str) -> dict[str, float]:
-    """16 long decodes; after 2 s a long prompt arrives; the 16's inter-token gaps while it is prefilled."""
-    gaps: list[float] = []
-    joined = asyncio.Event()
+    """16 long decodes; after 2 s a long prompt arrives: the 16's inter-token gaps that overlap its prefill (from its
+    arrival to its answer's end), and the longest of them."""
+    stamps: list[tuple[float, float]] = []
+    window: list[float] = []
 
     async def decode(client: httpx.AsyncClient, i: int) -> None:
         body = {"model": model, "messages": [{"role": "user", "content": f"Sort these numbers: {i}, 42, 7, 19, 88"}],
@@ -168,20 +197,23 @@ async def _itl_probe(url: str, model: str, long_text: str) -> dict[str, float]:
                 if not line.startswith("data:") or line.endswith("[DONE]"):
                     continue
                 now = time.perf_counter()
-                if last is not None and joined.is_set():
-                    gaps.append(now - last)
+                if last is not None:
+                    stamps.append((last, now))
                 last = now
 
     async def long_prompt(client: httpx.AsyncClient) -> None:
         await asyncio.sleep(2.0)
-        joined.set()
+        window.append(time.perf_counter())
         body = {"model": model, "messages": [{"role": "user", "content": long_text}], "max_tokens": 8}
         await client.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+        window.append(time.perf_counter())
 
     async with httpx.AsyncClient(timeout=600) as client:
         await asyncio.gather(*(decode(client, i) for i in range(16)), long_prompt(client))
-    gaps.sort()
-    return {"itl_p50": statistics.median(gaps), "itl_p99": gaps[int(0.99 * (len(gaps) - 1))], "gaps": len(gaps)}
+    begin, end = window
+    gaps = sorted(b - a for a, b in stamps if b > begin and a < end)
+    return {"itl_p50": statistics.median(gaps), "itl_p99": gaps[int(0.99 * (len(gaps) - 1))], "itl_max": gaps[-1],
+            "gaps": len(gaps), "prefill_window_s": end - begin}
 
 
 def itl_target(args: argparse.Namespace, counter: TokenCounter) -> dict[str, Any]:
@@ -234,15 +266,18 @@ def report(data: dict[str, Any], args: argparse.Namespace) -> str:
     if data.get("kv_pressure"):
         p = data["kv_pressure"]
         lines += ["## KV cache smaller than the agents' working set", "",
-                  f"{args.pressure_blocks} blocks of 16 tokens, 8 concurrent agent sessions.", "",
-                  "| | prefix hit rate | TTFT p50 (s) |", "|---|---|---|"]
+                  f"{args.pressure_blocks} blocks of 16 tokens; {args.pressure_agents} agent sessions (tool gaps of mean "
+                  f"{max(args.turn_gap, 2.0):g} s) beside {args.pressure_streams} streams of one-off reasoning prompts; figures of the agents' "
+                  "turns.", "", "| | prefix hit rate | TTFT p50 (s) |", "|---|---|---|"]
         lines += [f"| {n} | {100 * (r['hit_rate'] or 0):.0f}% | {r['ttft_p50'] or 0:.2f} |" for n, r in p.items()]
         lines += ["", f"adaptive / LRU hit rate: {(p['adaptive']['hit_rate'] or 0) / max(p['LRU']['hit_rate'] or 1e-9, 1e-9):.2f}x", ""]
     if data.get("itl"):
         lines += ["## A long prompt among 16 decoding requests", "",
-                  f"A {args.long_prompt_tokens}-token prompt arrives 2 s into 16 decodes.", "",
-                  "| | ITL p50 (ms) | ITL p99 (ms) |", "|---|---|---|"]
-        lines += [f"| {n} | {1e3 * r['itl_p50']:.0f} | {1e3 * r['itl_p99']:.0f} |" for n, r in data["itl"].items()]
+                  f"A {args.long_prompt_tokens}-token prompt arrives 2 s into 16 decodes; the decodes' inter-token gaps "
+                  "while it is prefilled and answered.", "",
+                  "| | ITL p50 (ms) | ITL p99 (ms) | longest gap (ms) | prompt's request (s) |", "|---|---|---|---|---|"]
+        lines += [f"| {n} | {1e3 * r['itl_p50']:.0f} | {1e3 * r['itl_p99']:.0f} | {1e3 * r['itl_max']:.0f} | "
+                  f"{r['prefill_window_s']:.2f} |" for n, r in data["itl"].items()]
         lines.append("")
     return "\n".join(lines)
 
@@ -286,7 +321,10 @@ def main() -> None:
     parser.add_argument("--workloads", default="agentic,reasoning")
     parser.add_argument("--no-grid", action="store_true")
     parser.add_argument("--pressure-blocks", type=int, default=160)
-    parser.add_argument("--target-itl-ms", type=float, default=60.0)
+    parser.add_argument("--pressure-agents", type=int, default=3)
+    parser.add_argument("--pressure-streams", type=int, default=6, help="one-off request streams beside the agents")
+    parser.add_argument("--target-itl-ms", type=float, default=150.0,
+                        help="about 3x the decodes' inter-token gap this 2-core machine shows through HTTP")
     parser.add_argument("--long-prompt-tokens", type=int, default=1500)
     parser.add_argument("--skip", default="", help="comma list of experiments to skip: matrix, pressure, itl")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / f"adaptive_cpu_{datetime.date.today()}"))

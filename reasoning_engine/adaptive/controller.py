@@ -18,7 +18,7 @@ from typing import Any
 
 from reasoning_engine.adaptive.acceptance import AcceptanceModel
 from reasoning_engine.adaptive.batching import LatencyTargets, token_budget
-from reasoning_engine.adaptive.cost_model import StepCostModel, StepShape
+from reasoning_engine.adaptive.cost_model import StepCostModel, StepShape, chunk_pairs
 from reasoning_engine.adaptive.goodput import DraftCandidate, choose_draft_lengths
 from reasoning_engine.adaptive.retention import SessionRetention
 from reasoning_engine.adaptive.state import load_state, save_state
@@ -37,6 +37,7 @@ class DraftAsk:
     seq_id: str
     workload: str
     limit: int  # the longest draft its budget allows (context, max_tokens, thinking budget)
+    context: int = 0  # its length: what each of its draft tokens' attention reads
 
 
 class AdaptiveController:
@@ -103,9 +104,11 @@ class AdaptiveController:
             for context in (block_size, 16 * block_size):
                 shapes.append(StepShape(seqs, seqs, seqs * context))
         for chunk in sorted({min(64, max_tokens), min(512, max_tokens)}):
-            shapes.append(StepShape(chunk, 1, chunk))
+            shapes.append(StepShape(chunk, 1, chunk, attention_pairs=chunk_pairs(chunk, 0)))
         if self.max_draft_tokens:
-            shapes.append(StepShape(1 + self.max_draft_tokens, 1, 1 + self.max_draft_tokens, self.max_draft_tokens))
+            for seqs in sorted({1, max_seqs}):
+                k = self.max_draft_tokens
+                shapes.append(StepShape(seqs * (1 + k), seqs, seqs * (1 + k), seqs * k, draft_sequences=seqs))
         for _ in range(2):
             for shape in shapes:
                 self.cost.observe(shape, run(shape))
@@ -131,7 +134,7 @@ class AdaptiveController:
             return [0] * len(asks)
         candidates = [DraftCandidate(self.acceptance.rates(a.seq_id, self.method, a.workload,
                                                            min(a.limit, self.max_draft_tokens)),
-                                     max(0, min(a.limit, self.max_draft_tokens))) for a in asks]
+                                     max(0, min(a.limit, self.max_draft_tokens)), a.context) for a in asks]
         lengths = choose_draft_lengths(candidates, step, self.cost)
         for i, ask in enumerate(asks):
             if lengths[i]:
@@ -144,8 +147,10 @@ class AdaptiveController:
         self.last_lengths = lengths
         return lengths
 
-    def token_budget(self, decodes: StepShape, max_tokens: int, oldest_wait_s: float, waiting_tokens: int) -> int:
-        self.last_budget = token_budget(self.cost, decodes, max_tokens, self.targets, oldest_wait_s, waiting_tokens)
+    def token_budget(self, decodes: StepShape, max_tokens: int, oldest_wait_s: float, waiting_tokens: int,
+                     prefill_context: int) -> int:
+        self.last_budget = token_budget(self.cost, decodes, max_tokens, self.targets, oldest_wait_s, waiting_tokens,
+                                        prefill_context)
         return self.last_budget
 
     # ---- sessions ----

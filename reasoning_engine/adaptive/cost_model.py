@@ -2,7 +2,9 @@
 
 A step's time is, to first order, a fixed cost (launches, scheduling, sampling) plus terms proportional to the tokens
 it computes, the sequences it carries (per-sequence attention and bookkeeping), the context tokens its attention reads,
-and the draft tokens it verifies (draft-tree masks, verification). The weights differ by model and device, and by how
+the query-key pairs its attention scores (a prefill chunk's attention grows with its length times its context), the
+draft tokens it verifies, and the sequences that verify a draft (a verifying sequence leaves the decode fast path and
+is checked one by one: a cost per sequence, whatever its draft's length). The weights differ by model and device, and by how
 loaded the machine is, so they are fitted from measurements: a short calibration at start warms the model up, then
 every step refines it. Old observations fade (exponential forgetting), so the model follows a drifting machine.
 
@@ -17,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-FEATURES = ("step", "query_tokens", "sequences", "context_tokens", "draft_tokens")
+FEATURES = ("step", "query_tokens", "sequences", "context_tokens", "attention_pairs", "draft_tokens", "draft_sequences")
 
 
 @dataclass(frozen=True)
@@ -28,9 +30,25 @@ class StepShape:
     sequences: int
     context_tokens: int  # tokens of context the step's attention reads (sum of sequence lengths)
     draft_tokens: int = 0
+    attention_pairs: int = -1  # query-key pairs scored; -1: as many as a decode step's (context_tokens)
+    draft_sequences: int = -1  # sequences verifying a draft; -1: one per draft token, capped at the sequences
+
+    @property
+    def pairs(self) -> int:
+        return self.context_tokens if self.attention_pairs < 0 else self.attention_pairs
+
+    @property
+    def verifying(self) -> int:
+        return min(self.draft_tokens, self.sequences) if self.draft_sequences < 0 else self.draft_sequences
 
     def features(self) -> np.ndarray:
-        return np.array([1.0, self.query_tokens, self.sequences, self.context_tokens, self.draft_tokens])
+        return np.array([1.0, self.query_tokens, self.sequences, self.context_tokens, self.pairs, self.draft_tokens,
+                         self.verifying])
+
+
+def chunk_pairs(tokens: int, context: int) -> int:
+    """Query-key pairs of a causal chunk of `tokens` after `context` cached tokens."""
+    return tokens * context + tokens * (tokens + 1) // 2
 
 
 class StepCostModel:
@@ -55,11 +73,12 @@ class StepCostModel:
         if seconds <= 0:
             return
         x = shape.features()
+        surprise = abs(float(x @ self.weights) - seconds) > 0.25 * seconds  # a kind of step it predicts badly
         scale = 1.0 / seconds
         self._xtx = self.decay * self._xtx + scale * scale * np.outer(x, x)
         self._xty = self.decay * self._xty + scale * scale * x * seconds
         self.observations += 1
-        if self.observations <= 64 or self.observations % 16 == 0:
+        if self.observations <= 64 or self.observations % 16 == 0 or surprise:
             self.weights = self._solve()
 
     def _solve(self) -> np.ndarray:

@@ -1,60 +1,63 @@
 """Draft lengths by goodput: the lengths that maximise the batch's expected tokens per second.
 
-Verifying k draft tokens costs their share of the step (the cost model's per-token and per-draft-token terms) and
-yields the expected accepted length (acceptance.expected_tokens). At batch 1 a step is mostly fixed cost, so long
-drafts are nearly free; at batch 32 every draft token adds to a step that all 32 requests wait for, so only drafts
-likely to be accepted pay. The chooser starts every request at no draft and adds one draft token at a time where it
-raises the batch's tokens per second the most, until no addition raises it (a greedy ascent: each request's expected
-tokens are concave in k when its conditional rates do not rise with the position, and the step time is linear). This only picks lengths: verification keeps the output exact.
+Verifying a draft costs its share of the step (the cost model's per-token, per-draft-token and per-verifying-sequence
+terms) and yields the expected accepted length (acceptance.expected_tokens). At batch 1 a step is mostly fixed cost,
+so long drafts are nearly free; at batch 32 every draft token adds to a step that all 32 requests wait for, and every
+verifying sequence adds its fixed verification cost, so only drafts likely to be accepted pay. Because of that fixed
+cost per verifying sequence, a request's value is not concave in its length (its first draft token is the dearest),
+and a greedy token-by-token ascent would stop too early. The chooser instead scans a threshold on the probability
+that the whole prefix is accepted: at threshold t each request drafts the positions whose cumulative acceptance
+prod_{j<=i} p_j is at least t (the drafts a stopping rule would make, as in SpecDec++, Huang et al., 2024,
+arXiv:2405.19715), and the threshold with the highest predicted tokens per second wins, "no drafts" included. This
+only picks lengths: verification keeps the output exact.
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, replace
 
-from reasoning_engine.adaptive.acceptance import expected_tokens
 from reasoning_engine.adaptive.cost_model import StepCostModel, StepShape
+
+THRESHOLDS = (0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05)
 
 
 @dataclass(frozen=True)
 class DraftCandidate:
-    """A decoding request that may get a draft: its conditional acceptance rates and its longest allowed draft."""
+    """A decoding request that may get a draft: its conditional acceptance rates, its longest allowed draft and its
+    context length (what each of its draft tokens' attention reads)."""
 
     rates: list[float]
     max_length: int
+    context: int = 0
 
 
 def choose_draft_lengths(candidates: list[DraftCandidate], step: StepShape, cost: StepCostModel) -> list[int]:
     """Draft length per candidate; `step` is the next step without drafts (the candidates' one token each and any
-    other work in it). Every addition costs the same step time, so the best one is the largest marginal gain: a
-    heap of those makes the ascent O(B k log B)."""
-    lengths = [0] * len(candidates)
-    tokens = float(len(candidates))  # expected_tokens(rates, 0) == 1 for every candidate
-    heap = [(-_marginal(c, 0), i) for i, c in enumerate(candidates) if c.max_length > 0]
-    heapq.heapify(heap)
-    drafts = 0
-    best = tokens / _predict(cost, step, drafts)
-    while heap:
-        negative_gain, i = heap[0]
-        trial = (tokens - negative_gain) / _predict(cost, step, drafts + 1)
-        if trial <= best:
-            return lengths
-        heapq.heappop(heap)
-        tokens -= negative_gain
-        drafts += 1
-        best = trial
-        lengths[i] += 1
-        if lengths[i] < candidates[i].max_length:
-            heapq.heappush(heap, (-_marginal(candidates[i], lengths[i]), i))
-    return lengths
+    other work in it)."""
+    survival = [_survival(c) for c in candidates]
+    best_lengths = [0] * len(candidates)
+    best = len(candidates) / _predict(cost, step, candidates, best_lengths)
+    for threshold in THRESHOLDS:
+        lengths = [sum(1 for s in alive if s >= threshold) for alive in survival]
+        tokens = len(candidates) + sum(sum(alive[:n]) for alive, n in zip(survival, lengths))
+        rate = tokens / _predict(cost, step, candidates, lengths)
+        if rate > best:
+            best, best_lengths = rate, lengths
+    return best_lengths
 
 
-def _marginal(candidate: DraftCandidate, length: int) -> float:
-    """Expected tokens the (length + 1)-th draft token adds."""
-    return expected_tokens(candidate.rates, length + 1) - expected_tokens(candidate.rates, length)
+def _survival(candidate: DraftCandidate) -> list[float]:
+    """Probability that draft positions 1..i are all accepted, for each i up to the candidate's longest draft."""
+    alive, out = 1.0, []
+    for rate in candidate.rates[: candidate.max_length]:
+        alive *= rate
+        out.append(alive)
+    return out
 
 
-def _predict(cost: StepCostModel, step: StepShape, drafts: int) -> float:
-    shape = replace(step, query_tokens=step.query_tokens + drafts, draft_tokens=step.draft_tokens + drafts)
+def _predict(cost: StepCostModel, step: StepShape, candidates: list[DraftCandidate], lengths: list[int]) -> float:
+    drafts = sum(lengths)
+    shape = replace(step, query_tokens=step.query_tokens + drafts, draft_tokens=step.draft_tokens + drafts,
+                    draft_sequences=max(step.draft_sequences, 0) + sum(1 for n in lengths if n),
+                    attention_pairs=step.pairs + sum(n * c.context for n, c in zip(lengths, candidates)))
     return max(cost.predict(shape), 1e-9)

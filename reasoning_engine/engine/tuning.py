@@ -13,7 +13,7 @@ import torch
 
 from reasoning_engine.adaptive.batching import LatencyTargets
 from reasoning_engine.adaptive.controller import AdaptiveController, DraftAsk, choose_graph_batch_sizes
-from reasoning_engine.adaptive.cost_model import StepShape
+from reasoning_engine.adaptive.cost_model import StepShape, chunk_pairs
 from reasoning_engine.config import EngineConfig
 from reasoning_engine.engine.kv_cache import BlockManager
 from reasoning_engine.engine.request import Request
@@ -94,10 +94,13 @@ class EngineTuner:
         decodes = [r for r in scheduler.running if not r.is_prefilling]
         shape = StepShape(sum(1 + (len(r.draft) if r.draft is not None else 0) for r in decodes), len(decodes),
                           sum(r.num_tokens for r in decodes))
-        oldest = scheduler.waiting[0] if scheduler.waiting else None
-        wait = time.monotonic() - oldest.arrival_time if oldest is not None else 0.0
-        left = oldest.num_tokens - oldest.num_computed_tokens if oldest is not None else 0
-        return self.controller.token_budget(shape, self.config.max_num_batched_tokens, wait, left)
+        # the next prefill: a running one's next chunk, else the oldest waiting prompt
+        prefill = next((r for r in scheduler.running if r.is_prefilling), None)
+        prefill = prefill or (scheduler.waiting[0] if scheduler.waiting else None)
+        wait = time.monotonic() - prefill.arrival_time if prefill is not None else 0.0
+        left = prefill.num_tokens - prefill.num_computed_tokens if prefill is not None else 0
+        context = prefill.num_computed_tokens if prefill is not None else 0
+        return self.controller.token_budget(shape, self.config.max_num_batched_tokens, wait, left, context)
 
     def begin_step(self) -> None:
         self._step_start = time.perf_counter()
@@ -114,13 +117,15 @@ class EngineTuner:
         items = [s for plan in plans for s in plan.scheduled]
         return StepShape(sum(s.num_tokens for s in items), len(items),
                          sum(s.request.num_computed_tokens + s.num_tokens for s in items),
-                         sum(s.num_draft_tokens for s in items))
+                         sum(s.num_draft_tokens for s in items),
+                         sum(chunk_pairs(s.num_tokens, s.request.num_computed_tokens) for s in items),
+                         sum(1 for s in items if s.num_draft_tokens))
 
     # ---- speculation ----
     def draft_lengths(self, requests: list[Request], limits: list[int]) -> list[int]:
         """Per decoding request, its draft length by goodput within its limit."""
-        asks = [DraftAsk(r.seq_id, r.workload, limit) for r, limit in zip(requests, limits)]
-        step = StepShape(len(requests), len(requests), sum(r.num_tokens + 1 for r in requests))
+        asks = [DraftAsk(r.seq_id, r.workload, limit, r.num_tokens) for r, limit in zip(requests, limits)]
+        step = StepShape(len(requests), len(requests), sum(r.num_tokens + 1 for r in requests), draft_sequences=0)
         return self.controller.draft_lengths(asks, step)
 
     def record_draft(self, request: Request, draft_len: int, accepted: int) -> None:

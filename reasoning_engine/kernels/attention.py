@@ -5,6 +5,10 @@ Each step's ragged batch is gathered once into a padded [B, Qmax] x [B, L] probl
 built once per step (`prepare_attention`) and reused by every layer. Grouped heads are folded into the query
 axis, so K/V are never repeated per head, and MLA's single latent head is the same problem with one KV head.
 
+A step that mixes a long prefill chunk with decoding sequences would pad every decode to the chunk's length (B x
+Qmax x L work instead of Qmax x L): such a step is split into parts, each long chunk alone and the short queries
+together (`MixedAttentionMetadata`), and the parts' outputs are scattered back into the step's token order.
+
 `decode_attention` is the same computation for decode steps written for Inductor to fuse; the metadata's
 `fused_decode` makes `paged_attention` and `paged_latent_attention` call it instead of gathering, which
 engine/compiled_decode.py sets for the steps it compiles that way.
@@ -12,6 +16,7 @@ engine/compiled_decode.py sets for the steps it compiles that way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -68,11 +73,54 @@ def _context_slots(batch: ForwardBatch, block_size: int, positions: torch.Tensor
     return slots * valid, valid
 
 
-def prepare_attention(batch: ForwardBatch, block_size: int) -> TorchAttentionMetadata:
+LONG_QUERY = 32  # a sequence with more query tokens than this is attended alone in a mixed step
+
+
+@dataclass
+class MixedAttentionMetadata:
+    """A step split into parts: each part's token rows in the step and its own metadata over its sequences."""
+
+    parts: list[tuple[torch.Tensor, ForwardBatch, TorchAttentionMetadata]]
+    fused_decode: bool = False
+
+
+def prepare_attention(batch: ForwardBatch, block_size: int) -> TorchAttentionMetadata | MixedAttentionMetadata:
     """Gather indices and the causal (or draft-tree) mask of one step, shared by all layers."""
     if batch.max_query_len == 1 and batch.tree_mask is None:
         return _prepare_decode(batch, block_size)
-    return _prepare_ragged(batch, block_size)
+    lens = batch.query_lens_cpu
+    short = [b for b, n in enumerate(lens) if n <= LONG_QUERY]
+    groups = [[b] for b, n in enumerate(lens) if n > LONG_QUERY] + ([short] if short else [])
+    if len(groups) == 1 or min(lens) == max(lens):
+        return _prepare_ragged(batch, block_size)
+    starts = batch.query_start_loc.tolist()
+    parts = []
+    for seqs in groups:
+        part = _sub_batch(batch, seqs)
+        rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in seqs]).to(batch.query_start_loc.device)
+        parts.append((rows, part, prepare_attention(part, block_size)))
+    return MixedAttentionMetadata(parts)
+
+
+def _sub_batch(batch: ForwardBatch, seqs: list[int]) -> ForwardBatch:
+    """The attention-relevant fields of `batch` for sequences `seqs` (their tokens, tables and lengths)."""
+    index = torch.tensor(seqs, device=batch.seq_lens.device)
+    lens = [batch.query_lens_cpu[b] for b in seqs]
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    tree = None
+    if batch.tree_mask is not None:
+        first = batch.query_start_loc.tolist()
+        rows = torch.cat([torch.arange(first[b], first[b + 1]) for b in seqs]).to(batch.tree_mask.device)
+        tree = batch.tree_mask[rows, : max(lens)]
+    seq_lens = [batch.seq_lens_cpu[b] for b in seqs]
+    return ForwardBatch(
+        input_ids=batch.input_ids[:0], positions=batch.positions[:0], slot_mapping=batch.slot_mapping[:0],
+        query_start_loc=torch.tensor(starts, dtype=batch.query_start_loc.dtype, device=batch.query_start_loc.device),
+        seq_lens=batch.seq_lens[index], block_tables=batch.block_tables[index], logits_indices=batch.logits_indices[:0],
+        max_query_len=max(lens), max_seq_len=max(seq_lens), query_lens_cpu=lens, seq_lens_cpu=seq_lens,
+        tree_mask=tree, static_shapes=batch.static_shapes)
 
 
 def _prepare_ragged(batch: ForwardBatch, block_size: int) -> TorchAttentionMetadata:
@@ -176,10 +224,23 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
     return ((weights * values).sum(1) / weights.sum(1)).view(num_seqs, num_heads, v.shape[-1])
 
 
+def _by_parts(q: torch.Tensor, meta: MixedAttentionMetadata, dv: int,
+              attend: Callable[[torch.Tensor, ForwardBatch, TorchAttentionMetadata], torch.Tensor]) -> torch.Tensor:
+    """Each part's attention on its own rows of q, written back to the step's token order."""
+    out = q.new_empty(q.shape[0], q.shape[1], dv)
+    for rows, part, part_meta in meta.parts:
+        out[rows] = attend(q[rows], part, part_meta)
+    return out
+
+
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, meta: TorchAttentionMetadata, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+    meta: TorchAttentionMetadata | MixedAttentionMetadata, scale: float
 ) -> torch.Tensor:
     """GQA over the paged cache. q [T, H, D]; caches [num_blocks, block_size, KVH, D]; returns [T, H, Dv]."""
+    if isinstance(meta, MixedAttentionMetadata):
+        return _by_parts(q, meta, v_cache.shape[-1],
+                         lambda qp, part, m: paged_attention(qp, k_cache, v_cache, part, m, scale))
     num_seqs, qmax = batch.num_seqs, batch.max_query_len
     if meta.fused_decode:
         return decode_attention(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), meta.kv_index.view(num_seqs, -1),
@@ -191,10 +252,14 @@ def paged_attention(
 
 
 def paged_latent_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, latent_dim: int, batch: ForwardBatch, meta: TorchAttentionMetadata, scale: float
+    q: torch.Tensor, kv_cache: torch.Tensor, latent_dim: int, batch: ForwardBatch,
+    meta: TorchAttentionMetadata | MixedAttentionMetadata, scale: float
 ) -> torch.Tensor:
     """MLA in absorbed form: one shared latent head. q [T, H, latent + rope]; cache [num_blocks, block_size,
     latent + rope] whose first `latent_dim` channels are also the values; returns [T, H, latent]."""
+    if isinstance(meta, MixedAttentionMetadata):
+        return _by_parts(q, meta, latent_dim,
+                         lambda qp, part, m: paged_latent_attention(qp, kv_cache, latent_dim, part, m, scale))
     num_seqs, qmax = batch.num_seqs, batch.max_query_len
     if meta.fused_decode:
         kv_rows = kv_cache.flatten(0, 1).unsqueeze(1)

@@ -14,27 +14,31 @@ import pytest
 from reasoning_engine.adaptive.acceptance import AcceptanceModel, PositionCounts, expected_tokens
 from reasoning_engine.adaptive.batching import LatencyTargets, token_budget
 from reasoning_engine.adaptive.controller import AdaptiveController, choose_graph_batch_sizes
-from reasoning_engine.adaptive.cost_model import StepCostModel, StepShape
+from reasoning_engine.adaptive.cost_model import StepCostModel, StepShape, chunk_pairs
 from reasoning_engine.adaptive.goodput import DraftCandidate, choose_draft_lengths
 from reasoning_engine.adaptive.retention import DEFAULT_HOLD_S, SessionRetention
 from reasoning_engine.adaptive.state import STATE_FILE
 
-TRUE = {"step": 2e-3, "query_tokens": 5e-5, "sequences": 1e-5, "context_tokens": 1e-7, "draft_tokens": 3e-5}
+TRUE = {"step": 2e-3, "query_tokens": 5e-5, "sequences": 1e-5, "context_tokens": 1e-7, "attention_pairs": 2e-9,
+        "draft_tokens": 3e-5}
 
 
 def _true_time(shape: StepShape) -> float:
     return (TRUE["step"] + TRUE["query_tokens"] * shape.query_tokens + TRUE["sequences"] * shape.sequences
-            + TRUE["context_tokens"] * shape.context_tokens + TRUE["draft_tokens"] * shape.draft_tokens)
+            + TRUE["context_tokens"] * shape.context_tokens + TRUE["attention_pairs"] * shape.pairs
+            + TRUE["draft_tokens"] * shape.draft_tokens)
 
 
 def _random_shapes(rng: random.Random, count: int) -> list[StepShape]:
+    """Decode batches, some verifying drafts, some with a prefill chunk after a cached context."""
     shapes = []
     for _ in range(count):
         seqs = rng.randint(1, 64)
         drafts = rng.choice([0, 0, rng.randint(1, 4 * seqs)])
-        prefill = rng.choice([0, 0, rng.randint(16, 2048)])
-        shapes.append(StepShape(seqs + drafts + prefill, seqs + (prefill > 0), seqs * rng.randint(16, 4096) + prefill,
-                                drafts))
+        contexts = seqs * rng.randint(16, 4096)
+        chunk, cached = rng.choice([(0, 0), (0, 0), (rng.randint(16, 2048), rng.randint(0, 8192))])
+        shapes.append(StepShape(seqs + drafts + chunk, seqs + (chunk > 0), contexts + cached + chunk, drafts,
+                                contexts + chunk_pairs(chunk, cached)))
     return shapes
 
 
@@ -108,7 +112,8 @@ def test_token_budget_keeps_decodes_under_the_itl_target() -> None:
     free = token_budget(cost, decodes, 2048, LatencyTargets())
     assert free == 2048  # no target: the configured budget
     budget = token_budget(cost, decodes, 2048, LatencyTargets(itl_ms=20.0))
-    assert cost.predict(StepShape(budget, 17, 16 * 100 + budget - 16)) <= 0.021
+    chunk = budget - 16
+    assert cost.predict(StepShape(budget, 17, 16 * 100 + chunk, 0, 16 * 100 + chunk_pairs(chunk, 0))) <= 0.0201
     assert 16 + 16 <= budget < 2048  # a prefill still moves forward
     at_risk = token_budget(cost, decodes, 2048, LatencyTargets(itl_ms=20.0, ttft_ms=200.0), oldest_wait_s=0.19,
                            waiting_tokens=1000)

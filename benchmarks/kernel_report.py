@@ -447,6 +447,25 @@ def verify_sampling_case(model: Model, rows: int, drafts: int) -> Case:
     return Case(model.name, "rejection sample", f"b{rows} k{drafts}", True, build, launched=False)
 
 
+def vision_attention_case(lengths: list[int], shape: str) -> Case:
+    """Kimi K2.5's MoonViT (16 heads of 72, width 1152): bidirectional attention within each image or video chunk
+    of a step's encoder batch."""
+    def build(device: str) -> tuple[Callable[[], Any], None]:
+        import torch
+
+        from reasoning_engine.kernels import triton_vision_attention
+
+        total = sum(lengths)
+        q, k, v = (torch.randn(total, 16, 72, dtype=torch.bfloat16, device=device) for _ in range(3))
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        cu = torch.tensor(starts, dtype=torch.int32, device=device)
+        return (lambda: triton_vision_attention.varlen_attention(q, k, v, cu, 72 ** -0.5, max(lengths))), None
+
+    return Case("MoonViT", "vision attention", shape, False, build)
+
+
 def all_cases() -> list[Case]:
     cases: list[Case] = []
     for model in ATTENTION_MODELS:
@@ -468,6 +487,9 @@ def all_cases() -> list[Case]:
         cases += [rotary_case(model, b) for b in DECODE_BATCHES]
     cases += [sampling_case(KIMI_TP8, b, f) for b in DECODE_BATCHES for f in (False, True)]
     cases += [verify_sampling_case(KIMI_TP8, b, 3) for b in (1, 8)]
+    cases += [vision_attention_case([4096], "1 image x 4096 patches"),
+              vision_attention_case([1024] * 8, "8 images x 1024 patches"),
+              vision_attention_case([16384], "1 image x 16384 patches")]
     return cases
 
 
@@ -717,7 +739,8 @@ def loaded_kernels() -> list[str]:
     import importlib
 
     lines = []
-    for module in ("triton_attention", "triton_moe", "triton_norm", "triton_rotary", "triton_sampling"):
+    for module in ("triton_attention", "triton_moe", "triton_norm", "triton_rotary", "triton_sampling",
+                   "triton_vision_attention"):
         mod = importlib.import_module(f"reasoning_engine.kernels.{module}")
         for name, fn in sorted(vars(mod).items()):
             for caches in getattr(fn, "device_caches", {}).values():

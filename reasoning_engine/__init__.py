@@ -2,8 +2,9 @@
 
 from reasoning_engine.outputs import CompletionOutput, RequestOutput
 from reasoning_engine.sampling_params import SamplingParams
+from reasoning_engine.structured.params import StructuredOutputsParams
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 

@@ -33,6 +33,10 @@ class ForwardBatch:
     attn_metadata: Any = None  # backend-specific tensors built once per step from the fields above (kernels/)
     # data-parallel attention: every replica's token count this step (rank order), for the MoE layers' token gather
     dp_num_tokens: list[int] | None = None
+    # multimodal prompts: rows of the step's flattened tokens whose input embedding is the vision encoder's output
+    # (image and video placeholders), and those embeddings, in the same order
+    media_rows: torch.Tensor | None = None  # [M] int64
+    media_embeds: torch.Tensor | None = None  # [M, hidden]
 
     @property
     def num_seqs(self) -> int:

@@ -57,11 +57,26 @@ class ModelConfig:
     bos_token_id: int | None
     weight_prefix: str = ""  # prefix of the text model's tensors in the checkpoint ("language_model." for kimi_k25)
     skipped_prefixes: tuple[str, ...] = ()  # checkpoint tensors that are not the text model (vision tower)
+    # other layouts of the text model's tensors: (stored prefix, name after weight_prefix); transformers writes
+    # kimi_k25 as model.language_model.* and lm_head.*, the official checkpoint as language_model.model.*
+    weight_renames: tuple[tuple[str, str], ...] = ()
     quantization: dict[str, Any] | None = None
     # filled by the engine once the tokenizer and the context limit are known
     max_model_len: int = 0
     think_start_token_id: int | None = None
     think_end_token_id: int | None = None
+
+    def text_weight_name(self, stored: str) -> str | None:
+        """A checkpoint tensor's name within the text model, or None for the vision tower and projector."""
+        if self.skipped_prefixes and stored.startswith(self.skipped_prefixes):
+            return None
+        for source, target in self.weight_renames:
+            if stored.startswith(source):
+                return target + stored[len(source):]
+        if not stored.startswith(self.weight_prefix):
+            raise ValueError(f"unexpected tensor {stored!r}: text model tensors are expected under "
+                             f"{self.weight_prefix!r}")
+        return stored[len(self.weight_prefix):]
 
     def get(self, key: str, default: Any = None) -> Any:
         value = self.raw.get(key, default)
@@ -99,12 +114,17 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
     raw = outer
     prefix = ""
     skipped: tuple[str, ...] = ()
+    renames: tuple[tuple[str, str], ...] = ()
     if model_type == "kimi_k25":
         if "text_config" not in outer:
             raise ValueError(f"kimi_k25 config in {config_file} has no text_config")
         raw = dict(outer["text_config"])
         prefix = "language_model."
-        skipped = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+        skipped = ("vision_tower.", "mm_projector.", "multi_modal_projector.", "model.vision_tower.",
+                   "model.mm_projector.")
+        # transformers 5 writes either layout; its original-format save names the text layers "blocks"
+        renames = (("language_model.model.blocks.", "model.layers."), ("model.language_model.", "model."),
+                   ("lm_head.", "lm_head."))
         raw.setdefault("quantization_config", outer.get("quantization_config"))
         raw.setdefault("torch_dtype", outer.get("torch_dtype") or outer.get("dtype"))
     family = {"kimi_k2": "deepseek_v3", "kimi_k25": "deepseek_v3"}.get(model_type, model_type)
@@ -133,6 +153,7 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
         bos_token_id=raw.get("bos_token_id"),
         weight_prefix=prefix,
         skipped_prefixes=skipped,
+        weight_renames=renames,
         quantization=raw.get("quantization_config"),
     )
 
@@ -290,6 +311,10 @@ class EngineConfig:
     # CUDA-graph decode buckets (None: powers of two up to max_num_seqs); the adaptive engine picks them from the
     # batch sizes its state has seen
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    # multimodal models: vision-encoder output rows kept per replica for reuse by content hash (a step's own images
+    # may exceed it), and the most images / videos one prompt may carry (vLLM's limit_mm_per_prompt)
+    encoder_cache_tokens: int = 16384
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

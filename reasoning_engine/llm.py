@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,10 +13,14 @@ from tqdm import tqdm
 from reasoning_engine.config import EngineConfig, ParallelConfig, load_model_config, parse_dtype, parse_memory
 from reasoning_engine.engine.engine import LLMEngine, PromptType, default_device
 from reasoning_engine.kernels import triton_available
+from reasoning_engine.multimodal.chat import extract_media
+from reasoning_engine.multimodal.loading import MediaLoader
 from reasoning_engine.outputs import RequestOutput
 from reasoning_engine.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
+MEDIA_MAX_BYTES = 64 << 20  # an image or video a chat message may fetch
+MEDIA_TIMEOUT_S = 20.0
 
 
 def bundled_model_dir() -> str:
@@ -39,7 +44,9 @@ def build_engine_config(model: str | os.PathLike | None = None, *, dtype: str | 
                         enable_expert_parallel: bool = False, distributed_executor_backend: str | None = None,
                         nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
                         master_port: int | None = None, adaptive: bool = True, state_dir: str | None = None,
-                        target_itl_ms: float | None = None, target_ttft_ms: float | None = None) -> EngineConfig:
+                        target_itl_ms: float | None = None, target_ttft_ms: float | None = None,
+                        limit_mm_per_prompt: dict[str, int] | None = None,
+                        encoder_cache_tokens: int = 16384) -> EngineConfig:
     """Resolve LLM(...) keyword arguments into an EngineConfig; defaults come from the checkpoint and the machine."""
     model_config = load_model_config(model if model is not None else bundled_model_dir())
     if kernel_backend == "triton" and not triton_available():
@@ -74,7 +81,19 @@ def build_engine_config(model: str | os.PathLike | None = None, *, dtype: str | 
                                 enable_expert_parallel=enable_expert_parallel,
                                 distributed_executor_backend=distributed_executor_backend or "mp", nnodes=nnodes,
                                 node_rank=node_rank, master_addr=master_addr, master_port=master_port),
-        adaptive=adaptive, state_dir=state_dir, target_itl_ms=target_itl_ms, target_ttft_ms=target_ttft_ms)
+        adaptive=adaptive, state_dir=state_dir, target_itl_ms=target_itl_ms, target_ttft_ms=target_ttft_ms,
+        limit_mm_per_prompt=parse_media_limits(limit_mm_per_prompt), encoder_cache_tokens=encoder_cache_tokens)
+
+
+def parse_media_limits(limits: dict[str, int] | None) -> dict[str, int]:
+    """vLLM's limit_mm_per_prompt: {"image": N, "video": M}; a kind left out is unlimited."""
+    limits = dict(limits or {})
+    for kind, value in limits.items():
+        if kind not in ("image", "video"):
+            raise ValueError(f"limit_mm_per_prompt: unknown media kind {kind!r} (image, video)")
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"limit_mm_per_prompt: {kind} must be a count >= 0, got {value!r}")
+    return limits
 
 
 class LLM:
@@ -82,8 +101,13 @@ class LLM:
     tensor_parallel_size or data_parallel_size > 1 the other ranks run in child processes (or Ray actors) until
     `shutdown()`, which a `with LLM(...) as llm:` block calls on leaving."""
 
-    def __init__(self, model: str | os.PathLike | None = None, **kwargs: Any) -> None:
+    def __init__(self, model: str | os.PathLike | None = None, *, allowed_local_media_path: str | None = None,
+                 allowed_media_domains: list[str] | None = None, **kwargs: Any) -> None:
+        """Media in `chat` messages: data URLs always; http(s) URLs only from `allowed_media_domains`, `file://`
+        only under `allowed_local_media_path` (as the server's flags)."""
         self.engine = LLMEngine(build_engine_config(model, **kwargs))
+        local = Path(allowed_local_media_path).resolve() if allowed_local_media_path else None
+        self.media_loader = MediaLoader(list(allowed_media_domains or []), local, MEDIA_MAX_BYTES, MEDIA_TIMEOUT_S)
 
     def __enter__(self) -> LLM:
         return self
@@ -122,13 +146,17 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this checkpoint has none")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = []
+        prompts: list[PromptType] = []
         for conversation in conversations:
-            ids = self.tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=add_generation_prompt,
+            media = extract_media(conversation, self.media_loader.load_image, self.media_loader.load_video)
+            ids = self.tokenizer.apply_chat_template(media.messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                                      tokenize=True, return_dict=False, **(chat_template_kwargs or {}))
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+            prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
+            if media.images or media.videos:
+                prompt["multi_modal_data"] = media.multi_modal_data()
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def compute_logits(self, prompt_token_ids: list[list[int]]) -> list[torch.Tensor]:

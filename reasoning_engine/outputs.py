@@ -50,4 +50,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     spec_accepted_tokens: int = 0
     spec_draft_tokens: int = 0
+    # placeholder tokens of the prompt's images and videos (OpenAI usage: prompt_tokens_details.image_tokens)
+    num_image_tokens: int = 0
+    num_video_tokens: int = 0
     extra: dict = field(default_factory=dict)

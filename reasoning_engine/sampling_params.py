@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from reasoning_engine.structured.params import StructuredOutputsParams
 
 
 @dataclass
@@ -28,6 +31,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     thinking_token_budget: int | None = None
+    # constrained decoding (vLLM's names): the output after thinking matches a grammar; logit_bias (OpenAI) adds to
+    # the logits of token ids (keys may be decimal strings, as JSON sends them); allowed_token_ids restricts every
+    # step to those ids; bad_words are never completed. Ids are checked against the vocabulary by the engine.
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -36,6 +46,7 @@ class SamplingParams:
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
+        self._validate_constraints()
 
     def _validate(self) -> None:
         checks: list[tuple[str, bool, str]] = [
@@ -61,6 +72,29 @@ class SamplingParams:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}")
+
+    def _validate_constraints(self) -> None:
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a map of token id to bias, got {type(self.logit_bias).__name__}")
+            bias: dict[int, float] = {}
+            for key, value in self.logit_bias.items():
+                token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+                if not _is_int(token) or token < 0:
+                    raise ValueError(f"logit_bias: key {key!r} is not a token id")
+                if not _is_num(value) or not -100 <= value <= 100:
+                    raise ValueError(f"logit_bias: bias of token {key} must be a number in [-100, 100], got {value!r}")
+                bias[token] = float(value)
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
 
     @property
     def greedy(self) -> bool:

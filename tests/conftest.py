@@ -6,6 +6,8 @@
 `tiny_checkpoint(name)`: builds, once per session, the tiny random checkpoint `name` of
 `tests/models/checkpoints.py::VARIANTS` (every supported family and config variant, quantized ones included) and
 returns its `TinyCheckpoint` (folder, and `reference()` for the transformers model it must match).
+
+torchvision, the media preprocessing tests' reference, is made importable first (tests/reference_torchvision.py).
 """
 
 from __future__ import annotations
@@ -16,11 +18,15 @@ from pathlib import Path
 import pytest
 
 try:  # tests/ imported as a package
+    from . import reference_torchvision
     from .char_models import build_deepseek, build_llama
     from .models.checkpoints import TinyCheckpoint, build_checkpoint
 except ImportError:  # pytest's default rootdir-less import: tests/ itself is on sys.path
+    import reference_torchvision
     from char_models import build_deepseek, build_llama
     from models.checkpoints import TinyCheckpoint, build_checkpoint
+
+reference_torchvision.enable()  # before anything imports transformers (see the module)
 
 
 @pytest.fixture(scope="session")

@@ -71,7 +71,10 @@ class AsyncLLM:
             raise EngineDeadError(self.failure or "the engine is shut down")
         request_id = request_id or uuid.uuid4().hex
         _, token_ids = self.engine.tokenize(prompt)
-        self.engine.validate(token_ids, params)
+        media: tuple = ()
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):  # image processing off the event loop
+            token_ids, media = await asyncio.to_thread(self.engine.expand_media, prompt, token_ids)
+        self.engine.validate(token_ids, params, media)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -79,7 +82,7 @@ class AsyncLLM:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = (loop, outputs)
         self._send("add", (request_id, {"prompt_token_ids": token_ids, "prompt": prompt if isinstance(prompt, str) else None},
-                           params, session_id, workload))
+                           params, session_id, workload, media))
         finished = False
         try:
             while not finished:
@@ -95,6 +98,16 @@ class AsyncLLM:
                 self._streams.pop(request_id, None)
             if not finished:
                 self._send("abort", request_id)
+
+    @property
+    def supports_media(self) -> bool:
+        """Whether prompts may carry images and video (a vision tower and a tokenizer to place them with)."""
+        return self.engine.media_processor is not None
+
+    @property
+    def media_limits(self) -> dict[str, int]:
+        """At most this many items of each kind per prompt (limit_mm_per_prompt); a kind left out is unlimited."""
+        return dict(self.engine.config.limit_mm_per_prompt)
 
     @property
     def is_running(self) -> bool:
@@ -161,9 +174,10 @@ class AsyncLLM:
             if kind == "abort":
                 self.engine.abort_request(payload)
                 continue
-            request_id, prompt, params, session_id, workload = payload
+            request_id, prompt, params, session_id, workload, media = payload
             try:
-                self.engine.add_request(request_id, prompt, params, session_id=session_id, workload=workload)
+                self.engine.add_request(request_id, prompt, params, session_id=session_id, workload=workload,
+                                        media=media)
             except ValueError as exc:
                 self._deliver(request_id, exc)
 

@@ -20,9 +20,12 @@ from reasoning_engine.engine.model_runner import ModelRunner, StepResult
 from reasoning_engine.engine.request import Request, RequestStatus
 from reasoning_engine.engine.scheduler import Scheduler
 from reasoning_engine.engine.tuning import EngineTuner
+from reasoning_engine.multimodal.inputs import MediaItem
+from reasoning_engine.multimodal.processing import MediaProcessor
 from reasoning_engine.outputs import CompletionOutput, RequestOutput
 from reasoning_engine.sampling_params import SamplingParams
 from reasoning_engine.speculative.decoder import TEXT_METHODS, SpeculativeConfig, SpeculativeDecoder
+from reasoning_engine.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +54,10 @@ class EngineStats:
     num_preemptions: int
     spec_decode: dict[str, float] = field(default_factory=dict)
     adaptive: dict[str, float] = field(default_factory=dict)
+    # vision encoder (multimodal models): items encoded, items found already encoded, seconds spent (rank 0's)
+    encoder_cache_misses: int = 0
+    encoder_cache_hits: int = 0
+    encoder_seconds: float = 0.0
 
 
 class LLMEngine:
@@ -58,6 +65,8 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model
         self.tokenizer = load_tokenizer(config.tokenizer or config.model.path)
+        self.media_processor = (MediaProcessor.from_model_dir(config.model.path, self.tokenizer)
+                                if self.tokenizer is not None else None)
         spec_config = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config else None
         self.tuner = EngineTuner(config, spec_config, self._tool_call_ids()) if config.adaptive else None
         if self.tuner is not None and config.device.type == "cuda":
@@ -77,6 +86,7 @@ class LLMEngine:
         self.model_config.think_start_token_id = self.think_start_id
         self.model_config.think_end_token_id = self.think_end_id
         self.num_preemptions = 0
+        self._grammars: GrammarCompiler | None = None
         self._ids = itertools.count()
         self.spec = (SpeculativeDecoder(spec_config, self.runner.drafters, caller_lengths=self.tuner is not None)
                      if spec_config is not None else None)
@@ -101,12 +111,21 @@ class LLMEngine:
         group_id, _, index = seq_id.rpartition("#")
         return self.groups[group_id][int(index)].replica
 
-    def _pick_replica(self, token_ids: list[int]) -> int:
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured output's compiler and cache, built at first use (it reads the whole vocabulary)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs: this checkpoint has no tokenizer to compile a grammar against")
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    def _pick_replica(self, token_ids: list[int], media: tuple[MediaItem, ...]) -> int:
         """Data parallelism: the replica already holding the longest prefix of the prompt in its cache, then the
         least loaded (fewest unfinished requests)."""
         if len(self.schedulers) == 1:
             return 0
-        hashes = prefix_hashes(token_ids, self.config.block_size)
+        hashes = prefix_hashes(token_ids, self.config.block_size, media)
         return max(range(len(self.schedulers)), key=lambda r: (
             self.schedulers[r].blocks.cached_prefix_blocks(hashes),
             -len(self.schedulers[r].running) - len(self.schedulers[r].waiting), -r))
@@ -169,23 +188,31 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None, capture_logits: bool = False, session_id: str | None = None,
-                    workload: str = "default") -> str:
+                    workload: str = "default", media: tuple[MediaItem, ...] | None = None) -> str:
         """`session_id` (an agent's conversation, e.g. the OpenAI `user` or `prompt_cache_key`) and `workload` (a
-        class such as "agent" or "chat") tell the adaptive engine what to keep and what to expect."""
+        class such as "agent" or "chat") tell the adaptive engine what to keep and what to expect. `media`: the
+        items of a prompt whose placeholders `expand_media` already expanded (AsyncLLM does it off the engine
+        thread); otherwise the prompt's `multi_modal_data` is expanded here."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
-        self.validate(token_ids, params)
+        if media is None:
+            token_ids, media = self.expand_media(prompt, token_ids)
+        self.validate(token_ids, params, media)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         thinking = self._starts_in_thinking(token_ids)
-        replica = self._pick_replica(token_ids)
+        replica = self._pick_replica(token_ids, media)
+        grammar = self.grammars.matcher(params.structured_outputs) if params.structured_outputs is not None else None
+        bad_word_ids = self._bad_word_ids(params.bad_words) if params.bad_words else []
         group = []
         for index in range(params.n):
             request = Request(seq_id=f"{request_id}#{index}", group_id=request_id, index=index, prompt=text,
                               prompt_token_ids=token_ids, params=params, eos_token_ids=self.eos_token_ids,
                               arrival_time=arrival, thinking=thinking, capture_logits=capture_logits, replica=replica,
-                              session=session_id, workload=workload)
+                              session=session_id, workload=workload, media=media,
+                              grammar=grammar.fork() if grammar is not None and index else grammar,
+                              bad_word_ids=bad_word_ids)
             group.append(request)
             if self.spec is not None:
                 self.spec.start(request.seq_id, token_ids)
@@ -197,12 +224,42 @@ class LLMEngine:
         self.groups[request_id] = group
         return request_id
 
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def expand_media(self, prompt: PromptType, token_ids: list[int]) -> tuple[list[int], tuple[MediaItem, ...]]:
+        """A prompt dict's `multi_modal_data` ({"image": one or a list, "video": one or a list}, vLLM's shape):
+        each placeholder in the prompt becomes its run of tokens, and each image or video chunk a `MediaItem`."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            return token_ids, ()
+        unknown = sorted(set(data) - {"image", "video"})
+        if unknown:
+            raise ValueError(f"multi_modal_data: unknown media kind {unknown[0]!r} (image, video)")
+        if self.media_processor is None:
+            if self.runner.worker.vision is not None:
+                raise ValueError("multi_modal_data: this checkpoint has no tokenizer to place media tokens with")
+            raise ValueError(f"multi_modal_data: {self.model_config.model_type} has no vision tower; "
+                             f"this model takes text only")
+        media = {kind: _media_list(data.get(kind)) for kind in ("image", "video")}
+        for kind, items in media.items():
+            limit = self.config.limit_mm_per_prompt.get(kind)
+            if limit is not None and len(items) > limit:
+                raise ValueError(f"multi_modal_data: {len(items)} {kind}s in one prompt, at most {limit} "
+                                 f"(limit_mm_per_prompt)")
+        try:
+            token_ids, items = self.media_processor.expand(token_ids, media["image"], media["video"])
+        except (ValueError, TypeError) as exc:  # named for the caller's error (the server's `param`)
+            raise ValueError(f"multi_modal_data: {exc}") from exc
+        return token_ids, tuple(items)
+
+    def validate(self, token_ids: list[int], params: SamplingParams, media: tuple[MediaItem, ...] = ()) -> None:
         """Raise ValueError naming the field when a request cannot run on this model."""
         if not token_ids:
             raise ValueError("prompt must not be empty")
         vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
+        placeholders = {p for item in media for p in range(item.offset, item.end)}
+        bad = [t for p, t in enumerate(token_ids) if not 0 <= t < vocab and p not in placeholders]
+        if params.prompt_logprobs is not None and any(token_ids[p] >= vocab for p in placeholders):
+            raise ValueError("prompt_logprobs: not available for prompts with video (its placeholder token lies "
+                             "outside the vocabulary)")
         if bad:
             raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         limit = self.config.max_model_len
@@ -211,6 +268,29 @@ class LLMEngine:
         if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
             raise ValueError(f"max_tokens: prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds max_model_len ({limit})")
+        self._validate_constraints(params)
+
+    def _validate_constraints(self, params: SamplingParams) -> None:
+        """Token ids within the vocabulary; a grammar that compiles against it (cached: add_request reuses it)."""
+        vocab = self.model_config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise ValueError(f"{name}: token id {outside[0]} is outside the vocabulary [0, {vocab})")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words: this checkpoint has no tokenizer to encode them with")
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)
+
+    def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as tokens, alone and after a space (how it appears mid-text), as vLLM encodes them."""
+        sequences: list[list[int]] = []
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def _starts_in_thinking(self, token_ids: list[int]) -> bool:
         """The prompt opened a <think> section that it did not close (templates with thinking on)."""
@@ -315,6 +395,10 @@ class LLMEngine:
                 limits = [s if seed else c for s, c, seed in zip(static, chosen, seeded)]
         drafts = self.spec.propose_batch([(r.seq_id, r.all_token_ids, n) for r, n in zip(asking, limits)], keep)
         for request, draft in zip(asking, drafts):
+            if request.grammar is not None and len(draft):
+                # nodes the grammar rejects could never be accepted: do not spend verification on them
+                draft = draft.subset(request.grammar.walk_draft(draft.token_ids, draft.parents, request.thinking,
+                                                                self.think_end_id))
             request.draft = draft if len(draft) else None
 
     def _budget_spent(self, request: Request) -> bool:
@@ -374,20 +458,27 @@ class LLMEngine:
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         request.metrics.last_token_time = now
+        constrained = request.constrained
         if request.thinking:
             if token == self.think_end_id:
                 request.thinking = False
             else:
                 request.thinking_tokens += 1
-        elif token == self.think_start_id:
+        elif token == self.think_start_id and request.grammar is None:
             request.thinking = True
         params = request.params
+        allowed = request.grammar.accept(token) if constrained else True
         # stop strings, like EOS and stop_token_ids, count only from min_tokens on
         stop = self.detokenizers[request.seq_id].append([token], len(request.output_token_ids) >= params.min_tokens)
         if stop is not None:
             self._finish(request, "stop", stop)
+        elif not allowed:  # only when bad_words banned every token the grammar allows: end it, not crash
+            logger.warning("request %s: token %d is not allowed by its grammar; ending it", request.seq_id, token)
+            self._finish(request, "stop", None)
         elif token in self.eos_token_ids and not params.ignore_eos:
             self._finish(request, "stop", None)
+        elif constrained and request.grammar.is_terminated:
+            self._finish(request, "stop", None)  # the grammar is complete (its stop token, even under ignore_eos)
         elif token in params.stop_token_ids and len(request.output_token_ids) >= params.min_tokens:
             self._finish(request, "stop", token)
         elif params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens:
@@ -421,7 +512,9 @@ class LLMEngine:
             request_id=group_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids, outputs=outputs,
             finished=finished, num_cached_tokens=first.num_cached_tokens, prompt_logprobs=first.prompt_logprobs,
             metrics=first.metrics, spec_accepted_tokens=sum(r.spec_accepted_tokens for r in group),
-            spec_draft_tokens=sum(r.spec_draft_tokens for r in group))
+            spec_draft_tokens=sum(r.spec_draft_tokens for r in group),
+            num_image_tokens=sum(item.length for item in first.media if item.kind == "image"),
+            num_video_tokens=sum(item.length for item in first.media if item.kind == "video"))
         if first.capture_logits:
             out.extra["logits"] = first.captured_logits
         if finished:
@@ -441,7 +534,10 @@ class LLMEngine:
             prefix_cache_queries=sum(bm.prefix_queries for bm in managers),
             prefix_cache_hits=sum(bm.prefix_hits for bm in managers), num_preemptions=self.num_preemptions,
             spec_decode=self.spec.stats_dict() if self.spec is not None else {},
-            adaptive=self._adaptive_gauges())
+            adaptive=self._adaptive_gauges(),
+            encoder_cache_misses=sum(plan.misses for plan in self.runner.encoder_caches),
+            encoder_cache_hits=sum(plan.hits for plan in self.runner.encoder_caches),
+            encoder_seconds=self.runner.worker.encoder_seconds)
 
     def _adaptive_gauges(self) -> dict[str, float]:
         """Numbers of the adaptive snapshot for Prometheus."""
@@ -455,6 +551,13 @@ class LLMEngine:
         gauges["protected_blocks"] = snap["retention"]["protected_blocks"]
         gauges["retention_hit_tokens"] = snap["retention"]["retention_hit_tokens"]
         return gauges
+
+
+def _media_list(value: Any) -> list[Any]:
+    """One item or a list of them (vLLM accepts both)."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def default_device() -> torch.device:

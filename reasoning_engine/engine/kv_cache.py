@@ -8,7 +8,7 @@ is least-recently-freed first, and only ever of unreferenced blocks.
 Retention (adaptive/retention.py): the keys of a finished agent turn can be protected until a deadline. An unreferenced
 protected block waits in a second queue that is evicted only once the plain free queue is empty, oldest protection
 first, so protection reorders eviction and never keeps a block from a request that needs it: protected blocks count
-as free. A protection past its deadline is dropped and its block goes back to the plain queue, at the front (it is
+as free. A block holding image or video placeholders also keys on those media's content hashes. A protection past its deadline is dropped and its block goes back to the plain queue, at the front (it is
 stale). A prefix hit on a protected block is a retention hit, and tells which turn it came back to.
 """
 
@@ -18,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from reasoning_engine.engine.request import Request
+from reasoning_engine.multimodal.inputs import MediaItem, media_keys
 
 
 @dataclass
@@ -184,7 +185,7 @@ class BlockManager:
         """Chained hash of block `index` of the request's tokens, memoised on the request (tokens never change)."""
         hashes = request.block_hashes
         while len(hashes) <= index:
-            hashes.append(_chain(hashes[-1] if hashes else None, tokens, len(hashes), self.block_size))
+            hashes.append(_chain(hashes[-1] if hashes else None, tokens, len(hashes), self.block_size, request.media))
         return hashes[index]
 
     def cached_prefix_blocks(self, hashes: list[int]) -> int:
@@ -212,13 +213,17 @@ class BlockManager:
         self.ref_counts[block] += 1
 
 
-def _chain(previous: int | None, tokens: list[int], index: int, block_size: int) -> int:
-    return hash((previous, tuple(tokens[index * block_size : (index + 1) * block_size])))
+def _chain(previous: int | None, tokens: list[int], index: int, block_size: int,
+           media: tuple[MediaItem, ...] = ()) -> int:
+    start, stop = index * block_size, (index + 1) * block_size
+    if media:
+        return hash((previous, tuple(tokens[start:stop]), media_keys(media, start, stop)))
+    return hash((previous, tuple(tokens[start:stop])))
 
 
-def prefix_hashes(tokens: list[int], block_size: int) -> list[int]:
+def prefix_hashes(tokens: list[int], block_size: int, media: tuple[MediaItem, ...] = ()) -> list[int]:
     """The chained keys of a prompt's full blocks (but the last token's), as the prefix cache names them."""
     hashes: list[int] = []
     for index in range((len(tokens) - 1) // block_size):
-        hashes.append(_chain(hashes[-1] if hashes else None, tokens, index, block_size))
+        hashes.append(_chain(hashes[-1] if hashes else None, tokens, index, block_size, media))
     return hashes

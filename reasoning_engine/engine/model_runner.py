@@ -16,14 +16,18 @@ from typing import Protocol
 import torch
 
 from reasoning_engine.config import EngineConfig
+from reasoning_engine.engine.encoder_cache import EncoderCachePlan, MediaSlice
 from reasoning_engine.engine.request import Request
 from reasoning_engine.engine.scheduler import ScheduledRequest
 from reasoning_engine.engine.worker import DraftFinal, DraftObservation, ModelWorker, StepInput
 from reasoning_engine.layers.sampler import Sampler, SamplingMetadata, top_logprobs
+from reasoning_engine.multimodal.inputs import MediaItem
 from reasoning_engine.outputs import Logprob
+from reasoning_engine.sampling_params import SamplingParams
 from reasoning_engine.speculative.decoder import ProposeItem
 from reasoning_engine.speculative.draft import Draft
 from reasoning_engine.speculative.verify import verify_greedy, verify_sampled
+from reasoning_engine.structured.matcher import allocate_bitmask, unpack_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +117,7 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         self.drafters = {method: DraftProposer(method, executor, self.replicas, replica_of)
                          for method in executor.local.drafters}
+        self.encoder_caches = [EncoderCachePlan(config.encoder_cache_tokens) for _ in range(self.replicas)]
 
     @property
     def worker(self) -> ModelWorker:
@@ -123,10 +128,10 @@ class ModelRunner:
         self.executor.move_kv(replica, block_table, moves)
 
     # ---- one step ----
-    def prepare(self, scheduled: list[ScheduledRequest]) -> tuple[StepInput, list[list[int]], list[int]]:
+    def prepare(self, scheduled: list[ScheduledRequest], replica: int = 0) -> tuple[StepInput, list[list[int]], list[int]]:
         """Flatten the scheduled tokens. Returns the step and, per request, the hidden-state rows it samples from
         (one, or 1 + draft size when verifying a draft; none mid-prefill) and the first logits row of its
-        prompt-logprob chunk (-1 where none)."""
+        prompt-logprob chunk (-1 where none). Media placeholders among the tokens get their encoder rows."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -137,6 +142,8 @@ class ModelRunner:
         prompt_rows: list[int] = []
         # per-sequence visibility among its own tokens, only when some sequence verifies a draft tree
         tree_parts: list[torch.Tensor] | None = [] if any(item.num_draft_tokens for item in scheduled) else None
+        media: list[MediaItem] = []
+        media_slices: list[MediaSlice] = []
         bs = self.block_size
         for item in scheduled:
             request, start = item.request, item.request.num_computed_tokens
@@ -160,6 +167,12 @@ class ModelRunner:
                 continue
             real_stop = min(stop, request.num_tokens)
             input_ids.extend(request.all_token_ids[start:real_stop])
+            for item_media in request.media:
+                if item_media.overlaps(start, real_stop):
+                    first, last = max(start, item_media.offset), min(real_stop, item_media.end)
+                    media.append(item_media)
+                    media_slices.append(MediaSlice(item_media.content_hash, first - item_media.offset,
+                                                   last - item_media.offset, row0 + first - start))
             positions.extend(range(start, stop))
             if tree_parts is not None:
                 tree_parts.append(torch.ones(stop - start, stop - start, dtype=torch.bool).tril())
@@ -176,13 +189,16 @@ class ModelRunner:
                 sample_rows.append([])
         step = StepInput(input_ids, positions, slots, query_lens, seq_lens,
                          [list(item.request.block_table) for item in scheduled], logits_rows, tree_parts)
+        if media:
+            step.media_encode, step.media_drop = self.encoder_caches[replica].plan(media)
+            step.media_slices = media_slices
         return step, sample_rows, prompt_rows
 
     @torch.inference_mode()
     def execute(self, plans: list[list[ScheduledRequest]], forced: list[dict[int, int]]) -> list[list[StepResult]]:
         """Run one step: `plans[r]` is replica r's scheduled requests (an idle replica's step is a placeholder),
         `forced[r]` maps an index of them to a token it must emit (thinking budget)."""
-        prepared = [self.prepare(scheduled) if scheduled else None for scheduled in plans]
+        prepared = [self.prepare(scheduled, r) if scheduled else None for r, scheduled in enumerate(plans)]
         steps = [p[0] if p is not None else StepInput.idle(self.num_blocks, self.block_size) for p in prepared]
         logits = self.executor.execute_model(steps)
         results = [self._results(scheduled, forced[r], logits[r], p[0], p[1], p[2]) if p is not None else []
@@ -201,8 +217,9 @@ class ModelRunner:
         plain = [i for i, rows in enumerate(sample_rows) if len(rows) == 1 and not scheduled[i].num_draft_tokens]
         if plain:
             picked = logits[[row_of[sample_rows[i][0]] for i in plain]]
-            out = self.sampler(picked, self._metadata([scheduled[i].request for i in plain],
-                                                       [forced.get(i) for i in plain], picked.device))
+            requests, forced_ids = [scheduled[i].request for i in plain], [forced.get(i) for i in plain]
+            out = self.sampler(picked, self._metadata(requests, forced_ids, picked.device,
+                                                       bitmask=self._grammar_bitmask(requests, forced_ids)))
             for j, i in enumerate(plain):
                 results[i].token_ids = [out.token_ids[j]]
                 results[i].logprobs = [out.logprobs[j]]
@@ -243,6 +260,8 @@ class ModelRunner:
             if result.token_ids:
                 end = start + kept
                 finals.append(DraftFinal(request.seq_id, len(next_ids) - 1, end, request.block_table[: -(-end // bs)]))
+        vocab = self.config.model.vocab_size  # a video placeholder id lies past it: the draft embeds 0 instead
+        next_ids = [t if t < vocab else 0 for t in next_ids]
         return DraftObservation(rows, next_ids, starts, query_lens,
                                 [list(item.request.block_table) for item in scheduled], finals)
 
@@ -250,7 +269,8 @@ class ModelRunner:
         """Accept the longest valid part of the request's draft tree; rows: root then one per draft node."""
         draft = request.draft
         paths = [[]] + [[draft.token_ids[n] for n in draft.path_to(node)] for node in range(len(draft))]
-        meta = self._metadata([request] * len(paths), [None] * len(paths), logits.device, paths)
+        meta = self._metadata([request] * len(paths), [None] * len(paths), logits.device, paths,
+                              self._draft_bitmask(request, draft))
         processed = self.sampler.process(logits, meta)
         if request.params.greedy:
             accepted, bonus = verify_greedy(draft, processed.argmax(dim=-1).tolist())
@@ -294,14 +314,37 @@ class ModelRunner:
             entries.append(entry)
         return entries
 
+    def _grammar_bitmask(self, requests: list[Request], forced: list[int | None]) -> torch.Tensor | None:
+        """Packed masks of the rows whose grammar applies (not thinking, not forced); None when no row has one."""
+        rows = [i for i, r in enumerate(requests) if r.constrained and forced[i] is None and not r.grammar.is_terminated]
+        if not rows:
+            return None
+        bitmask = allocate_bitmask(len(requests), self.config.model.vocab_size)
+        for i in rows:
+            requests[i].grammar.fill_bitmask(bitmask, i)
+        return bitmask
+
+    def _draft_bitmask(self, request: Request, draft: Draft) -> torch.Tensor | None:
+        """Verification rows' grammar masks: row 0 after the root, row i + 1 after the path to draft node i (the
+        engine dropped nodes the grammar rejects when it drafted; a row it could not reach stays unconstrained). A
+        `</think>` in the draft starts the constraint below it. The engine advances the matcher over what is
+        accepted."""
+        if request.grammar is None:
+            return None
+        bitmask = allocate_bitmask(1 + len(draft), self.config.model.vocab_size)
+        request.grammar.walk_draft(draft.token_ids, draft.parents, request.thinking,
+                                   self.config.model.think_end_token_id, bitmask)
+        return bitmask
+
     def _metadata(self, requests: list[Request], forced: list[int | None], device: torch.device,
-                  paths: list[list[int]] | None = None) -> SamplingMetadata:
-        """Per-row settings. `paths` (verification) extends each row's output with the draft tokens above it."""
+                  paths: list[list[int]] | None = None, bitmask: torch.Tensor | None = None) -> SamplingMetadata:
+        """Per-row settings. `paths` (verification) extends each row's output with the draft tokens above it;
+        `bitmask`: packed grammar masks, one row each."""
         paths = paths or [[] for _ in requests]
         params = [r.params for r in requests]
         greedy = [p.greedy for p in params]
         penalties = any(p.has_penalties for p in params)
-        banned = [self._banned(r, len(path)) for r, path in zip(requests, paths)]
+        banned = [self._banned(r, path) for r, path in zip(requests, paths)]
         meta = SamplingMetadata(
             temperature=torch.tensor([p.temperature for p in params], device=device),
             top_p=torch.tensor([p.top_p for p in params], device=device),
@@ -314,6 +357,8 @@ class ModelRunner:
             needs_filters=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
             banned=banned if any(banned) else None,
             forced=forced if any(f is not None for f in forced) else None,
+            bias=self._bias(params, device),
+            allowed=self._allowed(params, bitmask, device),
         )
         if penalties:
             meta.presence = torch.tensor([p.presence_penalty for p in params], device=device)
@@ -323,8 +368,49 @@ class ModelRunner:
             meta.output_ids = [r.output_token_ids + path for r, path in zip(requests, paths)]
         return meta
 
-    @staticmethod
-    def _banned(request: Request, extra: int = 0) -> list[int]:
-        if len(request.output_token_ids) + extra >= request.params.min_tokens:
-            return []
-        return sorted(set(request.eos_token_ids) | set(request.params.stop_token_ids))
+    def _bias(self, params: list[SamplingParams], device: torch.device) -> torch.Tensor | None:
+        """logit_bias as an additive [N, vocab] tensor; None when no row has one."""
+        if not any(p.logit_bias for p in params):
+            return None
+        bias = torch.zeros(len(params), self.config.model.vocab_size)
+        for row, p in enumerate(params):
+            if p.logit_bias:
+                bias[row, list(p.logit_bias)] = torch.tensor(list(p.logit_bias.values()))
+        return bias.to(device)
+
+    def _allowed(self, params: list[SamplingParams], bitmask: torch.Tensor | None,
+                 device: torch.device) -> torch.Tensor | None:
+        """Bool [N, vocab]: the grammar's mask and allowed_token_ids together. Where the two leave nothing, the
+        grammar alone (an output that parses beats one that obeys a contradictory restriction)."""
+        restricted = [row for row, p in enumerate(params) if p.allowed_token_ids]
+        if bitmask is None and not restricted:
+            return None
+        vocab = self.config.model.vocab_size
+        allowed = (unpack_bitmask(bitmask.to(device), vocab) if bitmask is not None
+                   else torch.ones(len(params), vocab, dtype=torch.bool, device=device))
+        for row in restricted:
+            only = torch.zeros(vocab, dtype=torch.bool, device=device)
+            only[torch.tensor(params[row].allowed_token_ids, device=device)] = True
+            both = allowed[row] & only
+            allowed[row] = torch.where(both.any(), both, allowed[row])
+        return allowed
+
+    def _banned(self, request: Request, path: list[int]) -> list[int]:
+        """Tokens masked for this row: EOS and stop ids before min_tokens, or while a request with a grammar still
+        thinks (its answer must come; once it answers, the grammar decides when it ends), and the last token of each
+        bad word whose other tokens the output (plus `path`) ends with."""
+        banned: set[int] = set()
+        if request.grammar is not None:
+            stop_early = request.thinking and self.config.model.think_end_token_id not in path
+        else:
+            stop_early = len(request.output_token_ids) + len(path) < request.params.min_tokens
+        if stop_early:
+            banned |= set(request.eos_token_ids) | set(request.params.stop_token_ids)
+        if request.bad_word_ids:
+            longest = max(len(word) for word in request.bad_word_ids) - 1
+            tail = (request.output_token_ids[-longest:] + path)[-longest:] if longest else []
+            for word in request.bad_word_ids:
+                prefix = word[:-1]
+                if not prefix or tail[len(tail) - len(prefix):] == prefix:
+                    banned.add(word[-1])
+        return sorted(banned)

@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from reasoning_engine.multimodal.inputs import MediaItem
 from reasoning_engine.outputs import Logprob, RequestMetrics
 from reasoning_engine.sampling_params import SamplingParams
 from reasoning_engine.speculative.draft import Draft
+from reasoning_engine.structured.matcher import StructuredMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -47,6 +49,8 @@ class Request:
     generator: torch.Generator | None = None
     thinking: bool = False  # inside a <think> section: counts against thinking_token_budget
     thinking_tokens: int = 0
+    grammar: StructuredMatcher | None = None  # structured output: constrains every token emitted outside thinking
+    bad_word_ids: list[list[int]] = field(default_factory=list)  # bad_words as token sequences (both spacings)
     draft: Draft | None = None  # speculative tokens to verify in the next step
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
@@ -55,6 +59,7 @@ class Request:
     replica: int = 0  # the data-parallel replica whose scheduler and KV cache hold it
     session: str | None = None  # an agent's conversation (adaptive KV retention)
     workload: str = "default"  # its class, for the adaptive engine's statistics
+    media: tuple[MediaItem, ...] = ()  # images and video chunks, by their placeholders' offset in the prompt
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -81,6 +86,11 @@ class Request:
     def token_at(self, position: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    @property
+    def constrained(self) -> bool:
+        """The grammar applies to the next token: thinking is free, the constraint starts after `</think>`."""
+        return self.grammar is not None and not self.thinking
 
     @property
     def is_finished(self) -> bool:

@@ -11,6 +11,10 @@ Every call carries one entry per data-parallel replica (one, without data parall
 Replicas run their forward passes together, an idle one on a placeholder token, because their MoE layers exchange
 tokens; the replicas' logits and drafts are gathered for rank 0.
 
+A model with a vision tower (Kimi K2.5) has it on every rank, whole: a step's new images are encoded before the
+forward pass and their output rows replace the placeholder tokens' embeddings (the driver says which rows; outputs
+stay cached by content hash until it says to drop them).
+
 On CUDA with the Triton kernels, decode steps replay CUDA graphs captured at start (`cuda_graph.py`); with
 `compile_decode`, CPU decode steps run `torch.compile` graphs (`compiled_decode.py`); everything else runs eagerly.
 """
@@ -22,7 +26,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -31,8 +35,11 @@ from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.config import EngineConfig
 from reasoning_engine.engine.compiled_decode import CompiledDecode
 from reasoning_engine.engine.cuda_graph import CudaGraphRunner, cuda_graphs_enabled
+from reasoning_engine.engine.encoder_cache import MediaSlice
 from reasoning_engine.kernels import kernel_module
+from reasoning_engine.models.kimi_vision import build_vision_encoder
 from reasoning_engine.models.registry import build_model
+from reasoning_engine.multimodal.inputs import MediaItem
 from reasoning_engine.models.weights import BYTES_READ
 from reasoning_engine.parallel import Parallel
 from reasoning_engine.speculative.decoder import DraftModel, ProposeItem, SpeculativeConfig, load_draft_models
@@ -54,6 +61,11 @@ class StepInput:
     block_tables: list[list[int]]
     logits_rows: list[int]
     tree_parts: list[torch.Tensor] | None = None  # per sequence, which of its query tokens each may see (drafts)
+    # multimodal prompts (engine/encoder_cache.py): items to encode first, encoder outputs to drop, and which output
+    # rows replace which tokens' embeddings
+    media_encode: list[MediaItem] = field(default_factory=list)
+    media_drop: list[str] = field(default_factory=list)
+    media_slices: list[MediaSlice] = field(default_factory=list)
 
     @staticmethod
     def idle(padding_block: int, block_size: int) -> StepInput:
@@ -123,6 +135,10 @@ class ModelWorker:
         spec = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config else None
         self.draft_models = load_draft_models(spec, config, self.model) if spec is not None else {}
         self.max_draft_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.vision = build_vision_encoder(config.model.path, config.dtype, config.device, config.kernel_backend,
+                                           config.load_format)
+        self.encoder_outputs: dict[str, torch.Tensor] = {}  # content hash -> [rows, hidden]
+        self.encoder_seconds = 0.0
         self.checkpoint_bytes_read = BYTES_READ.bytes - read_before
         self.aux_layers = sorted({i for m in self.draft_models.values() for i in m.aux_layers})
         self.num_blocks = 0
@@ -291,13 +307,15 @@ class ModelWorker:
                                 step.block_tables, step.logits_rows, step.tree_parts, with_attention=False)
         if len(steps) > 1:
             batch.dp_num_tokens = [len(s.input_ids) for s in steps]
+        self._media_embeddings(step, batch)
         aux_hidden = dict.fromkeys(self.aux_layers) if self.aux_layers else None
         logits: torch.Tensor | None = None
-        if self.decode_graphs is not None and aux_hidden is None and self.decode_graphs.can_run(batch):
+        if (self.decode_graphs is not None and aux_hidden is None and batch.media_rows is None
+                and self.decode_graphs.can_run(batch)):
             hidden = self.decode_graphs.run(batch)
         else:
             batch.attn_metadata = self.attention_ops.prepare_attention(batch, self.block_size)
-            if self.compiled_decode is not None and self.compiled_decode.can_run(batch):  # never built with aux layers
+            if self.compiled_decode is not None and batch.media_rows is None and self.compiled_decode.can_run(batch):  # never built with aux layers
                 hidden, logits = self.compiled_decode.run(batch)  # a decode step's logits rows are all of its rows
             else:
                 hidden = self.model(batch, aux_hidden)
@@ -309,6 +327,25 @@ class ModelWorker:
             return [logits]
         counts = [len(s.logits_rows) for s in steps]
         return list(self.parallel.dp.all_gather_rows(logits, counts).split(counts))
+
+    def _media_embeddings(self, step: StepInput, batch: ForwardBatch) -> None:
+        """Follow the driver's encoder-cache plan, then point the batch at the rows that replace placeholders."""
+        for key in step.media_drop:
+            self.encoder_outputs.pop(key, None)
+        if step.media_encode:
+            if self.vision is None:
+                raise ValueError(f"{self.config.model.model_type}: this model has no vision tower")
+            began = time.perf_counter()
+            pixels = torch.cat([item.pixel_values for item in step.media_encode]).to(self.device, self.config.dtype)
+            outputs = self.vision(pixels, [item.grid_thw for item in step.media_encode])
+            for item, output in zip(step.media_encode, outputs):
+                self.encoder_outputs[item.content_hash] = output
+            self.encoder_seconds += time.perf_counter() - began
+        if step.media_slices:
+            rows = [r for s in step.media_slices for r in range(s.row, s.row + s.stop - s.start)]
+            batch.media_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+            batch.media_embeds = torch.cat([self.encoder_outputs[s.content_hash][s.start:s.stop]
+                                            for s in step.media_slices])
 
     @torch.inference_mode()
     def observe_drafts(self, observations: list[DraftObservation]) -> None:

@@ -1,7 +1,8 @@
 """Batched sampling: every row of the logits is one sampling decision with its own settings.
 
-Order of operations (as vLLM applies them): penalties, min_tokens masking, then greedy argmax or temperature,
-top-k, top-p, min-p and a draw. Logprobs are reported from the model's raw distribution. A draw uses the
+Order of operations (as vLLM applies them): penalties, logit bias, min_tokens and bad-word masking, the allowed-token
+mask (structured output's grammar, allowed_token_ids), then greedy argmax or temperature, top-k, top-p, min-p and a
+draw. Logprobs are reported from the model's raw distribution. A draw uses the
 exponential-race form of Gumbel-max (argmax p_i / E_i with E_i ~ Exp(1)), which lets each seeded request draw its
 noise from its own generator, so its samples do not depend on what else is in the batch.
 """
@@ -36,6 +37,8 @@ class SamplingMetadata:
     output_ids: list[list[int]] | None = None
     banned: list[list[int]] | None = None  # tokens masked this step (EOS / stop ids before min_tokens)
     forced: list[int | None] | None = None  # token that must be emitted (end of thinking when the budget is spent)
+    bias: torch.Tensor | None = None  # [N, vocab] added to the logits (logit_bias)
+    allowed: torch.Tensor | None = None  # [N, vocab] bool: the only tokens a row may emit (grammar, allowed_token_ids)
 
 
 @dataclass
@@ -102,14 +105,19 @@ class Sampler:
 
     @staticmethod
     def process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Logits after penalties and min_tokens masking: what greedy decoding takes the argmax of."""
+        """Logits after penalties, logit bias and masking (min_tokens, bad words, then the allowed tokens of a
+        grammar or allowed_token_ids): what greedy decoding takes the argmax of."""
         if meta.presence is not None:
             logits = apply_penalties(logits, meta)
+        if meta.bias is not None:
+            logits = logits + meta.bias.to(logits.dtype)
         if meta.banned is not None:
             logits = logits.clone()
             for row, banned in enumerate(meta.banned):
                 if banned:
                     logits[row, banned] = float("-inf")
+        if meta.allowed is not None:
+            logits = logits.masked_fill(~meta.allowed, float("-inf"))
         return logits
 
     @staticmethod

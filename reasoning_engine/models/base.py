@@ -120,7 +120,11 @@ class CausalLM(nn.Module):
         for each layer index that is a key of it, the residual stream that layer outputs is stored under that key.
         Without it (the usual case) nothing is kept.
         """
-        x = self.embed_tokens(batch.input_ids)
+        if batch.media_rows is None:
+            x = self.embed_tokens(batch.input_ids)
+        else:  # placeholder ids (a video's lies past the vocabulary) are looked up as 0, then replaced
+            x = self.embed_tokens(batch.input_ids.index_fill(0, batch.media_rows, 0))
+            x = x.index_copy(0, batch.media_rows, batch.media_embeds.to(x.dtype))
         for index, layer in enumerate(self.layers):
             x = layer(batch.positions, x, batch)
             if aux_hidden is not None and index in aux_hidden:
@@ -138,8 +142,13 @@ class CausalLM(nn.Module):
     def packed_weights(self) -> Callable[[str], bool]:
         """`keep_packed` for `weights.iter_checkpoint_weights`: whether a quantized checkpoint tensor (name as stored)
         fills a routed-expert parameter kept quantized, so it is read as its stored parts instead of dequantized."""
-        prefix, packed = self.config.weight_prefix, packed_targets(self, self._map_checkpoint_name)
-        return lambda name: name.startswith(prefix) and packed(name[len(prefix):])
+        packed = packed_targets(self, self._map_checkpoint_name)
+
+        def keep(stored: str) -> bool:
+            name = self.config.text_weight_name(stored)
+            return name is not None and packed(name)
+
+        return keep
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
@@ -147,15 +156,9 @@ class CausalLM(nn.Module):
 
     def _text_model_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The text model's tensors, named without the checkpoint's text-model prefix; vision tower and buffers skipped."""
-        prefix, skipped = self.config.weight_prefix, self.config.skipped_prefixes
-        for name, tensor in weights:
-            if skipped and name.startswith(skipped):
-                continue
-            if prefix:
-                if not name.startswith(prefix):
-                    raise ValueError(f"unexpected tensor {name!r}: text model tensors are expected under {prefix!r}")
-                name = name[len(prefix):]
-            if not self.ignored.search(name):
+        for stored, tensor in weights:
+            name = self.config.text_weight_name(stored)
+            if name is not None and not self.ignored.search(name):
                 yield name, tensor
 
     def _map_checkpoint_name(self, name: str) -> WeightTarget | None:

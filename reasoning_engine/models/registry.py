@@ -45,9 +45,6 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, m
     model = materialize(model, dtype, device)
     if config.tie_word_embeddings:  # to_empty gave each module its own tensor: share them again
         model.lm_head.weight = model.embed_tokens.weight
-    if config.skipped_prefixes:
-        logger.info("%s: skipping the vision tower (%s) until multimodal input lands; serving the text model",
-                    config.model_type, ", ".join(config.skipped_prefixes))
     if load_format == "dummy":
         init_dummy_weights(model)
     else:

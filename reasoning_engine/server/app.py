@@ -25,7 +25,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from reasoning_engine.server.chat_template import check_template_kwargs, render_chat
+from reasoning_engine.multimodal.loading import MediaLoader
+from reasoning_engine.server.chat_template import check_template_kwargs, render_chat, template_messages
 from reasoning_engine.server.errors import APIError, bad_request, error_body, from_validation_error
 from reasoning_engine.server.metrics import ServerMetrics
 from reasoning_engine.server.parsing import resolve_reasoning_parser, resolve_tool_parser
@@ -52,6 +53,8 @@ from reasoning_engine.server.tool_parsers import TOOL_PARSER_CHOICES
 logger = logging.getLogger(__name__)
 B = TypeVar("B", bound=BaseModel)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_MEDIA_MAX_BYTES = 20 * 1024 * 1024
+DEFAULT_MEDIA_FETCH_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -64,6 +67,12 @@ class ServerConfig:
     tool_call_parser: str = "auto"
     max_thinking_tokens: int | None = None  # default thinking budget for requests that set none
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # where chat image and video URLs may point: data: URLs always, http(s) only to these hosts (and their
+    # subdomains), file:// only under this folder; each item capped in bytes and (remote) in fetch seconds
+    allowed_media_domains: list[str] | None = None
+    allowed_local_media_path: str | None = None
+    media_max_bytes: int = DEFAULT_MEDIA_MAX_BYTES
+    media_fetch_timeout: float = DEFAULT_MEDIA_FETCH_TIMEOUT_S
     public_paths: tuple[str, ...] = ("/health", *PLAYGROUND_PUBLIC_PATHS)  # reachable without the API key
     shutdown_engine: bool = True  # shut the engine down when the app stops (False when apps share an engine)
 
@@ -188,7 +197,11 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         reasoning_parser=resolve_reasoning_parser(config.reasoning_parser, model_config.model_type, vocab),
         tool_parser=resolve_tool_parser(config.tool_call_parser, model_config.model_type, vocab,
                                         getattr(tokenizer, "chat_template", None)),
-        max_thinking_tokens=config.max_thinking_tokens)
+        max_thinking_tokens=config.max_thinking_tokens,
+        media_loader=MediaLoader(
+            list(config.allowed_media_domains or []),
+            Path(config.allowed_local_media_path).resolve() if config.allowed_local_media_path else None,
+            config.media_max_bytes, config.media_fetch_timeout))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -246,9 +259,9 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         arrival = time.monotonic()
         req = await _json_body(request, ChatCompletionRequest)
         model = serving.check_model(req.model)
-        prepared = serving.prepare_chat(req)
+        prepared = await serving.prepare_chat(req)
         engine_requests = EngineRequests(engine, prepared.prompts, prepared.params, new_request_id("chatcmpl"),
-                                         _session(request, req), prepared.workload)
+                                         _session(request, req), prepared.workload, prepared.error_param)
         if req.stream:
             await _start_or_close(request, engine_requests)
             return EngineStreamResponse(serving.chat_stream(req, model, prepared, engine_requests, arrival),
@@ -268,7 +281,7 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         model = serving.check_model(req.model)
         prepared = serving.prepare_completion(req)
         engine_requests = EngineRequests(engine, prepared.prompts, prepared.params, new_request_id("cmpl"),
-                                         _session(request, req), prepared.workload)
+                                         _session(request, req), prepared.workload, prepared.error_param)
         if req.stream:
             await _start_or_close(request, engine_requests)
             return EngineStreamResponse(serving.completion_stream(req, model, prepared, engine_requests, arrival),
@@ -288,7 +301,7 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         if tokenizer is None:
             raise bad_request("this model has no tokenizer")
         if req.messages is not None:
-            rendered = render_chat(tokenizer, req.messages, tools=req.tools,
+            rendered = render_chat(tokenizer, template_messages(req.messages), tools=req.tools,
                                    template_kwargs=check_template_kwargs(dict(req.chat_template_kwargs or {})),
                                    add_generation_prompt=req.add_generation_prompt)
             ids = rendered.token_ids

@@ -32,11 +32,15 @@ class RenderedChat:
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """OpenAI messages -> the dicts chat templates read (text parts joined, earlier thinking passed back)."""
+    """OpenAI messages -> the dicts chat templates read (text parts joined, earlier thinking passed back). A message
+    with images or videos keeps its list of parts, for multimodal.chat.extract_media to load and normalise."""
     out: list[dict[str, Any]] = []
     for message in messages:
+        content: Any = message.text()
+        if message.has_media:
+            content = [part.model_dump(exclude_none=True) for part in message.content]  # type: ignore[union-attr]
         item: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
-                                "content": message.text()}
+                                "content": content}
         if message.name is not None:
             item["name"] = message.name
         if message.role == "assistant":
@@ -71,18 +75,19 @@ def check_template_kwargs(kwargs: dict[str, Any], param: str = "chat_template_kw
     return kwargs
 
 
-def render_chat(tokenizer: Any, messages: list[ChatMessage], *, tools: list[ToolDef] | None,
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[ToolDef] | None,
                 template_kwargs: dict[str, Any], add_generation_prompt: bool = True,
                 continue_final_message: bool = False) -> RenderedChat:
-    """Token ids of the conversation as the model was trained to see it; template failures are the request's fault
-    (a role order the template refuses, a missing field), so they become 400s naming `messages`."""
+    """Token ids of the conversation (`template_messages` dicts) as the model was trained to see it; template
+    failures are the request's fault (a role order the template refuses, a missing field), so they become 400s
+    naming `messages`."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions with a raw prompt", param="messages")
-    if continue_final_message and messages[-1].role != "assistant":
+    if continue_final_message and messages[-1]["role"] != "assistant":
         raise bad_request("continue_final_message needs a final assistant message", param="continue_final_message")
     try:
         ids = tokenizer.apply_chat_template(
-            template_messages(messages),
+            messages,
             tools=[tool.model_dump(exclude_none=True) for tool in tools] if tools else None,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message,

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 API_KEY_ENV = "REASONING_ENGINE_API_KEY"
+MEDIA_MAX_BYTES = 20 * 1024 * 1024
+MEDIA_FETCH_TIMEOUT_S = 10.0
 _REASONING_PARSERS = ("kimi_k2", "deepseek_r1", "qwen3", "auto", "none")
 _TOOL_PARSERS = ("kimi_k2", "hermes", "auto", "none")
 
@@ -84,6 +86,19 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                           help="node 0's address, where the ranks meet (default: $MASTER_ADDR, or 127.0.0.1)")
     parallel.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT"),
                           help="the port there (default: $MASTER_PORT; one node: a free port)")
+    media = serve.add_argument_group("media", "images and videos in chat messages, for models with a vision tower "
+                                     "(Kimi K2.5); data: URLs are always accepted, within --max-body-bytes")
+    media.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                       help="hosts (and their subdomains) that http(s) image and video URLs may name (default: none)")
+    media.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                       help="folder that file:// image and video URLs may point into (default: none)")
+    media.add_argument("--limit-mm-per-prompt", type=parse_media_limits_flag, default=None, metavar="LIMITS",
+                       help='most images and videos one request may carry: \'{"image": 2, "video": 1}\' or '
+                            "image=2,video=1 (default: no limit)")
+    media.add_argument("--media-max-bytes", type=int, default=MEDIA_MAX_BYTES,
+                       help=f"largest image or video file (default: {MEDIA_MAX_BYTES >> 20} MiB)")
+    media.add_argument("--media-fetch-timeout", type=float, default=MEDIA_FETCH_TIMEOUT_S, metavar="SECONDS",
+                       help=f"time allowed to fetch one http(s) media URL (default: {MEDIA_FETCH_TIMEOUT_S:g})")
     http = serve.add_argument_group("http")
     http.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get 413")
     http.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
@@ -107,6 +122,26 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     chat.set_defaults(func=chat_command)
 
 
+def parse_media_limits_flag(text: str) -> dict[str, Any]:
+    """`--limit-mm-per-prompt` in vLLM's JSON form or as `image=2,video=1`; the kinds and counts are checked where
+    the engine config is built."""
+    try:
+        if text.lstrip().startswith("{"):
+            limits = json.loads(text)
+        else:
+            limits = {}
+            for item in filter(None, (piece.strip() for piece in text.split(","))):
+                kind, sep, count = item.partition("=")
+                if not sep:
+                    raise ValueError(f"{item!r} is not KIND=COUNT")
+                limits[kind.strip()] = int(count)
+    except ValueError as exc:  # json.JSONDecodeError included
+        raise argparse.ArgumentTypeError(f"expected '{{\"image\": 2}}' or image=2,video=1: {exc}") from exc
+    if not isinstance(limits, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object such as '{\"image\": 2}'")
+    return limits
+
+
 def _env_int(*names: str) -> int | None:
     """The first of these environment variables that is set (torchrun's names, for multi-node launches)."""
     for name in names:
@@ -125,6 +160,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "distributed_executor_backend": args.distributed_executor_backend, "nnodes": args.nnodes,
         "node_rank": args.node_rank, "master_addr": args.master_addr, "master_port": args.master_port,
         "state_dir": args.state_dir, "target_itl_ms": args.target_itl_ms, "target_ttft_ms": args.target_ttft_ms,
+        "limit_mm_per_prompt": args.limit_mm_per_prompt,
     }
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     if args.no_enable_prefix_caching:
@@ -191,7 +227,9 @@ def serve_command(args: argparse.Namespace) -> int:
     app = build_app(engine, ServerConfig(
         served_model_names=args.served_model_name, api_key=args.api_key, reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser, max_thinking_tokens=args.max_thinking_tokens,
-        max_body_bytes=args.max_body_bytes))
+        max_body_bytes=args.max_body_bytes, allowed_media_domains=args.allowed_media_domains,
+        allowed_local_media_path=args.allowed_local_media_path, media_max_bytes=args.media_max_bytes,
+        media_fetch_timeout=args.media_fetch_timeout))
     serving = app.state.serving
     print(f"Serving {', '.join(serving.model_names)} at http://{args.host}:{args.port}/v1, playground at "
           f"http://{args.host}:{args.port}/ "

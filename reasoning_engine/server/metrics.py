@@ -1,8 +1,8 @@
 """Prometheus metrics named like vLLM's (`vllm:` becomes `reasoning_engine:`), so existing dashboards carry over.
 
 Each app owns its CollectorRegistry (tests start several apps in one process). Request-level figures are
-recorded by the serving code as requests progress; engine state (queue lengths, KV usage, prefix-cache and
-speculative-decoding counters) is read from `engine.stats()` at scrape time, so it is never stale.
+recorded by the serving code as requests progress; engine state (queue lengths, KV usage, prefix-cache,
+vision-encoder and speculative-decoding counters) is read from `engine.stats()` at scrape time, so it is never stale.
 """
 
 from __future__ import annotations
@@ -44,6 +44,11 @@ class _EngineCollector(Collector):
         counters = {
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+            "encoder_cache_hits": ("Images and video chunks whose vision-encoder output was cached.",
+                                   stats.encoder_cache_hits),
+            "encoder_cache_misses": ("Images and video chunks run through the vision encoder.",
+                                     stats.encoder_cache_misses),
+            "encoder_seconds": ("Seconds spent in the vision encoder.", stats.encoder_seconds),
         }
         for name, (doc, value) in counters.items():
             yield self._one(CounterMetricFamily(PREFIX + name, doc, labels=["model_name"]), value)

@@ -8,6 +8,7 @@ What the routes read from `app.state` (set by `build_app`):
 - `app.state.serving.engine`: the AsyncLLM; `.engine.config.speculative_config` is the speculative setting (absent
   or empty: speculation off) and `.stats().spec_decode` its counters, of which `draft_tokens` and `accepted_tokens`
   are used.
+- `app.state.serving.vision`: whether the model takes images (the page offers to attach one only then).
 """
 
 from __future__ import annotations
@@ -57,10 +58,12 @@ def mount_playground(app: FastAPI) -> None:
     @app.get("/playground/info", include_in_schema=False)
     async def playground_info() -> Response:
         """Server facts the page cannot learn from the OpenAI API: the speculative setting (there is no
-        per-request switch, so the page shows it read-only) and the server-wide draft and accepted token counts,
-        which the page reads before and after a reply to show that reply's acceptance."""
-        engine = app.state.serving.engine
-        counters = engine.stats().spec_decode
-        return JSONResponse({"speculative": _speculative_setting(engine),
+        per-request switch, so the page shows it read-only), the server-wide draft and accepted token counts,
+        which the page reads before and after a reply to show that reply's acceptance, and whether the model has a
+        vision tower (the page hides its image control otherwise)."""
+        serving = app.state.serving
+        counters = serving.engine.stats().spec_decode
+        return JSONResponse({"speculative": _speculative_setting(serving.engine),
                              "draft_tokens": int(counters.get("draft_tokens", 0)),
-                             "accepted_tokens": int(counters.get("accepted_tokens", 0))})
+                             "accepted_tokens": int(counters.get("accepted_tokens", 0)),
+                             "vision": serving.vision})

@@ -8,9 +8,9 @@ already names the field, so there is one source of truth for them.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
 TOOL_CHOICE_MODES = ("none", "auto", "required")
@@ -21,10 +21,34 @@ class _Body(BaseModel):
 
 
 class TextPart(_Body):
-    """Only text content parts are supported; an image part fails validation on `type`."""
-
     type: Literal["text"]
     text: str
+
+
+class ImageURL(_Body):
+    url: str = Field(min_length=1)  # data:, or http(s):// and file:// where the server's flags allow them
+    detail: Literal["auto", "low", "high"] | None = None  # accepted for OpenAI clients; images keep their resolution
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class VideoURL(_Body):
+    url: str = Field(min_length=1)
+
+
+class VideoPart(_Body):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
+# A string or a list of parts, told apart before validating, so a bad part is reported as itself rather than beside
+# "Input should be a valid string"; the tags are the type names errors.param_from_loc stops at.
+Content = Annotated[Annotated[str, Tag("str")] | Annotated[list[ContentPart], Tag("list")],
+                    Discriminator(lambda value: "list" if isinstance(value, list) else "str")]
 
 
 class FunctionCall(_Body):
@@ -46,7 +70,7 @@ class ToolCallIn(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Content | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -59,9 +83,14 @@ class ChatMessage(_Body):
             raise ValueError(f"a {self.role} message needs content")
         return self
 
+    @property
+    def has_media(self) -> bool:
+        return isinstance(self.content, list) and any(not isinstance(part, TextPart) for part in self.content)
+
     def text(self) -> str:
+        """The text parts joined (a message with media keeps its parts instead: chat_template.template_messages)."""
         if isinstance(self.content, list):
-            return "\n".join(part.text for part in self.content)
+            return "\n".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content or ""
 
 

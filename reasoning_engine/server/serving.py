@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -23,12 +23,16 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from reasoning_engine.engine.async_engine import EngineDeadError
+from reasoning_engine.engine.engine import PromptType
+from reasoning_engine.multimodal.chat import extract_media
+from reasoning_engine.multimodal.loading import MediaLoader
 from reasoning_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from reasoning_engine.sampling_params import SamplingParams
 from reasoning_engine.server.chat_template import (
     check_template_kwargs,
     disable_thinking,
     render_chat,
+    template_messages,
     thinking_switch,
 )
 from reasoning_engine.server.errors import APIError, bad_request, error_body
@@ -41,7 +45,9 @@ from reasoning_engine.server.parsing import (
 from reasoning_engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    ImagePart,
     NamedToolChoice,
+    VideoPart,
 )
 from reasoning_engine.server.reasoning_parsers import REASONING_FORMATS, initial_mode
 from reasoning_engine.server.token_bytes import TokenBytes
@@ -111,14 +117,23 @@ def sse(data: dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def _param_of(message: str) -> str | None:
+    """SamplingParams and the engine start their ValueError messages with the field at fault."""
+    word = message.split(" ", 1)[0].strip(":,")
+    return word if word.isidentifier() else None
+
+
 class EngineRequests:
     """The engine requests behind one HTTP request (one per prompt), merged into one output stream; `close`
     aborts whichever did not finish, which frees their KV blocks."""
 
-    def __init__(self, engine: Any, prompts: list[list[int]], params: SamplingParams, base_id: str,
-                 session: str | None = None, workload: str = "default") -> None:
-        """`session` and `workload`: for the adaptive engine (KV retention, acceptance by class)."""
+    def __init__(self, engine: Any, prompts: Sequence[PromptType], params: SamplingParams, base_id: str,
+                 session: str | None = None, workload: str = "default",
+                 error_param: Callable[[str], str | None] = _param_of) -> None:
+        """`session` and `workload`: for the adaptive engine (KV retention, acceptance by class); `error_param`:
+        the request parameter an engine ValueError's message is about."""
         self._engine = engine
+        self._error_param = error_param
         self.ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         self._gens: list[AsyncGenerator[RequestOutput, None]] = [
             engine.generate(p, params, rid, session_id=session, workload=workload)
@@ -133,7 +148,7 @@ class EngineRequests:
         results = await asyncio.gather(*(anext(g) for g in self._gens), return_exceptions=True)
         for result in results:
             if isinstance(result, ValueError):
-                raise bad_request(str(result), param=_param_of(str(result))) from result
+                raise bad_request(str(result), param=self._error_param(str(result))) from result
             if isinstance(result, EngineDeadError):
                 raise APIError(503, f"the engine is not running: {result}", code="engine_unavailable") from result
             if isinstance(result, BaseException):
@@ -194,21 +209,31 @@ class EngineRequests:
                 logger.exception("closing request %s failed", rid)
 
 
-def _param_of(message: str) -> str | None:
-    """SamplingParams and the engine start their ValueError messages with the field at fault."""
-    word = message.split(" ", 1)[0].strip(":,")
-    return word if word.isidentifier() else None
-
-
 @dataclass
 class Prepared:
-    """A validated request ready for the engine: token-id prompts, sampling settings, a per-choice parser factory,
-    and its workload class for the adaptive engine ("agent" with tools, "chat", "completion")."""
+    """A validated request ready for the engine: prompts (token ids, with their images and videos for a chat with
+    media), sampling settings, a per-choice parser factory, its workload class for the adaptive engine ("agent" with
+    tools, "chat", "completion"), and how an engine ValueError maps to the request's parameter."""
 
-    prompts: list[list[int]]
+    prompts: Sequence[PromptType]
     params: SamplingParams
     new_parser: Callable[[], ChatOutputParser | None]
     workload: str = "default"
+    error_param: Callable[[str], str | None] = _param_of
+
+
+@dataclass(frozen=True)
+class MediaRef:
+    """An image or video part of a chat request: where it is (the error `param`), its kind and URL."""
+
+    param: str
+    kind: str
+    url: str
+
+
+def _prompt_ids(prompt: PromptType) -> list[int]:
+    """The token ids of a prompt this module built: a list of ids, or a dict holding them beside its media."""
+    return prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt  # type: ignore[return-value]
 
 
 @dataclass
@@ -245,7 +270,7 @@ class OpenAIServing:
     """Request handling shared by the HTTP routes; holds what is resolved once per server (parsers, limits)."""
 
     def __init__(self, engine: Any, metrics: ServerMetrics, *, model_names: list[str], reasoning_parser: str | None,
-                 tool_parser: str | None, max_thinking_tokens: int | None) -> None:
+                 tool_parser: str | None, max_thinking_tokens: int | None, media_loader: MediaLoader) -> None:
         self.engine = engine
         self.metrics = metrics
         self.model_names = model_names
@@ -258,6 +283,9 @@ class OpenAIServing:
         self.special_tokens = _special_token_strings(self.tokenizer)
         self.token_bytes = TokenBytes(self.tokenizer)
         self._reasoning_end_ids, self._think_end_id = self._marker_ids()
+        self.media_loader = media_loader
+        self.vision: bool = engine.supports_media
+        self.media_limits: dict[str, int] = engine.media_limits
 
     # ---- shared validation -------------------------------------------------------------------------------
 
@@ -284,7 +312,7 @@ class OpenAIServing:
                               param=param, code="context_length_exceeded")
         return requested
 
-    def _sampling_params(self, req: ChatCompletionRequest | CompletionRequest, *, max_tokens: int,
+    def _sampling_params(self, req: ChatCompletionRequest | CompletionRequest, *, max_tokens: int | None,
                          max_tokens_param: str, logprobs: int | None, logprobs_param: str, skip_special_tokens: bool,
                          thinking_token_budget: int | None) -> SamplingParams:
         overrides = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
@@ -301,9 +329,10 @@ class OpenAIServing:
 
     # ---- chat -------------------------------------------------------------------------------------------
 
-    def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
-        """Render the prompt and build the sampling settings and a per-choice parser factory; every user error
-        surfaces here as an APIError, before the engine sees the request."""
+    async def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+        """Render the prompt, build the sampling settings and a per-choice parser factory, and load the images and
+        videos (last, once everything cheaper is checked); every user error surfaces here as an APIError, before the
+        engine sees the request."""
         tools_active = self._check_tools(req)
         if req.response_format is not None and req.response_format.get("type", "text") != "text":
             raise bad_request("only response_format {\"type\": \"text\"} is supported", param="response_format")
@@ -313,9 +342,14 @@ class OpenAIServing:
         budget = req.thinking_token_budget if req.thinking_token_budget is not None else self.max_thinking_tokens
         if budget == 0 and thinking_switch(kwargs) is not False:
             kwargs = disable_thinking(kwargs)  # a zero budget means no thinking: render the prompt that way
+        refs = self._media_refs(req)
+        messages = template_messages(req.messages)
+        # media parts become the template's own image / video parts; the URLs are loaded below
+        media = extract_media(messages, lambda url: url, lambda url: url) if refs else None
         # with tool_choice "none" the prompt offers no tools, so the model answers in text instead of a call
-        rendered = render_chat(self.tokenizer, req.messages, tools=req.tools if tools_active else None,
-                               template_kwargs=kwargs, add_generation_prompt=req.add_generation_prompt,
+        rendered = render_chat(self.tokenizer, media.messages if media else messages,
+                               tools=req.tools if tools_active else None, template_kwargs=kwargs,
+                               add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message)
         thinking_on = False
         if self.reasoning_parser:
@@ -323,7 +357,9 @@ class OpenAIServing:
             thinking_on = mode != "content"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = self._max_tokens(requested, len(rendered.token_ids), max_param, "messages")
+        max_tokens: int | None = self._max_tokens(requested, len(rendered.token_ids), max_param, "messages")
+        if refs and requested is None:
+            max_tokens = None  # the engine expands each placeholder for its media: only it knows the room left
         parsing = bool(self.reasoning_parser or self.tool_parser)
         params = self._sampling_params(
             req, max_tokens=max_tokens, max_tokens_param=max_param,
@@ -337,7 +373,54 @@ class OpenAIServing:
                                        thinking_requested=rendered.thinking_requested, tools_active=tools_active,
                                        drop=self.special_tokens)
 
-        return Prepared([rendered.token_ids], params, new_parser, "agent" if tools_active else "chat")
+        workload = "agent" if tools_active else "chat"
+        if not refs:
+            return Prepared([rendered.token_ids], params, new_parser, workload)
+        data: dict[str, list[Any]] = {}  # vLLM's multi_modal_data: each kind in prompt order
+        for ref, item in zip(refs, await self._load_media(refs), strict=True):
+            data.setdefault(ref.kind, []).append(item)
+        aliases = {"max_tokens": max_param, "prompt": "messages", "prompt_token_ids": "messages"}
+        return Prepared([{"prompt_token_ids": rendered.token_ids, "multi_modal_data": data}], params, new_parser,
+                        workload, lambda message: aliases.get(_param_of(message) or "", refs[0].param))
+
+    def _media_refs(self, req: ChatCompletionRequest) -> list[MediaRef]:
+        """The request's image and video parts in prompt order, after the checks that need no fetching: the model
+        has a vision tower, and no kind is over its `--limit-mm-per-prompt`."""
+        refs: list[MediaRef] = []
+        counts = {"image": 0, "video": 0}
+        for i, message in enumerate(req.messages):
+            if not message.has_media:
+                continue
+            for j, part in enumerate(message.content):  # type: ignore[arg-type]
+                if isinstance(part, ImagePart):
+                    ref = MediaRef(f"messages[{i}].content[{j}]", "image", part.image_url.url)
+                elif isinstance(part, VideoPart):
+                    ref = MediaRef(f"messages[{i}].content[{j}]", "video", part.video_url.url)
+                else:
+                    continue
+                if not self.vision:
+                    raise bad_request(f"{ref.param}: the model `{self.model_names[0]}` has no vision tower; it takes "
+                                      "text only", param=ref.param, code="media_not_supported")
+                counts[ref.kind] += 1
+                limit = self.media_limits.get(ref.kind)
+                if limit is not None and counts[ref.kind] > limit:
+                    raise bad_request(f"{ref.param}: at most {limit} {ref.kind}(s) per request on this server "
+                                      "(--limit-mm-per-prompt)", param=ref.param, code="too_many_media")
+                refs.append(ref)
+        return refs
+
+    async def _load_media(self, refs: list[MediaRef]) -> list[Any]:
+        """Fetch and decode every item concurrently, off the event loop; the first bad one (in prompt order) is a
+        400 naming its part."""
+        loader = self.media_loader
+        results = await asyncio.gather(*((loader.aload_image if ref.kind == "image" else loader.aload_video)(ref.url)
+                                         for ref in refs), return_exceptions=True)
+        for ref, result in zip(refs, results, strict=True):
+            if isinstance(result, ValueError):
+                raise bad_request(f"{ref.param}: {result}", param=ref.param, code="invalid_media") from result
+            if isinstance(result, BaseException):
+                raise result
+        return results
 
     def _check_tools(self, req: ChatCompletionRequest) -> bool:
         """Whether the prompt offers the tools and calls are parsed into `tool_calls` for this request."""
@@ -550,9 +633,13 @@ class _Run:
         self.choices = [_Choice(index=i, parser=prepared.new_parser()) for i in range(len(self.prompts) * self.n)]
         self.timer = RequestTimer(serving.metrics, arrival)
         self.cached_tokens: dict[int, int] = {}  # per prompt
+        # per prompt, updated from the engine: a media placeholder counts as its whole run of tokens
+        self.prompt_tokens = [len(_prompt_ids(p)) for p in self.prompts]
+        self.image_tokens: dict[int, int] = {}  # per prompt
+        self.video_tokens: dict[int, int] = {}
 
     def prompt_text(self, choice: _Choice) -> str:
-        prompt = self.prompts[choice.index // self.n]
+        prompt = _prompt_ids(self.prompts[choice.index // self.n])
         return self.serving.tokenizer.decode(prompt) if self.serving.tokenizer is not None else ""
 
     async def updates(self, *, chat_logprobs: bool = False, top_n: int = 0,
@@ -563,6 +650,9 @@ class _Run:
             async for prompt_index, out in self.engine_requests.outputs():
                 now = time.monotonic()
                 self.cached_tokens[prompt_index] = out.num_cached_tokens
+                self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
+                self.image_tokens[prompt_index] = out.num_image_tokens
+                self.video_tokens[prompt_index] = out.num_video_tokens
                 new_tokens = 0
                 for completion in out.outputs:
                     choice = self.choices[prompt_index * self.n + completion.index]
@@ -632,17 +722,21 @@ class _Run:
                 "text_offset": offset}
 
     def usage(self) -> dict[str, Any]:
-        prompt = sum(len(p) for p in self.prompts)
+        prompt = sum(self.prompt_tokens)
         completion = sum(len(c.token_ids) for c in self.choices)
+        details = {"cached_tokens": sum(self.cached_tokens.values())}
+        for name, per_prompt in (("image_tokens", self.image_tokens), ("video_tokens", self.video_tokens)):
+            if sum(per_prompt.values()):  # only for requests with media: a text request's usage is as it always was
+                details[name] = sum(per_prompt.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
+                "prompt_tokens_details": details,
                 "completion_tokens_details": {"reasoning_tokens": sum(self.serving.reasoning_tokens(c)
                                                                       for c in self.choices)}}
 
     def _record(self, finished_ok: bool) -> None:
         reasons = [(self.serving._finish_reason(c) or "abort") if finished_ok or c.done else "abort"
                    for c in self.choices]
-        self.timer.finish(time.monotonic(), sum(len(p) for p in self.prompts),
+        self.timer.finish(time.monotonic(), sum(self.prompt_tokens),
                           sum(len(c.token_ids) for c in self.choices),
                           sum(self.serving.reasoning_tokens(c) for c in self.choices), reasons)
 

@@ -14,6 +14,7 @@ or more of either kind and keeps, per request and step, the draft expected to ga
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,18 +125,33 @@ def load_draft_models(config: SpeculativeConfig, engine_config: EngineConfig, ta
     return models
 
 
+# vLLM's names for the n-gram proposer's options
+NGRAM_ALIASES = {"prompt_lookup_max": "max_n", "prompt_lookup_min": "min_n"}
+
+
+def _checked_options(method: str, target: Callable[..., Any], options: dict[str, Any]) -> dict[str, Any]:
+    """The options `target` accepts, or a ValueError naming the first it does not."""
+    accepted = inspect.signature(target).parameters
+    for key in options:
+        if key not in accepted:
+            raise ValueError(f"speculative_config: {key!r} is not an option of the {method} method "
+                             f"(options: {', '.join(sorted(accepted))})")
+    return options
+
+
 def _text_proposer(method: str, options: dict[str, Any], state_dir: str | None) -> Proposer:
     if method == "ngram":
         from reasoning_engine.speculative.ngram import NgramProposer
 
-        return NgramProposer(**options)
+        options = {NGRAM_ALIASES.get(k, k): v for k, v in options.items()}
+        return NgramProposer(**_checked_options(method, NgramProposer, options))
     if method == "lookup":
         from reasoning_engine.speculative.lookup import LookupProposer
 
-        return LookupProposer(**options)
+        return LookupProposer(**_checked_options(method, LookupProposer, options))
     from reasoning_engine.speculative.suffix_tree import SuffixConfig, SuffixProposer
 
-    proposer = SuffixProposer(SuffixConfig(**options))
+    proposer = SuffixProposer(SuffixConfig(**_checked_options(method, SuffixConfig, options)))
     if state_dir and (Path(state_dir) / "suffix_state.json").is_file():  # a first start has nothing saved yet
         proposer.load(state_dir)
     return proposer

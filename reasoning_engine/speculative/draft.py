@@ -51,6 +51,21 @@ class Draft:
             return self
         return Draft(self.token_ids[:length], self.parents[:length], min(self.score, float(length)))
 
+    def subset(self, keep: Sequence[bool]) -> Draft:
+        """The nodes marked in `keep` whose ancestors are all kept too (still a tree), renumbered."""
+        index: dict[int, int] = {}
+        tokens: list[int] = []
+        parents: list[int] = []
+        for node, kept in enumerate(keep):
+            parent = self.parents[node]
+            if kept and (parent < 0 or parent in index):
+                index[node] = len(tokens)
+                tokens.append(self.token_ids[node])
+                parents.append(index[parent] if parent >= 0 else -1)
+        if len(tokens) == len(self.token_ids):
+            return self
+        return Draft(tokens, parents, min(self.score, float(len(tokens))))
+
     def is_path(self) -> bool:
         return all(parent == i - 1 for i, parent in enumerate(self.parents))
 

@@ -1,4 +1,5 @@
-"""The bundled tiny reasoning model (DeepSeek-V3 architecture, Kimi chat format), used when no model is given."""
+"""The bundled tiny reasoning model (multimodal Kimi K2.5 layout: a small vision tower and a DeepSeek-V3 language model,
+Kimi chat format), used when no model is given."""
 
 from pathlib import Path
 

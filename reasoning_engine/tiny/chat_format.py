@@ -2,9 +2,10 @@
 
 The template follows Kimi K2's layout (tool declarations as a ``tool_declare`` system turn, ``<|im_*|>`` role headers,
 tool results as ``## Return of ID`` turns, tool calls in Kimi's section/call/argument tokens) with K2.5's ``thinking``
-switch: the generation prompt ends with ``<think>`` (default) or ``<think></think>``. Every assistant turn in the
-history renders its ``reasoning_content`` inside ``<think>...</think>``, so interleaved thinking round-trips and the
-training data (rendered with this very template) matches what a server renders. Whitespace control is explicit on
+switch: the generation prompt ends with ``<think>`` (default) or ``<think></think>``; image parts render as K2.5's
+placeholder (``IMAGE_PLACEHOLDER``). Every assistant turn in the history renders its ``reasoning_content`` inside
+``<think>...</think>``, so interleaved thinking round-trips and the training data (rendered with this very template)
+matches what a server renders. Whitespace control is explicit on
 every tag, so the output is the same under transformers' sandbox (trim_blocks/lstrip_blocks) and plain Jinja.
 """
 
@@ -28,9 +29,17 @@ TOOL_CALLS_END = "<|tool_calls_section_end|>"
 TOOL_CALL_BEGIN = "<|tool_call_begin|>"
 TOOL_CALL_ARG_BEGIN = "<|tool_call_argument_begin|>"
 TOOL_CALL_END = "<|tool_call_end|>"
+MEDIA_BEGIN = "<|media_begin|>"
+MEDIA_CONTENT = "<|media_content|>"
+MEDIA_END = "<|media_end|>"
+MEDIA_PAD = "<|media_pad|>"
+# Kimi K2.5's image placeholder; the engine widens the pad token to one per merged image patch.
+IMAGE_PLACEHOLDER = f"{MEDIA_BEGIN}image{MEDIA_CONTENT}{MEDIA_PAD}{MEDIA_END}"
 
 # Removed by skip_special_tokens: the turn structure.
 SPECIAL_TOKENS = [PAD, IM_END, IM_USER, IM_ASSISTANT, IM_SYSTEM, IM_MIDDLE]
+# Added (special) by the vision training to the text model's tokenizer, after all the others.
+MEDIA_TOKENS = [MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD]
 # Single tokens that stay in decoded text, so reasoning and tool-call parsers see them whatever skip_special_tokens is.
 TEXT_CONTROL_TOKENS = [
     THINK_BEGIN,
@@ -46,7 +55,10 @@ CHAT_TEMPLATE = (
     "{%- macro render_content(content) -%}"
     "{%- if content is string -%}{{ content }}"
     "{%- elif content is iterable and content is not mapping -%}"
-    "{%- for part in content -%}{%- if part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}{%- endfor -%}"
+    "{%- for part in content -%}{%- if part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- elif part['type'] in ('image', 'image_url', 'image_pil') -%}"
+    "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
+    "{%- endif -%}{%- endfor -%}"
     "{%- elif content is not none -%}{{ content }}"
     "{%- endif -%}"
     "{%- endmacro -%}"

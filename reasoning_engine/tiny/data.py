@@ -253,10 +253,7 @@ def sorting_steps(nums: list[int]) -> str:
     return "\n".join(lines)
 
 
-def gen_sorting(rng: random.Random) -> Sample:
-    """4-6 distinct numbers below 100."""
-    n = rng.randint(4, 6)
-    nums = rng.sample(range(1, 100), n)
+def _sorting_sample(task: str, nums: list[int], rng: random.Random) -> Sample:
     listed = ", ".join(map(str, nums))
     q = rng.choice([
         "Sort these numbers: {l}", "Sort these numbers: {l}.", "Sort these numbers from smallest to largest: {l}",
@@ -265,21 +262,54 @@ def gen_sorting(rng: random.Random) -> Sample:
     ordered = sorted(nums)
     out = ", ".join(map(str, ordered))
     reasoning = f"{sorting_steps(nums)}\nSo the order is {out}."
-    return Sample("sorting", _user(q), reasoning, out, ordered)
+    return Sample(task, _user(q), reasoning, out, ordered)
+
+
+def gen_sorting(rng: random.Random) -> Sample:
+    """4-6 distinct numbers below 100."""
+    return _sorting_sample("sorting", rng.sample(range(1, 100), rng.randint(4, 6)), rng)
+
+
+def gen_sorting_one_digit(rng: random.Random) -> Sample:
+    """4-6 distinct numbers of which 1-3 have one digit (tens line 0, the line users found failing)."""
+    n = rng.randint(4, 6)
+    small = rng.randint(1, min(3, n - 1))
+    nums = rng.sample(range(1, 10), small) + rng.sample(range(10, 100), n - small)
+    rng.shuffle(nums)
+    return _sorting_sample("sorting_one_digit", nums, rng)
+
+
+# Common English words with doubled letters (several with a letter three or four times), where users found the
+# letter count failing; the same banned-pair filter as WORDS keeps each spelled one letter per token.
+DOUBLED_WORDS = """
+mississippi committee parallel occurrence bookkeeper bookkeeping success address necessary possession millennium
+beginning referee balloon coffee letter apple happy accommodate bottle kitten mitten rabbit puppy carrot cherry
+hello dinner summer yellow pepper butter cookie needle street sheep green tree moon spoon book door floor pizza
+jazz buzz fizz mammal llama hammer ladder pillow willow arrow narrow sorrow barrel cannon tunnel kennel flannel
+channel difficult different officer offer effort waffle giraffe raccoon broccoli zucchini tennessee misspell
+keeper guarantee agree freedom teeth sleep wheel cheese goose afternoon connecticut
+mirror pebble bubble puzzle shell small tall wall ball doll bell hill mill kill spell skill
+village million billion follow hollow collect college cellar accept access accident according
+""".split()
+
+
+def _spellable(words: list[str]) -> list[str]:
+    """Words the tokenizer spells one letter per token inside quotes (deduplicated, order kept)."""
+    banned = {w[:2] for w in BARE_WORDS}
+    return [w for w in dict.fromkeys(words) if not any(p in w for p in banned)]
 
 
 def letter_count_words() -> list[str]:
-    """WORDS minus those the tokenizer would not spell one letter per token (deduplicated, order kept)."""
-    banned = {w[:2] for w in BARE_WORDS}
-    return [w for w in dict.fromkeys(WORDS) if not any(p in w for p in banned)]
+    """WORDS minus those the tokenizer would not spell one letter per token."""
+    return _spellable(WORDS)
 
 
 LETTER_WORDS = letter_count_words()
+LETTER_DOUBLED_WORDS = _spellable(DOUBLED_WORDS)
 
 
-def gen_letters(rng: random.Random) -> Sample:
-    word = rng.choice(LETTER_WORDS)
-    letter = rng.choice(word) if rng.random() < 0.75 else rng.choice("abcdefghijklmnopqrstuvwxyz")
+def _letters_sample(task: str, word: str, letter: str, rng: random.Random) -> Sample:
+    """Spell the word, marking each match with the running count, then answer."""
     q = rng.choice([
         "How many times does the letter '{c}' appear in '{w}'?", "How many '{c}'s are in '{w}'?",
         "Count the letter '{c}' in '{w}'.", "How many {c}'s are in the word '{w}'?",
@@ -295,7 +325,23 @@ def gen_letters(rng: random.Random) -> Sample:
     times = "time" if count == 1 else "times"
     reasoning = f"Spell it and count '{letter}': {' '.join(marks)}\nSo '{letter}' appears {count} {times}."
     content = f"The letter '{letter}' appears {count} {times} in '{word}'."
-    return Sample("letters", _user(q), reasoning, content, count)
+    return Sample(task, _user(q), reasoning, content, count, meta={"word": word, "letter": letter})
+
+
+def gen_letters(rng: random.Random) -> Sample:
+    word = rng.choice(LETTER_WORDS)
+    letter = rng.choice(word) if rng.random() < 0.75 else rng.choice("abcdefghijklmnopqrstuvwxyz")
+    return _letters_sample("letters", word, letter, rng)
+
+
+def gen_letters_doubled(rng: random.Random) -> Sample:
+    """A word with a doubled letter; mostly asked about a letter it repeats."""
+    word = rng.choice(LETTER_DOUBLED_WORDS)
+    repeated = [c for c in dict.fromkeys(word) if word.count(c) > 1]
+    r = rng.random()
+    letter = rng.choice(repeated) if r < 0.7 else (rng.choice(word) if r < 0.9 else
+                                                      rng.choice("abcdefghijklmnopqrstuvwxyz"))
+    return _letters_sample("letters_doubled", word, letter, rng)
 
 
 def comparison_lines(a: int, b: int) -> str:
@@ -406,6 +452,8 @@ GENERATORS: dict[str, Callable[[random.Random], Sample]] = {
     "multiplication": gen_multiplication,
     "sorting": gen_sorting,
     "letters": gen_letters,
+    "letters_doubled": gen_letters_doubled,
+    "sorting_one_digit": gen_sorting_one_digit,
     "comparison": gen_comparison,
     "calculator": gen_calculator_call,
     "calculator_result": gen_calculator_result,
@@ -419,7 +467,8 @@ TRAIN_MIX = {
 
 
 # Tasks whose answer needs the step-by-step working; with thinking off it moves into the reply.
-WORKED_TASKS = ("addition", "subtraction", "multiplication", "sorting", "letters", "comparison")
+WORKED_TASKS = ("addition", "subtraction", "multiplication", "sorting", "letters", "comparison", "letters_doubled",
+                "sorting_one_digit")
 # The answer from a tool result continues a turn that thought before its call, so it is never asked without thinking.
 ALWAYS_THINKS = "calculator_result"
 
@@ -450,13 +499,13 @@ def decorate(sample: Sample, rng: random.Random) -> Sample:
     return sample
 
 
-def training_sample(rng: random.Random) -> Sample:
-    task = rng.choices(list(TRAIN_MIX), weights=list(TRAIN_MIX.values()))[0]
+def training_sample(rng: random.Random, mix: dict[str, float] = TRAIN_MIX) -> Sample:
+    task = rng.choices(list(mix), weights=list(mix.values()))[0]
     return decorate(GENERATORS[task](rng), rng)
 
 
 EVAL_TASKS = ["addition", "subtraction", "comparison", "multiplication", "sorting", "letters", "calculator",
-              "calculator_result"]
+              "calculator_result", "letters_doubled", "sorting_one_digit"]
 
 
 def eval_samples(per_task: int = 100, seed: int = EVAL_SEED, thinking: bool = True) -> list[Sample]:
@@ -493,7 +542,7 @@ def check_answer(sample: Sample, content: str, tool_calls: list[dict[str, Any]] 
             return False
         return isinstance(args, dict) and args.get("expression") == sample.expected
     nums = [int(x) for x in _INT.findall(content)]
-    if sample.task == "sorting":
+    if sample.task in ("sorting", "sorting_one_digit"):
         return nums == sample.expected
     if sample.task == "comparison":
         if sample.expected == "equal":

@@ -1,9 +1,11 @@
 """Accuracy of the tiny model on fresh problems: ``python -m reasoning_engine.tiny.eval [--engine ...]``.
 
 Problems come from the training generators with a different seed (100 per task by default) and are decoded greedily,
-thinking on (``--thinking off`` asks without it). ``--engine reasoning_engine`` runs our own engine (``LLM.chat`` with
-the checkpoint's chat template); ``--engine transformers`` runs Hugging Face's DeepseekV3ForCausalLM as an independent
-reference.
+thinking on (``--thinking off`` asks without it). A checkpoint with a vision tower (kimi_k25) is also asked about
+freshly drawn pictures (vision_data: the circle's colour, the number of squares, the shape on the left), each sent as
+an ``image_pil`` part. ``--engine reasoning_engine`` runs our own engine (``LLM.chat`` with the checkpoint's template);
+``--engine transformers`` runs Hugging Face's DeepseekV3ForCausalLM (Kimi_K25ForConditionalGeneration for a kimi_k25
+checkpoint) as an independent reference on the text tasks.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from reasoning_engine.tiny.chat_format import (
     TOOL_CALLS_BEGIN,
 )
 from reasoning_engine.tiny.data import EVAL_SEED, Sample, check_answer, eval_samples
+from reasoning_engine.tiny.vision_data import IMAGE_TASKS, VISION_EVAL_SEED, check_image_answer, eval_image_samples
 
 MAX_NEW_TOKENS = 200
 TARGETS = {"addition": 0.95, "subtraction": 0.95, "comparison": 0.95, "multiplication": 0.90, "sorting": 0.90,
-           "letters": 0.90, "calculator": 0.90}
+           "letters": 0.90, "calculator": 0.90, "letters_doubled": 0.95, "sorting_one_digit": 0.95,
+           "image_colour": 0.90, "image_count": 0.90, "image_left": 0.90}
 _CALL = re.compile(re.escape(TOOL_CALL_BEGIN) + r"(.*?)" + re.escape(TOOL_CALL_ARG_BEGIN) + r"(.*?)"
                    + re.escape(TOOL_CALL_END), re.S)
 
@@ -84,14 +88,16 @@ def generate_reasoning_engine(model_dir: Path, samples: list[Sample]) -> list[st
 
 
 def generate_transformers(model_dir: Path, samples: list[Sample], batch_size: int = 50) -> list[str]:
-    """Reference: transformers' DeepseekV3ForCausalLM, float32, left-padded batched greedy decoding."""
+    """Reference: transformers' DeepseekV3ForCausalLM (or Kimi_K25ForConditionalGeneration), float32, left-padded
+    batched greedy decoding of text prompts."""
     import torch
-    from transformers import AutoTokenizer, DeepseekV3ForCausalLM
+    from transformers import AutoTokenizer, DeepseekV3ForCausalLM, Kimi_K25ForConditionalGeneration
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model_class = Kimi_K25ForConditionalGeneration if has_vision(model_dir) else DeepseekV3ForCausalLM
+    model = model_class.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = [tok.apply_chat_template(s.messages, tools=s.tools, add_generation_prompt=True, tokenize=False,
                                        thinking=s.thinking) for s in samples]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -107,24 +113,41 @@ def generate_transformers(model_dir: Path, samples: list[Sample], batch_size: in
     return [texts[i] for i in range(len(samples))]
 
 
+def has_vision(model_dir: Path) -> bool:
+    """Whether the checkpoint is multimodal Kimi K2.5 (a vision tower to ask about pictures)."""
+    return json.loads((model_dir / "config.json").read_text()).get("model_type") == "kimi_k25"
+
+
 def evaluate(model_dir: Path, engine: str, per_task: int, seed: int, show: int = 0,
              thinking: bool = True) -> dict[str, dict[str, float]]:
     """Per-task accuracy and share of answers preceded by a thinking section."""
     samples = eval_samples(per_task, seed, thinking)
+    if has_vision(model_dir) and engine == "reasoning_engine":
+        pictures = eval_image_samples(per_task, VISION_EVAL_SEED + seed - EVAL_SEED)
+        if not thinking:
+            for sample in pictures:
+                sample.thinking = False
+        samples += pictures
     generate = generate_reasoning_engine if engine == "reasoning_engine" else generate_transformers
     texts = generate(model_dir, samples)
     stats: dict[str, dict[str, float]] = defaultdict(lambda: {"n": 0, "correct": 0, "thinking": 0})
     shown: dict[str, int] = defaultdict(int)
     for s, text in zip(samples, texts):
         parsed = parse_completion(text)
-        ok = check_answer(s, parsed.content, parsed.tool_calls)
+        if s.task in IMAGE_TASKS:
+            ok = check_image_answer(s, parsed.content)
+        else:
+            ok = check_answer(s, parsed.content, parsed.tool_calls)
         st = stats[s.task]
         st["n"] += 1
         st["correct"] += ok
         st["thinking"] += parsed.has_thinking
         if not ok and shown[s.task] < show:
             shown[s.task] += 1
-            print(f"--- {s.task} wrong: {s.messages[-1]['content']!r}\n{text}")
+            question = s.messages[-1]["content"]
+            if isinstance(question, list):
+                question = " ".join(p["text"] for p in question if p["type"] == "text") + f" {s.meta['objects']}"
+            print(f"--- {s.task} wrong: {question!r}\n{text}")
     return {task: {"accuracy": st["correct"] / st["n"], "thinking": st["thinking"] / st["n"], "n": st["n"]}
             for task, st in stats.items()}
 

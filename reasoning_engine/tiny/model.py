@@ -318,16 +318,18 @@ class TinyDeepseekV3(nn.Module):
         return [m for m in self.modules() if isinstance(m, MoE)]
 
     def forward(
-        self, input_ids: torch.Tensor, token_mask: torch.Tensor | None = None, with_mtp: bool = False
+        self, input_ids: torch.Tensor, token_mask: torch.Tensor | None = None, with_mtp: bool = False,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Main logits [B, T, V]; with_mtp adds MTP logits [B, T-1, V], row t predicting token t+2 from (h_t, x_{t+1}).
 
         The MTP input h_t is the final-normed hidden state (what the lm_head reads), as transformers and vLLM feed it.
+        inputs_embeds replaces the token embeddings (image features in place of the media placeholders).
         """
         cfg = self.cfg
         t = input_ids.shape[1]
         cos, sin = rope_cos_sin(cfg, torch.arange(t, device=input_ids.device))
-        emb = self.model.embed_tokens(input_ids)
+        emb = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         x = emb
         for layer in self.model.layers[: cfg.num_hidden_layers]:
             x = layer(x, cos, sin, token_mask)
@@ -438,9 +440,14 @@ def save_checkpoint(model: TinyDeepseekV3, out_dir: Path) -> None:
 
 
 def load_checkpoint(model_dir: Path) -> TinyDeepseekV3:
-    """Rebuild the training model from a saved checkpoint (float32, eval mode)."""
+    """Rebuild the training model from a saved checkpoint (float32, eval mode). A multimodal kimi_k25 checkpoint
+    gives its language model (text_config, tensors under ``language_model.``); the vision tower is not read."""
     with open(model_dir / "config.json") as f:
-        cfg = TinyConfig.from_hf_config(json.load(f))
-    model = TinyDeepseekV3(cfg)
-    model.load_checkpoint_state(load_file(str(model_dir / "model.safetensors")))
+        config = json.load(f)
+    prefix = ""
+    if config.get("model_type") == "kimi_k25":
+        config, prefix = config["text_config"], "language_model."
+    model = TinyDeepseekV3(TinyConfig.from_hf_config(config))
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    model.load_checkpoint_state({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
     return model.eval()

@@ -25,6 +25,7 @@ import pytest
 from reasoning_engine.bench.report import LATENCY_METRICS, TOKEN_METRICS
 from reasoning_engine.bench.serve import RequestRecord
 from reasoning_engine.cli import main
+from reasoning_engine.config import load_model_config
 from reasoning_engine.tiny import BUNDLED_MODEL_DIR
 
 from .checkpoint import build_checkpoint
@@ -45,7 +46,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         model, extra = BUNDLED_MODEL_DIR, []
     else:
         model, extra = build_checkpoint(tmp_path_factory.mktemp("bench_model")), ["--reasoning-parser", "kimi_k2"]
-    context = min(1024, json.loads((model / "config.json").read_text())["max_position_embeddings"])
+    context = min(1024, load_model_config(model).max_position_embeddings)
     port = _free_port()
     log = tmp_path_factory.mktemp("bench_server") / "server.log"
     with log.open("w") as sink:

@@ -158,8 +158,9 @@ def build_checkpoint(name: str, root: Path, seed: int = 0) -> TinyCheckpoint:
             "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
         }
     if variant.layout == "kimi_k25":
-        tensors = {f"language_model.{k}": v for k, v in tensors.items()} | _vision_tensors(config["hidden_size"], seed)
-        config = _kimi_k25_wrapper(config)
+        wrapper, vision = _kimi_k25_vision_part(config, seed, root / f"{name}-vision")
+        tensors = {f"language_model.{k}": v for k, v in tensors.items()} | vision
+        config = wrapper
     (path / "config.json").write_text(json.dumps(config, indent=2))
     write_tensors(path, tensors, variant.shards)
     reference_path = path
@@ -240,31 +241,23 @@ def _mtp_tensors(tensors: dict[str, torch.Tensor], config: dict[str, Any], seed:
     return {k: 0.1 * torch.randn(s, generator=gen) for k, s in shapes.items()}
 
 
-def _vision_tensors(text_hidden: int, seed: int) -> dict[str, torch.Tensor]:
-    """A few bf16 tensors named like Kimi K2.5's vision tower and projector, which the text engine skips."""
-    gen = torch.Generator().manual_seed(seed + 3)
-    shapes = {
-        "vision_tower.patch_embed.proj.weight": (32, 3, 2, 2),
-        "vision_tower.encoder.blocks.0.wqkv.weight": (96, 32),
-        "vision_tower.encoder.blocks.0.norm0.weight": (32,),
-        "mm_projector.pre_norm.weight": (32,),
-        "mm_projector.proj.0.weight": (128, 128),
-        "mm_projector.proj.2.weight": (text_hidden, 128),
-    }
-    return {k: torch.randn(s, generator=gen).to(torch.bfloat16) for k, s in shapes.items()}
+def _kimi_k25_vision_part(text: dict[str, Any], seed: int, scratch: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Kimi K2.5's multimodal config.json and its vision tower + projector tensors, as transformers'
+    `Kimi_K25ForConditionalGeneration.save_pretrained` writes them for a tiny vision config (patches of 2 pixels, one
+    block of width 16), with the variant's text config (as published, under text_config) in place of its own."""
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
 
-
-def _kimi_k25_wrapper(text: dict[str, Any]) -> dict[str, Any]:
-    """Kimi K2.5's multimodal config.json: the DeepSeek-V3-shaped text model under text_config."""
-    return {
-        "architectures": ["KimiK25ForConditionalGeneration"],
-        "model_type": "kimi_k25",
-        "text_config": {**text, "architectures": ["DeepseekV3ForCausalLM"]},
-        "vision_config": {"patch_size": 2, "hidden_size": 32, "num_hidden_layers": 1, "mm_hidden_size": 32,
-                          "text_hidden_size": text["hidden_size"], "merge_kernel_size": [2, 2]},
-        "media_placeholder_token_id": VOCAB - 1,
-        "bos_token_id": text["bos_token_id"],
-        "eos_token_id": text["eos_token_id"],
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-    }
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=2,
+                  pos_emb_height=4, pos_emb_width=4, pos_emb_time=4, merge_kernel_size=[2, 2])
+    text_config = {k: v for k, v in text.items() if k not in ("auto_map", "architectures", "torch_dtype")}
+    text_config["model_type"] = "deepseek_v3"
+    torch.manual_seed(seed + 3)
+    config = Kimi_K25Config(text_config=text_config, vision_config=vision, projection_hidden_size=16,
+                            tie_word_embeddings=False)
+    Kimi_K25ForConditionalGeneration(config).float().save_pretrained(scratch)
+    outer = json.loads((scratch / "config.json").read_text())
+    outer["text_config"] = {**text, "architectures": ["DeepseekV3ForCausalLM"]}
+    outer["torch_dtype"] = "float32"
+    tensors = {k: v for k, v in read_tensors(scratch).items() if "language_model" not in k}
+    shutil.rmtree(scratch)
+    return outer, tensors

@@ -71,7 +71,7 @@ def test_prefix_strip_yields_the_text_model_and_skips_the_vision_tower(tiny_chec
         names = [n for n, _ in iter_checkpoint_weights(path, None, torch.float32, prefix_strip="language_model.", progress=False)]
     assert "model.embed_tokens.weight" in names and "lm_head.weight" in names
     assert not [n for n in names if n.startswith(("language_model.", "vision_tower", "mm_projector"))]
-    assert "skipping 6 checkpoint tensors outside 'language_model.' (mm_projector, vision_tower)" in caplog.text
+    assert "skipping 23 checkpoint tensors outside 'language_model.' (mm_projector, model, vision_tower)" in caplog.text
     assert count_checkpoint_tensors(path, None, prefix_strip="language_model.") == len(names)
 
 

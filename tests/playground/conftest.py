@@ -68,15 +68,17 @@ def model_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 @pytest.fixture(scope="module")
 def serve(model_args: list[str]) -> Iterator[Callable[..., Served]]:
-    """`serve(*options)` starts `reasoning-engine serve` on a free loopback port and waits until the playground
-    answers; every server started is stopped (SIGTERM) when the module ends."""
+    """`serve(*options, model=None)` starts `reasoning-engine serve` (on `model`, a checkpoint folder, when given)
+    on a free loopback port and waits until the playground answers; every server started is stopped (SIGTERM) when
+    the module ends."""
     procs: list[subprocess.Popen[str]] = []
 
-    def start(*options: str) -> Served:
+    def start(*options: str, model: str | None = None) -> Served:
         port = _free_port()
         log = tempfile.TemporaryFile("w+")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "reasoning_engine.cli", "serve", *model_args, "--host", "127.0.0.1",
+            [sys.executable, "-m", "reasoning_engine.cli", "serve", *([model] if model else model_args),
+             "--host", "127.0.0.1",
              "--port", str(port), "--device", "cpu", "--kv-cache-blocks", "128", "--block-size", "16",
              "--log-level", "warning", *options],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)

@@ -49,7 +49,7 @@ def test_info_needs_the_key_like_the_api(tokenizer: Any) -> None:
     http = client(tokenizer, api_key=KEY)
     assert http.get("/playground/info").status_code == 401
     info = http.get("/playground/info", headers={"Authorization": f"Bearer {KEY}"}).json()
-    assert info == {"speculative": None, "draft_tokens": 0, "accepted_tokens": 0}
+    assert info == {"speculative": None, "draft_tokens": 0, "accepted_tokens": 0, "vision": False}
 
 
 def test_info_reports_speculative_setting_and_counters(tokenizer: Any) -> None:
@@ -59,7 +59,8 @@ def test_info_reports_speculative_setting_and_counters(tokenizer: Any) -> None:
     stats = engine.stats()
     engine.stats = lambda: dataclasses.replace(stats, spec_decode={"draft_tokens": 12, "accepted_tokens": 9})
     assert client(tokenizer, engine).get("/playground/info").json() == {
-        "speculative": {"method": "suffix", "num_speculative_tokens": 4}, "draft_tokens": 12, "accepted_tokens": 9}
+        "speculative": {"method": "suffix", "num_speculative_tokens": 4}, "draft_tokens": 12, "accepted_tokens": 9,
+        "vision": False}
 
 
 def test_every_static_file_is_served() -> None:

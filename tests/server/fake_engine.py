@@ -49,6 +49,8 @@ class FakeEngine:
     _blocks: dict[str, int] = field(default_factory=dict)
     _aborted: set[str] = field(default_factory=set)
     shut_down: bool = False
+    supports_media: bool = False  # a text model
+    media_limits: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.model_config.vocab_size = len(self.tokenizer)

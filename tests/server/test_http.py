@@ -345,8 +345,12 @@ BAD_REQUESTS = [
     ({"messages": "hello"}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user"}]}, "messages[0]"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}]},
      "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"},
+                                                {"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[1]"),  # the fake engine's model has no vision tower
     ({"messages": MSG, "temperature": "hot"}, "temperature"),
     ({"messages": MSG, "max_tokens": 0}, "max_tokens"),
     ({"messages": MSG, "max_tokens": -5}, "max_tokens"),

@@ -1,4 +1,5 @@
-"""The bundled checkpoint: DeepSeek-V3 layout with an MTP layer, parity with transformers, and greedy answers."""
+"""The bundled checkpoint: multimodal Kimi K2.5 layout whose language model is DeepSeek-V3-shaped with an MTP layer,
+parity of that language model with transformers, and greedy answers. (Pictures: test_vision.py.)"""
 
 from __future__ import annotations
 
@@ -9,26 +10,37 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from reasoning_engine.tiny import BUNDLED_MODEL_DIR
 from reasoning_engine.tiny.data import GENERATORS, Sample, calculator_tool, check_answer
 from reasoning_engine.tiny.eval import MAX_NEW_TOKENS, parse_completion
 from reasoning_engine.tiny.model import load_checkpoint
 
-SHIPPED = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"]
+SHIPPED = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+           "processor_config.json"]
+TEXT = "language_model."
+
+
+def _outer_config() -> dict:
+    return json.loads((BUNDLED_MODEL_DIR / "config.json").read_text())
 
 
 def _config() -> dict:
-    return json.loads((BUNDLED_MODEL_DIR / "config.json").read_text())
+    """The language model's config (kimi_k25's text_config)."""
+    return _outer_config()["text_config"]
 
 
 def test_shipped_files_and_size() -> None:
     assert sum((BUNDLED_MODEL_DIR / f).stat().st_size for f in SHIPPED) < 20 * 2**20
 
 
-def test_config_is_deepseek_v3_with_mla_moe_and_mtp() -> None:
+def test_config_is_kimi_k25_with_a_deepseek_v3_language_model() -> None:
+    outer = _outer_config()
+    assert outer["model_type"] == "kimi_k25" and outer["architectures"] == ["Kimi_K25ForConditionalGeneration"]
+    assert outer["vision_config"]["num_hidden_layers"] >= 2 and outer["vision_config"]["merge_kernel_size"] == [2, 2]
     cfg = _config()
-    assert cfg["model_type"] == "deepseek_v3" and cfg["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert cfg["model_type"] == "deepseek_v3"
     assert cfg["n_routed_experts"] >= 8 and cfg["n_shared_experts"] == 1 and cfg["first_k_dense_replace"] == 1
     assert cfg["topk_method"] == "noaux_tc" and cfg["scoring_func"] == "sigmoid" and cfg["q_lora_rank"]
     assert cfg["num_nextn_predict_layers"] == 1 and cfg["rope_interleave"] is True
@@ -38,9 +50,18 @@ def test_checkpoint_tensor_names() -> None:
     cfg = _config()
     mtp = f"model.layers.{cfg['num_hidden_layers']}"
     with safe_open(str(BUNDLED_MODEL_DIR / "model.safetensors"), "pt") as f:
-        keys = set(f.keys())
-        assert torch.equal(f.get_tensor(f"{mtp}.embed_tokens.weight"), f.get_tensor("model.embed_tokens.weight"))
-        assert torch.equal(f.get_tensor(f"{mtp}.shared_head.head.weight"), f.get_tensor("lm_head.weight"))
+        all_keys = set(f.keys())
+        keys = {k.removeprefix(TEXT) for k in all_keys if k.startswith(TEXT)}
+        assert torch.equal(f.get_tensor(f"{TEXT}{mtp}.embed_tokens.weight"),
+                           f.get_tensor(f"{TEXT}model.embed_tokens.weight"))
+        assert torch.equal(f.get_tensor(f"{TEXT}{mtp}.shared_head.head.weight"), f.get_tensor(f"{TEXT}lm_head.weight"))
+    # The rest is the vision tower and projector, under Moonshot's names.
+    assert all(k.startswith((TEXT, "vision_tower.", "mm_projector.")) for k in all_keys)
+    for name in ["vision_tower.patch_embed.proj.weight", "vision_tower.patch_embed.pos_emb.weight",
+                 "vision_tower.encoder.blocks.0.wqkv.weight", "vision_tower.encoder.blocks.0.mlp.fc1.bias",
+                 "vision_tower.encoder.final_layernorm.weight", "mm_projector.pre_norm.weight",
+                 "mm_projector.proj.0.weight", "mm_projector.proj.2.weight"]:
+        assert name in all_keys, name
     for name in ["eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight",
                  "self_attn.q_a_proj.weight", "mlp.gate.e_score_correction_bias", "mlp.experts.7.down_proj.weight",
                  "mlp.shared_experts.up_proj.weight"]:
@@ -52,12 +73,19 @@ def test_checkpoint_tensor_names() -> None:
 
 
 @pytest.fixture(scope="module")
-def hf_model():
+def hf_model(tmp_path_factory: pytest.TempPathFactory):
+    """transformers' DeepseekV3ForCausalLM on the bundled language model (its text_config and `language_model.`
+    tensors written out as a DeepSeek-V3 checkpoint, so MtpModel can read the MTP layer too)."""
     from transformers import DeepseekV3ForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    return DeepseekV3ForCausalLM.from_pretrained(BUNDLED_MODEL_DIR, dtype=torch.float32).eval()
+    folder = tmp_path_factory.mktemp("bundled_text")
+    (folder / "config.json").write_text(json.dumps(_config()))
+    tensors = load_file(str(BUNDLED_MODEL_DIR / "model.safetensors"))
+    save_file({k.removeprefix(TEXT): v for k, v in tensors.items() if k.startswith(TEXT)},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return DeepseekV3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import pytest
 from reasoning_engine.tiny.chat_format import IM_END, THINK_END, render_chat
 from reasoning_engine.tiny.data import (
     GENERATORS,
+    LETTER_DOUBLED_WORDS,
     TRAIN_SEED,
     WORKED_TASKS,
     addition_steps,
@@ -137,6 +138,6 @@ def test_letter_count_words_are_spelled_letter_by_letter() -> None:
     from reasoning_engine.tiny import BUNDLED_MODEL_DIR
 
     tok = AutoTokenizer.from_pretrained(BUNDLED_MODEL_DIR)
-    for word in letter_count_words():
+    for word in letter_count_words() + LETTER_DOUBLED_WORDS:
         pieces = tok.convert_ids_to_tokens(tok(f"in '{word}'?").input_ids)
         assert any(pieces[i : i + len(word) + 1] == ["'", *word] for i in range(len(pieces))), (word, pieces)

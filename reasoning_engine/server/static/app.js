@@ -24,7 +24,7 @@ const ui = {
   apiKeyField: $("api-key-field"), apiKey: $("api-key"), systemPrompt: $("system-prompt"),
   temperature: $("temperature"), maxTokens: $("max-tokens"), thinking: $("thinking"),
   thinkingBudget: $("thinking-budget"), speculative: $("speculative"), adaptive: $("adaptive"), tools: $("tools"),
-  toolsExample: $("tools-example"),
+  toolsExample: $("tools-example"), attach: $("attach"), attachFile: $("attach-file"), attachments: $("attachments"),
 };
 
 const state = {
@@ -33,6 +33,7 @@ const state = {
   epoch: 0, // bumped by "New chat", so a reply stopped by it stays out of the new conversation
   speculative: null, // the server's speculative setting, null when off
   fields: 0, // numbers the tool-result fields, for their label ids
+  attachments: [], // images for the next message: { name, url } with a data: URL
 };
 
 class APIError extends Error {
@@ -101,6 +102,8 @@ async function connect() {
     const spec = info.speculative;
     ui.speculative.textContent = !spec ? "Off" : spec.num_speculative_tokens
       ? `On: ${spec.method}, up to ${spec.num_speculative_tokens} draft tokens per step` : `On: ${spec.method}`;
+    ui.attach.hidden = !info.vision; // only a model with a vision tower takes images
+    if (!info.vision) setAttachments([]);
     await showAdaptive();
     hideError();
   } catch (error) {
@@ -335,6 +338,58 @@ async function specCounters() {
   return { accepted: info.accepted_tokens, drafted: info.draft_tokens };
 }
 
+// ---- images ---------------------------------------------------------------------------------------------------
+
+function readAsDataURL(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+async function attachFiles(files) {
+  const added = [];
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) {
+      showError(`${file.name} is not an image.`);
+      continue;
+    }
+    added.push({ name: file.name, url: await readAsDataURL(file) });
+  }
+  setAttachments([...state.attachments, ...added]);
+}
+
+function thumbnail(image) {
+  const img = document.createElement("img");
+  img.className = "thumb";
+  img.src = image.url;
+  img.alt = image.name;
+  return img;
+}
+
+// The images waiting for the next message, each with a button that takes it out again.
+function setAttachments(images) {
+  state.attachments = images;
+  ui.attachments.replaceChildren(...images.map((image, index) => {
+    const item = document.createElement("li");
+    item.className = "attachment";
+    const remove = document.createElement("button");
+    remove.type = "button";
+    remove.className = "secondary";
+    remove.textContent = "×";
+    remove.setAttribute("aria-label", `Remove ${image.name}`);
+    remove.addEventListener("click", () => {
+      setAttachments(state.attachments.filter((_, i) => i !== index));
+      ui.prompt.focus();
+    });
+    item.append(thumbnail(image), remove);
+    return item;
+  }));
+  ui.attachments.hidden = images.length === 0;
+}
+
 // ---- sending --------------------------------------------------------------------------------------------------
 
 // `pending`: the messages this turn adds (a user message, or tool results); they join the history with the reply,
@@ -424,16 +479,31 @@ function stop() {
 
 function sendMessage() {
   const text = ui.prompt.value;
-  if (!text.trim() || state.controller) return;
+  const images = state.attachments;
+  if ((!text.trim() && !images.length) || state.controller) return;
   ui.emptyHint.hidden = true;
   const turn = document.getElementById("user-turn").content.firstElementChild.cloneNode(true);
-  turn.querySelector(".bubble").textContent = text;
+  const bubble = turn.querySelector(".bubble");
+  bubble.textContent = text;
+  if (images.length) {
+    const thumbs = document.createElement("div");
+    thumbs.className = "thumbs";
+    thumbs.append(...images.map(thumbnail));
+    bubble.prepend(thumbs);
+  }
   ui.conversation.append(turn);
   ui.prompt.value = "";
+  setAttachments([]);
   followBottom(true);
-  run([{ role: "user", content: text }], () => {
+  // With images the content is a list of parts: the images as data: URLs, then the text.
+  const content = !images.length ? text : [
+    ...images.map((image) => ({ type: "image_url", image_url: { url: image.url } })),
+    ...(text.trim() ? [{ type: "text", text }] : []),
+  ];
+  run([{ role: "user", content }], () => {
     turn.remove();
-    if (!ui.prompt.value) ui.prompt.value = text; // give the text back for another try
+    if (!ui.prompt.value) ui.prompt.value = text; // give the text and images back for another try
+    if (!state.attachments.length) setAttachments(images);
     ui.emptyHint.hidden = state.history.length > 0;
   });
 }
@@ -483,6 +553,7 @@ function newChat() {
   stop();
   state.epoch += 1;
   state.history = [];
+  setAttachments([]);
   ui.conversation.querySelectorAll(".turn").forEach((turn) => turn.remove());
   ui.emptyHint.hidden = false;
   hideError();
@@ -516,6 +587,13 @@ ui.stop.addEventListener("click", stop);
 ui.newChat.addEventListener("click", newChat);
 ui.settingsToggle.addEventListener("click", () => openSettings(ui.settings.hidden));
 ui.thinking.addEventListener("change", () => { ui.thinkingBudget.disabled = !ui.thinking.checked; });
+ui.attach.addEventListener("click", () => ui.attachFile.click());
+ui.attachFile.addEventListener("change", async () => {
+  const files = [...ui.attachFile.files];
+  ui.attachFile.value = ""; // choosing the same file again fires `change` again
+  await attachFiles(files).catch((error) => showError(`Could not read the image: ${error.message}`));
+  ui.prompt.focus();
+});
 ui.toolsExample.addEventListener("click", () => {
   ui.tools.value = JSON.stringify(CALCULATOR_TOOL, null, 2);
   ui.tools.focus();

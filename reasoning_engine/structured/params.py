@@ -1,0 +1,120 @@
+"""What a request asks its output to match: vLLM's `StructuredOutputsParams` shape (exactly one of json, regex, choice,
+grammar, json_object).
+
+Checked at construction, without a tokenizer: the shape of each field, and whether the schema, regex or grammar
+parses at all (xgrammar's tokenizer-free front end), so a bad request fails with a ValueError naming the field
+before it reaches the engine. The engine compiles it against its vocabulary (compiler.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+
+# compact JSON (no free whitespace): a small model cannot wander into endless spaces, and answers are shorter
+JSON_SEPARATORS = (",", ":")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """`json`: a JSON schema (a dict or its JSON text); `regex`: a regular expression the whole output matches;
+    `choice`: the output is exactly one of these strings; `grammar`: an EBNF grammar (GBNF dialect, rule `root`);
+    `json_object`: any JSON object."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        chosen = [name for name in FIELDS if getattr(self, name) not in (None, False)]
+        if len(chosen) != 1:
+            raise ValueError(f"structured_outputs: exactly one of {', '.join(FIELDS)} must be set, got "
+                             f"{', '.join(chosen) or 'none'}")
+        self._check_shape()
+        self.frontend_grammar()
+
+    @classmethod
+    def from_value(cls, value: StructuredOutputsParams | dict[str, Any]) -> StructuredOutputsParams:
+        """A dict (as it arrives in a request body) or an instance."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs must be an object, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(FIELDS))
+        if unknown:
+            raise ValueError(f"structured_outputs.{unknown[0]}: unknown field ({', '.join(FIELDS)})")
+        return cls(**value)
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in FIELDS if getattr(self, name) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """Hashable and canonical (a schema dict and its JSON text are the same key): the compile cache's key."""
+        kind = self.kind
+        if kind == "json":
+            return kind, json.dumps(self.schema(), sort_keys=True)
+        if kind == "choice":
+            return kind, json.dumps(self.choice)
+        if kind == "json_object":
+            return kind, ""
+        return kind, getattr(self, kind)
+
+    def schema(self) -> dict[str, Any] | bool:
+        return json.loads(self.json) if isinstance(self.json, str) else self.json
+
+    def ebnf(self) -> str:
+        """`choice` as a grammar: one alternative per string (JSON string escapes are the GBNF literal's)."""
+        return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
+
+    def _check_shape(self) -> None:
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json":
+            if isinstance(self.json, str):
+                try:
+                    parsed = json.loads(self.json)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"structured_outputs.json: not valid JSON: {e}") from None
+            else:
+                parsed = self.json
+            if not isinstance(parsed, (dict, bool)):
+                raise ValueError(f"structured_outputs.json: a JSON schema is an object, got {type(parsed).__name__}")
+        elif kind in ("regex", "grammar"):
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"structured_outputs.{kind}: must be a non-empty string")
+        elif kind == "choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                raise ValueError("structured_outputs.choice: must be a non-empty list of non-empty strings")
+        elif value is not True:
+            raise ValueError("structured_outputs.json_object: must be true")
+
+    def frontend_grammar(self) -> Any:
+        """The tokenizer-free xgrammar Grammar; raises ValueError naming the field when it does not parse."""
+        import xgrammar
+
+        kind = self.kind
+        try:
+            if kind == "json":
+                return xgrammar.Grammar.from_json_schema(json.dumps(self.schema()), any_whitespace=False,
+                                                         separators=JSON_SEPARATORS)
+            if kind == "json_object":
+                return xgrammar.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False,
+                                                         separators=JSON_SEPARATORS, strict_mode=False)
+            if kind == "regex":
+                return xgrammar.Grammar.from_regex(self.regex)
+            return xgrammar.Grammar.from_ebnf(self.ebnf() if kind == "choice" else self.grammar)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"structured_outputs.{kind}: {short_error(e)}") from None
+
+
+def short_error(error: Exception) -> str:
+    """xgrammar's messages start with a timestamp and a C++ source location: keep what a user can act on."""
+    text = str(error).strip()
+    head, sep, rest = text.partition(": ")
+    return rest if sep and head.startswith("[") and ".cc:" in head else text

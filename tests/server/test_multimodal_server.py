@@ -1,0 +1,290 @@
+"""Images through the real `reasoning-engine serve` on the tiny Kimi K2.5 checkpoint (tests/multimodal/
+kimi_checkpoint.py): the unmodified openai client against the offline `LLM.chat`, streaming against non-streaming,
+usage, the media flags (allowed hosts on a local http.server, the local folder, the per-request limit, the size
+limit), every bad-media case as a 400 naming the part, and the encoder-cache metrics. One server for the module,
+started with the flags under test; greedy decoding, a few tokens per request.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import io
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from multimodal.kimi_checkpoint import KimiK25Checkpoint, build_kimi_k25, noise_image
+from reasoning_engine import LLM, SamplingParams
+from reasoning_engine.server.app import ServerConfig, build_app
+
+from .helpers import LiveServer, metric_value, save_random_checkpoint, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_TOKENS = 6
+MEDIA_MAX_BYTES = 64 * 1024
+PREFIX = "reasoning_engine:"
+MODEL = "kimi-k25-tiny"
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    out = io.BytesIO()
+    noise_image(width, height, seed).save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+IMAGE = png(40, 28, seed=1)
+
+
+def image_part(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def user(*parts: str | dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]}]
+
+
+GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory: pytest.TempPathFactory) -> KimiK25Checkpoint:
+    return build_kimi_k25(tmp_path_factory.mktemp("kimi_k25_server"))
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder `--allowed-local-media-path` names, with one image in it."""
+    folder = tmp_path_factory.mktemp("allowed_media")
+    (folder / "image.png").write_bytes(IMAGE)
+    return folder
+
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def http_media(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A local http.server on 127.0.0.1 serving image.png: the host `--allowed-media-domains` allows."""
+    folder = tmp_path_factory.mktemp("http_media")
+    (folder / "image.png").write_bytes(IMAGE)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(folder)))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+ENGINE_ARGS = {"device": "cpu", "kv_cache_blocks": 128, "block_size": 16, "max_model_len": 1024}
+
+
+@pytest.fixture(scope="module")
+def server(kimi: KimiK25Checkpoint, media_dir: Path) -> Iterator[str]:
+    port = _free_port()
+    log = tempfile.TemporaryFile("w+")
+    engine_flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_ARGS.items()]
+    # no parsers: the random model's text is all answer, compared as it is with the offline text
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reasoning_engine.cli", "serve", str(kimi.path), "--host", "127.0.0.1",
+         "--port", str(port), "--served-model-name", MODEL, *engine_flags, "--reasoning-parser", "none",
+         "--tool-call-parser", "none", "--allowed-media-domains", "127.0.0.1",
+         "--allowed-local-media-path", str(media_dir), "--limit-mm-per-prompt", "image=1",
+         "--media-max-bytes", str(MEDIA_MAX_BYTES), "--log-level", "warning"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return proc.poll() is not None
+
+    try:
+        if not wait_for(up, timeout=120, interval=0.2) or proc.poll() is not None:
+            log.seek(0)
+            pytest.fail(f"the server did not start:\n{log.read()[-4000:]}")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline(kimi: KimiK25Checkpoint) -> Iterator[LLM]:
+    with LLM(str(kimi.path), **ENGINE_ARGS) as llm:
+        yield llm
+
+
+def chat(client: openai.OpenAI, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
+    sampling = {**GREEDY, **kwargs}
+    ignore_eos = sampling.pop("ignore_eos")
+    return client.chat.completions.create(model=MODEL, messages=messages, extra_body={"ignore_eos": ignore_eos},
+                                          **sampling)
+
+
+def refused(server: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The error of a chat request that must be a 400, streamed or not (a streamed one fails before any event)."""
+    errors = []
+    for stream in (False, True):
+        response = httpx.post(f"{server}/v1/chat/completions", json={"messages": messages, "stream": stream,
+                                                                     "max_tokens": 2}, timeout=60)
+        assert response.status_code == 400, response.text
+        errors.append(response.json()["error"])
+    assert errors[0] == errors[1]
+    assert errors[0]["type"] == "invalid_request_error"
+    return errors[0]
+
+
+def test_image_data_url_matches_offline_chat(client: openai.OpenAI, offline: LLM) -> None:
+    messages = user("describe what you see in the picture", image_part(data_url(IMAGE)))
+    result = chat(client, messages)
+    want = offline.chat(messages, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))[0]
+    assert result.choices[0].message.content == want.outputs[0].text != ""
+    assert result.usage.completion_tokens == MAX_TOKENS
+    pad = offline.tokenizer.convert_tokens_to_ids("<|media_pad|>")
+    placeholders = want.prompt_token_ids.count(pad)
+    assert placeholders == want.num_image_tokens > 1
+    assert result.usage.prompt_tokens == len(want.prompt_token_ids)
+    details = result.usage.prompt_tokens_details
+    assert details.image_tokens == placeholders
+    assert getattr(details, "video_tokens", None) is None
+
+
+def test_streamed_content_equals_non_streamed(client: openai.OpenAI) -> None:
+    messages = user(image_part(data_url(IMAGE)), "what colour is it?")
+    full = chat(client, messages)
+    content, usage = "", None
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}, max_tokens=MAX_TOKENS,
+                                                temperature=0):
+        usage = chunk.usage or usage
+        content += "".join(choice.delta.content or "" for choice in chunk.choices)
+    assert content == full.choices[0].message.content
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+    assert usage.prompt_tokens_details.image_tokens == full.usage.prompt_tokens_details.image_tokens > 0
+
+
+def test_allowed_http_host_and_refused_hosts(client: openai.OpenAI, server: str, http_media: str) -> None:
+    from_http = chat(client, user("describe", image_part(f"{http_media}/image.png")))
+    from_data = chat(client, user("describe", image_part(data_url(IMAGE))))
+    assert from_http.choices[0].message.content == from_data.choices[0].message.content
+    assert from_http.usage.prompt_tokens_details.image_tokens > 0
+    for url in ("http://images.example.com/cat.png", http_media.replace("127.0.0.1", "localhost") + "/image.png"):
+        error = refused(server, user("describe", image_part(url)))
+        assert error["param"] == "messages[0].content[1]"
+        assert "is not allowed" in error["message"]
+
+
+def test_local_files_only_inside_the_allowed_folder(client: openai.OpenAI, server: str, media_dir: Path,
+                                                    tmp_path: Path) -> None:
+    inside = chat(client, user(image_part((media_dir / "image.png").as_uri()), "describe"))
+    assert inside.usage.prompt_tokens_details.image_tokens > 0
+    outside = tmp_path / "image.png"
+    outside.write_bytes(IMAGE)
+    error = refused(server, user(image_part(outside.as_uri()), "describe"))
+    assert error["param"] == "messages[0].content[0]" and "outside the allowed media folder" in error["message"]
+    escape = f"{media_dir.as_uri()}/../{outside.parent.name}/image.png"
+    assert "outside the allowed media folder" in refused(server, user(image_part(escape)))["message"]
+
+
+@pytest.mark.parametrize("url,message", [
+    (data_url(IMAGE[: len(IMAGE) // 2]), "cannot decode image"),
+    (data_url(b"plain text", "text/plain"), "unsupported media type"),
+    (data_url(png(200, 200, seed=2)), "-byte limit"),
+    ("ftp://127.0.0.1/image.png", "unsupported URL scheme"),
+], ids=["truncated", "media-type", "too-large", "scheme"])
+def test_bad_media_is_400_naming_the_part(server: str, url: str, message: str) -> None:
+    assert len(png(200, 200, seed=2)) > MEDIA_MAX_BYTES
+    messages = [{"role": "system", "content": "be brief"}, *user("look:", image_part(url))]
+    error = refused(server, messages)
+    assert error["param"] == "messages[1].content[1]"
+    assert error["message"].startswith("messages[1].content[1]: ") and message in error["message"]
+
+
+def test_more_images_than_the_limit(server: str) -> None:
+    error = refused(server, user(image_part(data_url(IMAGE)), "and", image_part(data_url(IMAGE))))
+    assert error["param"] == "messages[0].content[2]" and "at most 1 image" in error["message"]
+
+
+def test_bad_request_leaves_a_concurrent_good_one_alone(client: openai.OpenAI, server: str) -> None:
+    with ThreadPoolExecutor(2) as pool:
+        good = pool.submit(chat, client, user("describe", image_part(data_url(IMAGE))), max_tokens=24)
+        bad = pool.submit(refused, server, user("describe", image_part(data_url(IMAGE[:100]))))
+        assert bad.result()["param"] == "messages[0].content[1]"
+        result = good.result()
+    assert result.choices[0].finish_reason == "length" and result.usage.completion_tokens == 24
+
+
+def test_encoder_cache_metrics(client: openai.OpenAI, server: str) -> None:
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{server}/metrics", timeout=30).text
+        return {name: metric_value(text, f"{PREFIX}{name}_total") for name in
+                ("encoder_cache_hits", "encoder_cache_misses", "encoder_seconds")}
+
+    before = scrape()
+    assert None not in before.values(), before
+    fresh = data_url(png(32, 32, seed=3))
+    for text in ("red", "green"):  # the text before the image differs, so the prefix cache cannot hold it
+        chat(client, user(text, image_part(fresh)), max_tokens=1)
+    after = scrape()
+    assert after["encoder_cache_misses"] >= before["encoder_cache_misses"] + 1
+    assert after["encoder_cache_hits"] >= before["encoder_cache_hits"] + 1
+    assert after["encoder_seconds"] > before["encoder_seconds"]
+
+
+@pytest.fixture(scope="module")
+def text_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A text-only model (a tiny random llama; the bundled model has a vision tower since issue #26), in-process."""
+    from reasoning_engine.engine.async_engine import AsyncLLM
+
+    model = save_random_checkpoint(tmp_path_factory.mktemp("random_kimi_llama"))
+    engine = AsyncLLM(model=str(model), device="cpu", kv_cache_blocks=32, block_size=16, max_model_len=512)
+    try:
+        with LiveServer(build_app(engine, ServerConfig(shutdown_engine=False))) as live:
+            yield live.url
+    finally:
+        engine.shutdown_sync()
+
+
+def test_text_model_refuses_images(text_server: str) -> None:
+    error = refused(text_server, user("describe", image_part(data_url(IMAGE))))
+    assert error["param"] == "messages[0].content[1]" and "has no vision tower" in error["message"]
+    info = httpx.get(f"{text_server}/playground/info", timeout=10).json()
+    assert info["vision"] is False
+    text = httpx.post(f"{text_server}/v1/chat/completions", timeout=60, json={
+        "messages": user("What is 2 + 2?"), "max_tokens": 2})
+    assert text.status_code == 200 and "image_tokens" not in text.json()["usage"]["prompt_tokens_details"]

@@ -128,6 +128,7 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
         raw.setdefault("quantization_config", outer.get("quantization_config"))
         raw.setdefault("torch_dtype", outer.get("torch_dtype") or outer.get("dtype"))
     family = {"kimi_k2": "deepseek_v3", "kimi_k25": "deepseek_v3"}.get(model_type, model_type)
+    raw = normalise_config(family, raw, config_file)
     theta, scaling = _rope(raw)
     num_heads = raw["num_attention_heads"]
     eos = raw.get("eos_token_id", outer.get("eos_token_id"))
@@ -156,6 +157,29 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
         weight_renames=renames,
         quantization=raw.get("quantization_config"),
     )
+
+
+def normalise_config(family: str, raw: dict[str, Any], source: Path | str = "config.json") -> dict[str, Any]:
+    """config.json read through transformers' own config class for the family, so checkpoints written by
+    transformers 4.x and 5.x and the hub's hand-edited configs all read the same: renamed fields (5.x writes Qwen3-MoE's
+    `num_experts` as `num_local_experts`, `rope_scaling` + `rope_theta` as `rope_parameters`) are resolved by the
+    class's attribute map and its standardisation, and fields a config leaves out take the defaults transformers'
+    reference model takes. Fields the file sets win; every alias of the attribute map is filled in both directions."""
+    from transformers import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[family]
+    try:
+        standard = config_class.from_dict({k: v for k, v in raw.items() if k not in ("model_type", "auto_map")})
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ValueError(f"{source}: transformers' {config_class.__name__} rejects this config: {exc}") from exc
+    # rope_parameters is transformers' reading of whichever spelling the file uses (rope_theta + rope_scaling)
+    merged = {**standard.to_dict(), **raw, "rope_parameters": standard.to_dict().get("rope_parameters")}
+    for alias, attribute in config_class.attribute_map.items():
+        if attribute in merged and alias not in merged:
+            merged[alias] = merged[attribute]
+        elif alias in merged and attribute not in merged:
+            merged[attribute] = merged[alias]
+    return merged
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

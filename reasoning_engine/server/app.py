@@ -9,26 +9,34 @@ The browser playground (playground.py) is mounted at `/`; its static files are p
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from reasoning_engine import __version__
 from reasoning_engine.multimodal.loading import MediaLoader
+from reasoning_engine.server.anthropic_messages import error_response as anthropic_error_response
+from reasoning_engine.server.anthropic_messages import (
+    ANTHROPIC_ERROR_SCHEMA,
+    CountTokensRequest,
+    MessagesRequest,
+    is_anthropic_path,
+    register_anthropic_routes,
+)
 from reasoning_engine.server.chat_template import check_template_kwargs, render_chat, template_messages
-from reasoning_engine.server.errors import APIError, bad_request, error_body, from_validation_error
+from reasoning_engine.server.errors import APIError, bad_request
 from reasoning_engine.server.metrics import ServerMetrics
+from reasoning_engine.server.openapi import install_openapi
 from reasoning_engine.server.parsing import resolve_reasoning_parser, resolve_tool_parser
 from reasoning_engine.server.playground import PUBLIC_PATHS as PLAYGROUND_PUBLIC_PATHS
 from reasoning_engine.server.playground import mount_playground
@@ -39,6 +47,13 @@ from reasoning_engine.server.protocol import (
     TokenizeRequest,
 )
 from reasoning_engine.server.reasoning_parsers import REASONING_PARSER_CHOICES
+from reasoning_engine.server.responses import (
+    DEFAULT_MAX_STORED_RESPONSES,
+    DEFAULT_STORED_RESPONSE_TTL_S,
+    ResponsesRequest,
+    register_responses_routes,
+)
+from reasoning_engine.server.routing import json_body, session_key, start_or_close
 from reasoning_engine.server.serving import (
     ClientGone,
     EngineRequests,
@@ -51,7 +66,6 @@ from reasoning_engine.server.serving import (
 from reasoning_engine.server.tool_parsers import TOOL_PARSER_CHOICES
 
 logger = logging.getLogger(__name__)
-B = TypeVar("B", bound=BaseModel)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_MEDIA_MAX_BYTES = 20 * 1024 * 1024
 DEFAULT_MEDIA_FETCH_TIMEOUT_S = 10.0
@@ -75,10 +89,22 @@ class ServerConfig:
     media_fetch_timeout: float = DEFAULT_MEDIA_FETCH_TIMEOUT_S
     public_paths: tuple[str, ...] = ("/health", *PLAYGROUND_PUBLIC_PATHS)  # reachable without the API key
     shutdown_engine: bool = True  # shut the engine down when the app stops (False when apps share an engine)
+    # stored Responses API responses (previous_response_id, GET): at most this many, each kept this long
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
+    stored_response_ttl_s: float = DEFAULT_STORED_RESPONSE_TTL_S
+
+
+def _error_response(path: str, error: APIError, headers: dict[str, str] | None = None) -> Response:
+    """Anthropic's routes answer errors in Anthropic's shape (its SDK raises its own classes from it), the rest in
+    OpenAI's."""
+    if is_anthropic_path(path):
+        return anthropic_error_response(error, headers)
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 class _AuthMiddleware:
-    """`Authorization: Bearer KEY` on every path but the public ones; the compare takes constant time."""
+    """`Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY` on every path but the public ones; the compares
+    take constant time."""
 
     def __init__(self, app: ASGIApp, api_key: str, public_paths: tuple[str, ...]) -> None:
         self.app = app
@@ -88,14 +114,14 @@ class _AuthMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self._public:
             return await self.app(scope, receive, send)
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key):
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        bearer_ok = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+        if bearer_ok or hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self._key):
             return await self.app(scope, receive, send)
-        response = JSONResponse(error_body("Incorrect API key provided. Send it as `Authorization: Bearer KEY`.",
-                                           "invalid_request_error", None, "invalid_api_key"), status_code=401,
-                                headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
+        error = APIError(401, "Incorrect API key provided. Send it as `Authorization: Bearer KEY` or "
+                         "`x-api-key: KEY`.", code="invalid_api_key", type="invalid_request_error")
+        await _error_response(scope["path"], error, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
 
 
 class _BodyLimitMiddleware:
@@ -150,7 +176,7 @@ class _BodyLimitMiddleware:
                              code="request_too_large")
         else:
             error = bad_request("Invalid Content-Length header.")
-        await error.response()(scope, receive, send)
+        await _error_response(scope["path"], error)(scope, receive, send)
 
 
 BUNDLED_MODEL_NAME = "tiny-reasoner"
@@ -164,20 +190,6 @@ def default_model_name(model_config: Any) -> str:
     if path is not None and Path(path).resolve() == Path(BUNDLED_MODEL_DIR).resolve():
         return BUNDLED_MODEL_NAME
     return model_config.name
-
-
-async def _json_body(request: Request, model: type[B]) -> B:
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise bad_request(f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from exc
-    if not isinstance(data, dict):
-        raise bad_request("The request body must be a JSON object.", code="invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from exc
 
 
 def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
@@ -209,7 +221,8 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         if config.shutdown_engine:
             await engine.shutdown()
 
-    app = FastAPI(title="Reasoning Engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="Reasoning Engine", lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.serving = serving
     app.state.metrics = metrics
     app.add_middleware(_BodyLimitMiddleware, limit=config.max_body_bytes)
@@ -217,22 +230,22 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         app.add_middleware(_AuthMiddleware, api_key=config.api_key, public_paths=config.public_paths)
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> Response:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        return _error_response(request.url.path, exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         code = "not_found" if exc.status_code == 404 else None
-        return APIError(exc.status_code, str(exc.detail), code=code).response()
+        return _error_response(request.url.path, APIError(exc.status_code, str(exc.detail), code=code))
 
     @app.exception_handler(ClientGone)
     async def _client_gone(_: Request, exc: ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> Response:
+    async def _unexpected(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error")
-        return APIError(500, f"Internal server error: {type(exc).__name__}").response()
+        return _error_response(request.url.path, APIError(500, f"Internal server error: {type(exc).__name__}"))
 
     @app.get("/health")
     async def health() -> Response:
@@ -257,13 +270,13 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         arrival = time.monotonic()
-        req = await _json_body(request, ChatCompletionRequest)
+        req = await json_body(request, ChatCompletionRequest)
         model = serving.check_model(req.model)
         prepared = await serving.prepare_chat(req)
         engine_requests = EngineRequests(engine, prepared.prompts, prepared.params, new_request_id("chatcmpl"),
-                                         _session(request, req), prepared.workload, prepared.error_param)
+                                         session_key(request, req.prompt_cache_key, req.user), prepared.workload, prepared.error_param)
         if req.stream:
-            await _start_or_close(request, engine_requests)
+            await start_or_close(request, engine_requests)
             return EngineStreamResponse(serving.chat_stream(req, model, prepared, engine_requests, arrival),
                                         on_close=engine_requests.close)
         try:
@@ -277,13 +290,13 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
-        req = await _json_body(request, CompletionRequest)
+        req = await json_body(request, CompletionRequest)
         model = serving.check_model(req.model)
         prepared = serving.prepare_completion(req)
         engine_requests = EngineRequests(engine, prepared.prompts, prepared.params, new_request_id("cmpl"),
-                                         _session(request, req), prepared.workload, prepared.error_param)
+                                         session_key(request, req.prompt_cache_key, req.user), prepared.workload, prepared.error_param)
         if req.stream:
-            await _start_or_close(request, engine_requests)
+            await start_or_close(request, engine_requests)
             return EngineStreamResponse(serving.completion_stream(req, model, prepared, engine_requests, arrival),
                                         on_close=engine_requests.close)
         try:
@@ -296,7 +309,7 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        req = await _json_body(request, TokenizeRequest)
+        req = await json_body(request, TokenizeRequest)
         serving.check_model(req.model)
         if tokenizer is None:
             raise bad_request("this model has no tokenizer")
@@ -314,7 +327,7 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        req = await _json_body(request, DetokenizeRequest)
+        req = await json_body(request, DetokenizeRequest)
         serving.check_model(req.model)
         if tokenizer is None:
             raise bad_request("this model has no tokenizer")
@@ -322,20 +335,14 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
             raise bad_request(f"token ids must be in [0, {serving.vocab_size})", param="tokens")
         return JSONResponse({"prompt": tokenizer.decode(req.tokens)})
 
+    register_responses_routes(app, serving, max_stored=config.max_stored_responses,
+                              stored_ttl_s=config.stored_response_ttl_s)
+    register_anthropic_routes(app, serving)
+    install_openapi(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+                          "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
+                          "/v1/messages/count_tokens": CountTokensRequest,
+                          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}, __version__,
+                    {path: ("AnthropicError", ANTHROPIC_ERROR_SCHEMA)
+                     for path in ("/v1/messages", "/v1/messages/count_tokens")})
     mount_playground(app)
     return app
-
-
-def _session(request: Request, body: ChatCompletionRequest | CompletionRequest) -> str | None:
-    """The conversation a request belongs to, for KV retention: the `x-session-id` header, else OpenAI's
-    `prompt_cache_key`, else its `user`."""
-    return request.headers.get("x-session-id") or body.prompt_cache_key or body.user
-
-
-async def _start_or_close(request: Request, engine_requests: EngineRequests) -> None:
-    """Submit a streaming request; if the engine refuses it or the client leaves first, abort and re-raise."""
-    try:
-        await unless_disconnected(request, engine_requests.start())
-    except BaseException:
-        await shielded(engine_requests.close())
-        raise

@@ -99,6 +99,12 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                        help=f"largest image or video file (default: {MEDIA_MAX_BYTES >> 20} MiB)")
     media.add_argument("--media-fetch-timeout", type=float, default=MEDIA_FETCH_TIMEOUT_S, metavar="SECONDS",
                        help=f"time allowed to fetch one http(s) media URL (default: {MEDIA_FETCH_TIMEOUT_S:g})")
+    responses = serve.add_argument_group("responses", "stored responses of /v1/responses (store: true), which "
+                                         "previous_response_id continues; kept in memory, least recently used first out")
+    responses.add_argument("--max-stored-responses", type=_positive(int), default=None, metavar="N",
+                           help="most responses kept (default: 1024)")
+    responses.add_argument("--stored-response-ttl", type=_positive(float), default=None, metavar="SECONDS",
+                           help="how long after it was stored a response may be continued (default: 3600)")
     http = serve.add_argument_group("http")
     http.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get 413")
     http.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
@@ -140,6 +146,17 @@ def parse_media_limits_flag(text: str) -> dict[str, Any]:
     if not isinstance(limits, dict):
         raise argparse.ArgumentTypeError("expected a JSON object such as '{\"image\": 2}'")
     return limits
+
+
+def _positive(kind: type[int] | type[float]) -> Any:
+    """An argparse type: a number > 0 (argparse names the flag in its error)."""
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def _env_int(*names: str) -> int | None:
@@ -229,7 +246,9 @@ def serve_command(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser, max_thinking_tokens=args.max_thinking_tokens,
         max_body_bytes=args.max_body_bytes, allowed_media_domains=args.allowed_media_domains,
         allowed_local_media_path=args.allowed_local_media_path, media_max_bytes=args.media_max_bytes,
-        media_fetch_timeout=args.media_fetch_timeout))
+        media_fetch_timeout=args.media_fetch_timeout,
+        **{name: value for name, value in (("max_stored_responses", args.max_stored_responses),
+                                           ("stored_response_ttl_s", args.stored_response_ttl)) if value is not None}))
     serving = app.state.serving
     print(f"Serving {', '.join(serving.model_names)} at http://{args.host}:{args.port}/v1, playground at "
           f"http://{args.host}:{args.port}/ "

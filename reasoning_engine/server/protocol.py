@@ -1,23 +1,67 @@
 """Request bodies of the OpenAI-compatible API, validated by pydantic.
 
-Unknown fields are ignored (clients and agent frameworks send many: metadata, store, ...), known fields are
-typed so a wrong type becomes a 400 naming the field. Sampling ranges are left to SamplingParams, whose ValueError
+Unknown fields are ignored (clients and agent frameworks send many: metadata, store, ...) and each unknown name is
+logged once per process, so a misspelt parameter is visible without flooding the log; known fields are typed so a
+wrong type becomes a 400 naming the field. Sampling ranges are left to SamplingParams, whose ValueError
 already names the field, so there is one source of truth for them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import threading
+from functools import cache
 from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+logger = logging.getLogger(__name__)
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
 TOOL_CHOICE_MODES = ("none", "auto", "required")
+MAX_LOGGED_UNKNOWN_FIELDS = 256  # distinct names; a client inventing new ones per request cannot grow the set further
+_logged_unknown_fields: set[str] = set()
+_logged_lock = threading.Lock()
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = _known_names(cls)
+            for name in data:
+                if isinstance(name, str) and name not in known:
+                    _log_unknown_field(cls.__name__, name)
+        return data
+
+
+@cache
+def _known_names(model: type[BaseModel]) -> frozenset[str]:
+    """Field names and every alias they accept."""
+    names: set[str] = set()
+    for name, info in model.model_fields.items():
+        names.add(name)
+        for alias in (info.alias, info.validation_alias):
+            if isinstance(alias, str):
+                names.add(alias)
+            elif isinstance(alias, AliasChoices):
+                names.update(choice for choice in alias.choices if isinstance(choice, str))
+    return frozenset(names)
+
+
+def _log_unknown_field(model: str, name: str) -> None:
+    """One WARNING per field name per process, as vLLM does, up to MAX_LOGGED_UNKNOWN_FIELDS names."""
+    with _logged_lock:
+        if name in _logged_unknown_fields or len(_logged_unknown_fields) >= MAX_LOGGED_UNKNOWN_FIELDS:
+            return
+        _logged_unknown_fields.add(name)
+        last = len(_logged_unknown_fields) == MAX_LOGGED_UNKNOWN_FIELDS
+    logger.warning("ignoring unknown request field %r (in %s); it is logged once", name[:100], model)
+    if last:
+        logger.warning("%d unknown request field names logged; further ones are not", MAX_LOGGED_UNKNOWN_FIELDS)
 
 
 class TextPart(_Body):
@@ -119,6 +163,38 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JSONSchemaSpec(_Body):
+    """`response_format.json_schema`. Every schema is enforced, `strict` or not (it is accepted for OpenAI clients);
+    `schema` is required here, since a json_schema format without one constrains nothing."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching `json_schema.schema`; vLLM's
+    `structural_tag` type takes an xgrammar structural-tag `format`. One model rather than a union by `type`, so a
+    wrong shape is reported at its own path (`response_format.json_schema.schema`)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JSONSchemaSpec | None = None
+    format: dict[str, Any] | None = None
+
+
+class StructuredOutputsSpec(_Body):
+    """vLLM's `structured_outputs`: exactly one of these (checked by StructuredOutputsParams, which names the
+    field)."""
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+
+
 class _SamplingFields(_Body):
     """Fields shared by chat and completions; None means the SamplingParams default."""
 
@@ -141,6 +217,17 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=512)  # OpenAI's end-user id: a session key for KV retention
     prompt_cache_key: str | None = Field(default=None, max_length=512)  # OpenAI's cache-routing key: the same
+    # constrained decoding: one of response_format (json_object / json_schema), structured_outputs or a guided_*
+    # field (vLLM's older names) per request
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsSpec | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as JSON object keys are: a decimal string) -> [-100, 100]
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -157,7 +244,6 @@ class ChatCompletionRequest(_SamplingFields):
         default=None, ge=0, validation_alias=AliasChoices("thinking_token_budget", "max_thinking_tokens"))
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    response_format: dict[str, Any] | None = None
 
     @field_validator("tool_choice", mode="before")
     @classmethod

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import anyio
@@ -29,6 +29,7 @@ from reasoning_engine.multimodal.loading import MediaLoader
 from reasoning_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from reasoning_engine.sampling_params import SamplingParams
 from reasoning_engine.server.chat_template import (
+    RenderedChat,
     check_template_kwargs,
     disable_thinking,
     render_chat,
@@ -47,17 +48,26 @@ from reasoning_engine.server.protocol import (
     CompletionRequest,
     ImagePart,
     NamedToolChoice,
+    ResponseFormat,
     VideoPart,
 )
 from reasoning_engine.server.reasoning_parsers import REASONING_FORMATS, initial_mode
 from reasoning_engine.server.token_bytes import TokenBytes
+from reasoning_engine.server.tool_grammar import (
+    CALL_SYNTAXES,
+    bad_tool_schema,
+    tool_call_tag,
+)
 from reasoning_engine.server.tool_parsers import TOOL_PARSERS
+from reasoning_engine.structured.params import StructuredOutputsParams
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "min_tokens")
+# vLLM's older top-level spellings of structured_outputs' fields
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 async def shielded(awaitable: Awaitable[Any]) -> None:
@@ -223,6 +233,50 @@ class Prepared:
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """A request's structured-output spec and the request parameter its errors are about."""
+
+    spec: StructuredOutputsParams
+    param: str
+
+
+def _constraint_error_param(constraint: Constraint | None,
+                            fallback: Callable[[str], str | None]) -> Callable[[str], str | None]:
+    """An engine error about the grammar (`structured_outputs...: why`) names the request field it came from."""
+    if constraint is None:
+        return fallback
+    return lambda message: constraint.param if message.startswith("structured_outputs") else fallback(message)
+
+
+def _structured_spec(fields: dict[str, Any], param: str | None) -> StructuredOutputsParams:
+    """StructuredOutputsParams from request fields; its ValueError (`structured_outputs.json: why`) becomes a 400
+    naming `param`, or the field the message names when `param` is None (the request's own structured_outputs)."""
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as exc:
+        path, _, detail = str(exc).partition(": ")
+        raise bad_request(f"{param or path}: {detail}", param=param or path, code="invalid_value") from exc
+
+
+def _response_format_constraint(fmt: ResponseFormat) -> Constraint:
+    """A json_object / json_schema / structural_tag response_format as a constraint."""
+    if fmt.type == "json_object":
+        return Constraint(_structured_spec({"json_object": True}, "response_format"), "response_format")
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise bad_request("response_format: type json_schema needs a json_schema object", param="response_format",
+                              code="invalid_value")
+        param = "response_format.json_schema.schema"
+        return Constraint(_structured_spec({"json": fmt.json_schema.schema_}, param), param)
+    if fmt.format is None:
+        raise bad_request("response_format: type structural_tag needs a format object", param="response_format",
+                          code="invalid_value")
+    param = "response_format.format"
+    return Constraint(_structured_spec({"structural_tag": {"type": "structural_tag", "format": fmt.format}}, param),
+                      param)
+
+
+@dataclass(frozen=True)
 class MediaRef:
     """An image or video part of a chat request: where it is (the error `param`), its kind and URL."""
 
@@ -237,7 +291,7 @@ def _prompt_ids(prompt: PromptType) -> list[int]:
 
 
 @dataclass
-class _Choice:
+class Choice:
     """One choice's progress through the cumulative outputs."""
 
     index: int
@@ -259,8 +313,8 @@ class _Choice:
 
 
 @dataclass
-class _Update:
-    choice: _Choice
+class ChoiceUpdate:
+    choice: Choice
     text: str  # raw new text
     parsed: ParsedDelta | None
     finished: bool
@@ -314,18 +368,99 @@ class OpenAIServing:
 
     def _sampling_params(self, req: ChatCompletionRequest | CompletionRequest, *, max_tokens: int | None,
                          max_tokens_param: str, logprobs: int | None, logprobs_param: str, skip_special_tokens: bool,
-                         thinking_token_budget: int | None) -> SamplingParams:
+                         thinking_token_budget: int | None, constraint: Constraint | None) -> SamplingParams:
         overrides = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
         try:
             return SamplingParams(n=req.n, stop=req.stop, stop_token_ids=req.stop_token_ids, max_tokens=max_tokens,
                                   ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=skip_special_tokens,
                                   include_stop_str_in_output=req.include_stop_str_in_output,
-                                  thinking_token_budget=thinking_token_budget, **overrides)
+                                  thinking_token_budget=thinking_token_budget,
+                                  structured_outputs=constraint.spec if constraint is not None else None,
+                                  **self._token_constraints(req), **overrides)
         except ValueError as exc:
             param = _param_of(str(exc))
             param = {"max_tokens": max_tokens_param, "logprobs": logprobs_param,
                      "thinking_token_budget": "thinking_token_budget"}.get(param or "", param)
             raise bad_request(str(exc), param=param, code="invalid_value") from exc
+
+    def _token_constraints(self, req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+        """logit_bias, allowed_token_ids and bad_words for SamplingParams, every token id checked against the
+        vocabulary here, so a bad id is a 400 naming its parameter before the engine sees the request."""
+        out: dict[str, Any] = {}
+        if req.logit_bias:
+            bias: dict[int, float] = {}
+            for key, value in req.logit_bias.items():
+                digits = key.strip()
+                if not (digits.isascii() and digits.isdigit()) or int(digits) >= self.vocab_size:
+                    raise bad_request(f"logit_bias: key {key[:40]!r} is not a token id in [0, {self.vocab_size})",
+                                      param="logit_bias", code="invalid_value")
+                if not -100 <= value <= 100:
+                    raise bad_request(f"logit_bias: the bias of token {digits} must be in [-100, 100], got {value}",
+                                      param="logit_bias", code="invalid_value")
+                bias[int(digits)] = value
+            out["logit_bias"] = bias
+        if req.allowed_token_ids is not None:
+            outside = [t for t in req.allowed_token_ids if not 0 <= t < self.vocab_size]
+            if not req.allowed_token_ids or outside:
+                detail = f"token id {outside[0]} is outside" if outside else "must list token ids from"
+                raise bad_request(f"allowed_token_ids: {detail} the vocabulary [0, {self.vocab_size})",
+                                  param="allowed_token_ids", code="invalid_value")
+            out["allowed_token_ids"] = req.allowed_token_ids
+        if req.bad_words is not None:
+            out["bad_words"] = req.bad_words
+        return out
+
+    def _answer_constraint(self, req: ChatCompletionRequest | CompletionRequest) -> Constraint | None:
+        """The grammar the answer must match, from response_format, structured_outputs or a guided_* field (at most
+        one of them), with the parameter its errors name."""
+        given: list[Constraint] = []
+        if req.response_format is not None and req.response_format.type != "text":
+            given.append(_response_format_constraint(req.response_format))
+        if req.structured_outputs is not None:
+            fields = req.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            spec = _structured_spec(fields, None)
+            given.append(Constraint(spec, f"structured_outputs.{spec.kind}"))
+        for name, kind in _GUIDED_FIELDS.items():
+            if getattr(req, name) is not None:
+                given.append(Constraint(_structured_spec({kind: getattr(req, name)}, name), name))
+        if len(given) > 1:
+            first, second = (c.param.split(".", 1)[0] for c in given[:2])
+            raise bad_request(f"{second}: one structured-output constraint per request, and {first} is already one",
+                              param=second, code="invalid_value")
+        return given[0] if given else None
+
+    def _tool_constraint(self, req: ChatCompletionRequest, tools_active: bool,
+                         answer: Constraint | None) -> Constraint | None:
+        """tool_choice "required" or named: the answer is calls (an answer format waits for a later turn); under
+        "auto", strict tools or an answer format: free text or that answer, with each call held to its tool's
+        schema. None when the tools need no grammar."""
+        if not tools_active or not req.tools:
+            return answer
+        choice = req.tool_choice
+        named = isinstance(choice, NamedToolChoice)
+        required = named or choice == "required"
+        if not required and answer is None and not any(t.function.strict for t in req.tools):
+            return None
+        if self.tool_parser not in CALL_SYNTAXES:
+            raise bad_request(f"the {self.tool_parser} tool-call format cannot be constrained", param="tool_choice")
+        if named:  # _check_tools made sure it is among the tools
+            indices = [next(i for i, t in enumerate(req.tools) if t.function.name == choice.function.name)]
+        else:
+            indices = list(range(len(req.tools)))
+        tools = [req.tools[i].function for i in indices]
+        tag = tool_call_tag(self.tool_parser, tools, required=required,
+                            parallel=not named and req.parallel_tool_calls is not False,
+                            answer=None if required or answer is None else answer.spec)
+        try:
+            return Constraint(StructuredOutputsParams(structural_tag=tag), "tools")
+        except ValueError as exc:
+            bad = bad_tool_schema(tools)
+            if bad is None:  # the answer format cannot sit beside the calls
+                param = answer.param if answer is not None else "tools"
+                detail = str(exc).partition(": ")[2]
+                raise bad_request(f"{param}: {detail}", param=param, code="invalid_value") from exc
+            param = f"tools[{indices[bad[0]]}].function.parameters"
+            raise bad_request(f"{param}: {bad[1]}", param=param, code="invalid_value") from exc
 
     # ---- chat -------------------------------------------------------------------------------------------
 
@@ -334,27 +469,20 @@ class OpenAIServing:
         videos (last, once everything cheaper is checked); every user error surfaces here as an APIError, before the
         engine sees the request."""
         tools_active = self._check_tools(req)
-        if req.response_format is not None and req.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format {\"type\": \"text\"} is supported", param="response_format")
+        constraint = self._tool_constraint(req, tools_active, self._answer_constraint(req))
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
-        kwargs = check_template_kwargs(dict(req.chat_template_kwargs or {}))
-        budget = req.thinking_token_budget if req.thinking_token_budget is not None else self.max_thinking_tokens
-        if budget == 0 and thinking_switch(kwargs) is not False:
-            kwargs = disable_thinking(kwargs)  # a zero budget means no thinking: render the prompt that way
-        refs = self._media_refs(req)
-        messages = template_messages(req.messages)
-        # media parts become the template's own image / video parts; the URLs are loaded below
-        media = extract_media(messages, lambda url: url, lambda url: url) if refs else None
-        # with tool_choice "none" the prompt offers no tools, so the model answers in text instead of a call
-        rendered = render_chat(self.tokenizer, media.messages if media else messages,
-                               tools=req.tools if tools_active else None, template_kwargs=kwargs,
-                               add_generation_prompt=req.add_generation_prompt,
-                               continue_final_message=req.continue_final_message)
+        rendered, refs, budget = self.render_prompt(req, tools_active)
         thinking_on = False
         if self.reasoning_parser:
-            mode = initial_mode(REASONING_FORMATS[self.reasoning_parser], rendered.tail, rendered.thinking_requested)
+            fmt = REASONING_FORMATS[self.reasoning_parser]
+            mode = initial_mode(fmt, rendered.tail, rendered.thinking_requested)
             thinking_on = mode != "content"
+            opener = _single_token_id(self.tokenizer, fmt.start)
+            if mode == "detect" and constraint is not None and opener is not None:
+                # the template leaves `<think>` to the model (Qwen3), but the engine starts a constraint at once
+                # unless the prompt is inside the thinking: open it here, so thinking stays free
+                rendered = replace(rendered, token_ids=[*rendered.token_ids, opener], tail=rendered.tail + fmt.start)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens: int | None = self._max_tokens(requested, len(rendered.token_ids), max_param, "messages")
@@ -364,7 +492,8 @@ class OpenAIServing:
         params = self._sampling_params(
             req, max_tokens=max_tokens, max_tokens_param=max_param,
             logprobs=(req.top_logprobs or 0) if req.logprobs else None, logprobs_param="top_logprobs",
-            skip_special_tokens=not parsing, thinking_token_budget=budget if thinking_on else None)
+            skip_special_tokens=not parsing, thinking_token_budget=budget if thinking_on else None,
+            constraint=constraint)
 
         def new_parser() -> ChatOutputParser | None:
             if not parsing:
@@ -375,13 +504,34 @@ class OpenAIServing:
 
         workload = "agent" if tools_active else "chat"
         if not refs:
-            return Prepared([rendered.token_ids], params, new_parser, workload)
+            return Prepared([rendered.token_ids], params, new_parser, workload,
+                            _constraint_error_param(constraint, _param_of))
         data: dict[str, list[Any]] = {}  # vLLM's multi_modal_data: each kind in prompt order
         for ref, item in zip(refs, await self._load_media(refs), strict=True):
             data.setdefault(ref.kind, []).append(item)
         aliases = {"max_tokens": max_param, "prompt": "messages", "prompt_token_ids": "messages"}
         return Prepared([{"prompt_token_ids": rendered.token_ids, "multi_modal_data": data}], params, new_parser,
-                        workload, lambda message: aliases.get(_param_of(message) or "", refs[0].param))
+                        workload, _constraint_error_param(
+                            constraint, lambda message: aliases.get(_param_of(message) or "", refs[0].param)))
+
+    def render_prompt(self, req: ChatCompletionRequest,
+                      tools_active: bool) -> tuple[RenderedChat, list[MediaRef], int | None]:
+        """The chat rendered as the engine will see it (media parts as the template's placeholders, loaded later),
+        its media, and the thinking budget; shared with Anthropic's count_tokens, so a count is the real prompt's."""
+        kwargs = check_template_kwargs(dict(req.chat_template_kwargs or {}))
+        budget = req.thinking_token_budget if req.thinking_token_budget is not None else self.max_thinking_tokens
+        if budget == 0 and thinking_switch(kwargs) is not False:
+            kwargs = disable_thinking(kwargs)  # a zero budget means no thinking: render the prompt that way
+        refs = self._media_refs(req)
+        messages = template_messages(req.messages)
+        # media parts become the template's own image / video parts; the URLs are loaded by prepare_chat
+        media = extract_media(messages, lambda url: url, lambda url: url) if refs else None
+        # with tool_choice "none" the prompt offers no tools, so the model answers in text instead of a call
+        rendered = render_chat(self.tokenizer, media.messages if media else messages,
+                               tools=req.tools if tools_active else None, template_kwargs=kwargs,
+                               add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message)
+        return rendered, refs, budget
 
     def _media_refs(self, req: ChatCompletionRequest) -> list[MediaRef]:
         """The request's image and video parts in prompt order, after the checks that need no fetching: the model
@@ -439,7 +589,7 @@ class OpenAIServing:
 
     async def chat_stream(self, req: ChatCompletionRequest, model: str, prepared: Prepared,
                           engine_requests: EngineRequests, arrival: float) -> AsyncGenerator[str, None]:
-        run = _Run(self, engine_requests, prepared, arrival)
+        run = ChatRun(self, engine_requests, prepared, arrival)
         base = {"id": engine_requests.ids[0], "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": model}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -471,7 +621,7 @@ class OpenAIServing:
                         yield chunk(choice.index, answer, logprobs=logprobs)
                         logprobs = []
                     if update.finished:
-                        yield chunk(choice.index, {}, self._finish_reason(choice), logprobs=logprobs)
+                        yield chunk(choice.index, {}, self.finish_reason(choice), logprobs=logprobs)
             if include_usage:
                 yield sse({**base, "choices": [], "usage": run.usage()})
         except APIError as exc:
@@ -482,7 +632,7 @@ class OpenAIServing:
 
     async def chat_full(self, req: ChatCompletionRequest, model: str, prepared: Prepared,
                         engine_requests: EngineRequests, arrival: float) -> dict[str, Any]:
-        run = _Run(self, engine_requests, prepared, arrival)
+        run = ChatRun(self, engine_requests, prepared, arrival)
         async with aclosing(run.updates(chat_logprobs=req.logprobs, top_n=req.top_logprobs or 0)) as updates:
             async for update in updates:
                 choice, parsed = update.choice, update.parsed
@@ -502,11 +652,11 @@ class OpenAIServing:
                                           "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
             choices.append({"index": choice.index, "message": message,
                             "logprobs": {"content": choice.logprobs} if req.logprobs else None,
-                            "finish_reason": self._finish_reason(choice), "stop_reason": choice.stop_reason})
+                            "finish_reason": self.finish_reason(choice), "stop_reason": choice.stop_reason})
         return {"id": engine_requests.ids[0], "object": "chat.completion", "created": int(time.time()),
                 "model": model, "choices": choices, "usage": run.usage()}
 
-    def _finish_reason(self, choice: _Choice) -> str | None:
+    def finish_reason(self, choice: Choice) -> str | None:
         if choice.parser is not None and choice.parser.tool_calls and choice.finish_reason == "stop":
             return "tool_calls"
         return choice.finish_reason
@@ -521,10 +671,12 @@ class OpenAIServing:
         prompts = self._completion_prompts(req.prompt)
         longest = max(len(p) for p in prompts)
         max_tokens = self._max_tokens(req.max_tokens, longest, "max_tokens", "prompt")
+        constraint = self._answer_constraint(req)
         params = self._sampling_params(req, max_tokens=max_tokens, max_tokens_param="max_tokens",
                                        logprobs=req.logprobs, logprobs_param="logprobs",
-                                       skip_special_tokens=req.skip_special_tokens, thinking_token_budget=None)
-        return Prepared(prompts, params, lambda: None, "completion")
+                                       skip_special_tokens=req.skip_special_tokens, thinking_token_budget=None,
+                                       constraint=constraint)
+        return Prepared(prompts, params, lambda: None, "completion", _constraint_error_param(constraint, _param_of))
 
     def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -552,7 +704,7 @@ class OpenAIServing:
 
     async def completion_stream(self, req: CompletionRequest, model: str, prepared: Prepared,
                                 engine_requests: EngineRequests, arrival: float) -> AsyncGenerator[str, None]:
-        run = _Run(self, engine_requests, prepared, arrival)
+        run = ChatRun(self, engine_requests, prepared, arrival)
         base = {"id": engine_requests.ids[0], "object": "text_completion", "created": int(time.time()),
                 "model": model}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -581,7 +733,7 @@ class OpenAIServing:
 
     async def completion_full(self, req: CompletionRequest, model: str, prepared: Prepared,
                               engine_requests: EngineRequests, arrival: float) -> dict[str, Any]:
-        run = _Run(self, engine_requests, prepared, arrival)
+        run = ChatRun(self, engine_requests, prepared, arrival)
         async with aclosing(run.updates(completion_logprobs=req.logprobs)) as updates:
             async for _ in updates:
                 pass
@@ -602,7 +754,7 @@ class OpenAIServing:
         ids = {m: _single_token_id(self.tokenizer, m) for m in (fmt.end, *fmt.implicit_ends, *openers)}
         return {i for i in ids.values() if i is not None}, ids[fmt.end]
 
-    def reasoning_tokens(self, choice: _Choice) -> int:
+    def reasoning_tokens(self, choice: Choice) -> int:
         """Generated tokens inside the thinking, `</think>` included; by token id where the markers are single
         tokens, else by re-encoding the thinking text."""
         parser = choice.parser.reasoning if choice.parser else None
@@ -621,7 +773,7 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
 
 
-class _Run:
+class ChatRun:
     """One HTTP request's walk over its engine outputs: per-choice deltas, parsing, logprobs, timing, usage."""
 
     def __init__(self, serving: OpenAIServing, engine_requests: EngineRequests, prepared: Prepared,
@@ -630,7 +782,7 @@ class _Run:
         self.engine_requests = engine_requests
         self.prompts = prepared.prompts
         self.n = prepared.params.n
-        self.choices = [_Choice(index=i, parser=prepared.new_parser()) for i in range(len(self.prompts) * self.n)]
+        self.choices = [Choice(index=i, parser=prepared.new_parser()) for i in range(len(self.prompts) * self.n)]
         self.timer = RequestTimer(serving.metrics, arrival)
         self.cached_tokens: dict[int, int] = {}  # per prompt
         # per prompt, updated from the engine: a media placeholder counts as its whole run of tokens
@@ -638,12 +790,12 @@ class _Run:
         self.image_tokens: dict[int, int] = {}  # per prompt
         self.video_tokens: dict[int, int] = {}
 
-    def prompt_text(self, choice: _Choice) -> str:
+    def prompt_text(self, choice: Choice) -> str:
         prompt = _prompt_ids(self.prompts[choice.index // self.n])
         return self.serving.tokenizer.decode(prompt) if self.serving.tokenizer is not None else ""
 
     async def updates(self, *, chat_logprobs: bool = False, top_n: int = 0,
-                      completion_logprobs: int | None = None) -> AsyncIterator[_Update]:
+                      completion_logprobs: int | None = None) -> AsyncIterator[ChoiceUpdate]:
         """Per choice and engine step: the new raw text and its parsed pieces; `finished` on the choice's last."""
         finished_ok = False
         try:
@@ -671,8 +823,8 @@ class _Run:
         finally:
             self._record(finished_ok)
 
-    def _advance(self, choice: _Choice, completion: CompletionOutput, chat_logprobs: bool, top_n: int,
-                 completion_logprobs: int | None) -> tuple[_Update, int]:
+    def _advance(self, choice: Choice, completion: CompletionOutput, chat_logprobs: bool, top_n: int,
+                 completion_logprobs: int | None) -> tuple[ChoiceUpdate, int]:
         new_text = completion.text[choice.text_len:] if len(completion.text) > choice.text_len else ""
         choice.text_len = max(choice.text_len, len(completion.text))
         start = len(choice.token_ids)
@@ -700,7 +852,7 @@ class _Run:
             choice.content.append(parsed.content)
         if finished:
             choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
-        return _Update(choice, new_text, parsed, finished), len(new_ids)
+        return ChoiceUpdate(choice, new_text, parsed, finished), len(new_ids)
 
     def _chat_logprob(self, token: int, entries: dict[int, Logprob], top_n: int) -> dict[str, Any]:
         text = self.serving.token_text(token, entries.get(token))
@@ -711,7 +863,7 @@ class _Run:
                 "top_logprobs": [{"token": (t := self.serving.token_text(tid, lp)), "logprob": _finite(lp.logprob),
                                   "bytes": self.serving.token_bytes(tid, t)} for tid, lp in top]}
 
-    def _completion_logprob(self, choice: _Choice, token: int, entries: dict[int, Logprob]) -> dict[str, Any]:
+    def _completion_logprob(self, choice: Choice, token: int, entries: dict[int, Logprob]) -> dict[str, Any]:
         """One token's entry; its offset counts from the start of the whole completion, so streamed chunks go on
         where the previous one stopped."""
         chosen = entries.get(token)
@@ -734,7 +886,7 @@ class _Run:
                                                                       for c in self.choices)}}
 
     def _record(self, finished_ok: bool) -> None:
-        reasons = [(self.serving._finish_reason(c) or "abort") if finished_ok or c.done else "abort"
+        reasons = [(self.serving.finish_reason(c) or "abort") if finished_ok or c.done else "abort"
                    for c in self.choices]
         self.timer.finish(time.monotonic(), sum(self.prompt_tokens),
                           sum(len(c.token_ids) for c in self.choices),

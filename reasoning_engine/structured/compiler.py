@@ -73,6 +73,8 @@ class GrammarCompiler:
                                              strict_mode=False)
             if kind == "regex":
                 return c.compile_regex(spec.regex)
+            if kind == "structural_tag":
+                return c.compile_structural_tag(spec.structural_tag_json())
             return c.compile_grammar(spec.ebnf() if kind == "choice" else spec.grammar)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"structured_outputs.{kind}: {short_error(e)}") from None

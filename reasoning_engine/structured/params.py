@@ -1,5 +1,5 @@
 """What a request asks its output to match: vLLM's `StructuredOutputsParams` shape (exactly one of json, regex, choice,
-grammar, json_object).
+grammar, json_object, structural_tag).
 
 Checked at construction, without a tokenizer: the shape of each field, and whether the schema, regex or grammar
 parses at all (xgrammar's tokenizer-free front end), so a bad request fails with a ValueError naming the field
@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 # compact JSON (no free whitespace): a small model cannot wander into endless spaces, and answers are shorter
 JSON_SEPARATORS = (",", ":")
@@ -22,13 +22,15 @@ JSON_SEPARATORS = (",", ":")
 class StructuredOutputsParams:
     """`json`: a JSON schema (a dict or its JSON text); `regex`: a regular expression the whole output matches;
     `choice`: the output is exactly one of these strings; `grammar`: an EBNF grammar (GBNF dialect, rule `root`);
-    `json_object`: any JSON object."""
+    `json_object`: any JSON object; `structural_tag`: an xgrammar structural tag (`{"type": "structural_tag",
+    "format": {...}}`, a dict or its JSON text), how the server constrains tool calls to each tool's schema."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         chosen = [name for name in FIELDS if getattr(self, name) not in (None, False)]
@@ -55,18 +57,26 @@ class StructuredOutputsParams:
         return next(name for name in FIELDS if getattr(self, name) not in (None, False))
 
     def key(self) -> tuple[str, str]:
-        """Hashable and canonical (a schema dict and its JSON text are the same key): the compile cache's key."""
+        """Hashable and canonical (a schema dict and its JSON text are the same key): the compile cache's key. Key
+        order is kept: a schema's property order is the order the grammar writes the properties in."""
         kind = self.kind
         if kind == "json":
-            return kind, json.dumps(self.schema(), sort_keys=True)
+            return kind, json.dumps(self.schema())
         if kind == "choice":
             return kind, json.dumps(self.choice)
         if kind == "json_object":
             return kind, ""
+        if kind == "structural_tag":
+            return kind, self.structural_tag_json()
         return kind, getattr(self, kind)
 
     def schema(self) -> dict[str, Any] | bool:
         return json.loads(self.json) if isinstance(self.json, str) else self.json
+
+    def structural_tag_json(self) -> str:
+        """The structural tag as JSON text (what xgrammar parses), the same for a dict and its JSON text."""
+        value = json.loads(self.structural_tag) if isinstance(self.structural_tag, str) else self.structural_tag
+        return json.dumps(value)
 
     def ebnf(self) -> str:
         """`choice` as a grammar: one alternative per string (JSON string escapes are the GBNF literal's)."""
@@ -91,6 +101,14 @@ class StructuredOutputsParams:
         elif kind == "choice":
             if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
                 raise ValueError("structured_outputs.choice: must be a non-empty list of non-empty strings")
+        elif kind == "structural_tag":
+            try:
+                parsed = json.loads(value) if isinstance(value, str) else value
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.structural_tag: not valid JSON: {e}") from None
+            if not isinstance(parsed, dict):
+                raise ValueError("structured_outputs.structural_tag: must be an object "
+                                 '{"type": "structural_tag", "format": {...}}')
         elif value is not True:
             raise ValueError("structured_outputs.json_object: must be true")
 
@@ -108,6 +126,8 @@ class StructuredOutputsParams:
                                                          separators=JSON_SEPARATORS, strict_mode=False)
             if kind == "regex":
                 return xgrammar.Grammar.from_regex(self.regex)
+            if kind == "structural_tag":
+                return xgrammar.Grammar.from_structural_tag(self.structural_tag_json())
             return xgrammar.Grammar.from_ebnf(self.ebnf() if kind == "choice" else self.grammar)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"structured_outputs.{kind}: {short_error(e)}") from None

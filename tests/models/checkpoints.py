@@ -87,6 +87,12 @@ VARIANTS: dict[str, Variant] = {
     "qwen3_moe": Variant("qwen3_moe"),
     "llama": Variant("llama"),
     "deepseek_v2": Variant("deepseek_v2"),
+    # config.json exactly as the installed transformers' save_pretrained writes it (5.x: rope_parameters, dtype,
+    # Qwen3-MoE's num_local_experts); the variants above carry the hub's older spellings
+    "qwen3_as_saved": Variant("qwen3", published=False),
+    "qwen3_moe_as_saved": Variant("qwen3_moe", published=False),
+    "llama_as_saved": Variant("llama", published=False),
+    "deepseek_v2_as_saved": Variant("deepseek_v2", published=False),
     # quantized: every linear but router / embeddings / head in block FP8 with partial edge blocks (192 = 128 + 64)
     "deepseek_v3_fp8": Variant("deepseek_v3", dict(
         hidden_size=192, intermediate_size=320, moe_intermediate_size=160, num_hidden_layers=2, kv_lora_rank=64,

@@ -97,3 +97,30 @@ def test_kimi_k25_loads_its_vision_tower_beside_the_text_model(tiny_checkpoint: 
     llm = _llm(tiny_checkpoint("kimi_k25").path)
     vision = llm.engine.runner.worker.vision
     assert vision is not None and vision.config.hidden_size == 16
+
+def test_renamed_config_fields_read_through_transformers_config_classes(tmp_path: Path) -> None:
+    """A config written by transformers 5 (`num_local_experts`, `rope_parameters`) and the hub's spelling
+    (`num_experts`, `rope_theta` + `rope_scaling`) are one configuration; DeepSeek's alias reads too."""
+    from transformers import Qwen3MoeConfig
+
+    from reasoning_engine.config import load_model_config
+
+    saved = tmp_path / "saved"
+    Qwen3MoeConfig(num_experts=6, num_experts_per_tok=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                   rope_parameters={"rope_type": "default", "rope_theta": 5e5}).save_pretrained(saved)
+    written = json.loads((saved / "config.json").read_text())
+    assert "num_local_experts" in written and "num_experts" not in written  # as transformers 5 writes it
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    old = {k: v for k, v in written.items() if k not in ("num_local_experts", "rope_parameters")}
+    (hub / "config.json").write_text(json.dumps({**old, "num_experts": 6, "rope_theta": 5e5, "rope_scaling": None}))
+    for path in (saved, hub):
+        config = load_model_config(path)
+        assert config.raw["num_experts"] == config.raw["num_local_experts"] == 6
+        assert (config.rope_theta, config.rope_scaling) == (5e5, None)
+    deepseek = tmp_path / "deepseek"
+    deepseek.mkdir()
+    (deepseek / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "num_local_experts": 5,
+                                                      "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
+                                                      "num_attention_heads": 4}))
+    assert load_model_config(deepseek).raw["n_routed_experts"] == 5

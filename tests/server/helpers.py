@@ -10,6 +10,7 @@ import string
 import threading
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -181,3 +182,32 @@ def stream_chat(client: openai.OpenAI, **kwargs: Any) -> dict[str, Any]:
     for piece in (out["reasoning"], out["content"]):
         assert not any(m in piece for m in MARKERS), piece
     return out
+
+
+def bundled_model_fixtures(model: str | None = None, max_model_len: int = 1024) -> tuple[Any, Any, Any]:
+    """Module-scoped `engine` (an AsyncLLM of the bundled model, or of `model`: 128 blocks of 16, 8 sequences),
+    `server` (a LiveServer of the app around it) and `client` (an openai client of it) fixtures, for a test module
+    to take as `engine, server, client = bundled_model_fixtures()`."""
+    import pytest
+
+    from reasoning_engine.server.app import ServerConfig, build_app
+
+    @pytest.fixture(scope="module")
+    def engine() -> Iterator[Any]:
+        from reasoning_engine.engine.async_engine import AsyncLLM
+
+        llm = AsyncLLM(model=model, device="cpu", max_model_len=max_model_len, kv_cache_blocks=128, block_size=16,
+                       max_num_seqs=8)
+        yield llm
+        llm.shutdown_sync()
+
+    @pytest.fixture(scope="module")
+    def server(engine: Any) -> Iterator[LiveServer]:
+        with LiveServer(build_app(engine, ServerConfig(shutdown_engine=False))) as live:
+            yield live
+
+    @pytest.fixture(scope="module")
+    def client(server: LiveServer) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    return engine, server, client

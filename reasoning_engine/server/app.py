@@ -341,7 +341,7 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
     install_openapi(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
                           "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
                           "/v1/messages/count_tokens": CountTokensRequest,
-                          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}, __version__,
+                          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}, __version__, names,
                     {path: ("AnthropicError", ANTHROPIC_ERROR_SCHEMA)
                      for path in ("/v1/messages", "/v1/messages/count_tokens")})
     mount_playground(app)

@@ -35,9 +35,10 @@ ERROR_STATUSES = {"400": "The request is invalid; `error.param` names the field 
                   "503": "The engine is not running."}
 
 
-def install_openapi(app: FastAPI, bodies: Mapping[str, type[BaseModel]], version: str,
+def install_openapi(app: FastAPI, bodies: Mapping[str, type[BaseModel]], version: str, model_names: list[str],
                     error_shapes: Mapping[str, tuple[str, dict[str, Any]]] | None = None) -> None:
-    """Make `app.openapi()` document `bodies` (route path -> request model; every such route is a POST).
+    """Make `app.openapi()` document `bodies` (route path -> request model; every such route is a POST), with each
+    body's `model` one of `model_names` (what this server accepts; clients and fuzzers then reach past the 404).
     `error_shapes` maps a path to its error body's component name and JSON schema (default: OpenAI's)."""
     error_shapes = error_shapes or {}
 
@@ -52,8 +53,13 @@ def install_openapi(app: FastAPI, bodies: Mapping[str, type[BaseModel]], version
         components.update(defs.get("$defs", {}))
         for path, model in bodies.items():
             operation = schema["paths"][path]["post"]
-            operation["requestBody"] = {"required": True, "content": {
-                "application/json": {"schema": refs[(model, "validation")]}}}
+            ref = refs[(model, "validation")]
+            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref}}}
+            body = components[ref["$ref"].rsplit("/", 1)[-1]]
+            if "model" in body.get("properties", {}):
+                served = {"type": "string", "enum": list(model_names)}
+                required = "model" in body.get("required", [])
+                body["properties"]["model"] = served if required else {"anyOf": [served, {"type": "null"}]}
             error_name, error_schema = error_shapes.get(path, ("ErrorResponse", OPENAI_ERROR_SCHEMA))
             components[error_name] = error_schema
             error_ref = {"$ref": REF_TEMPLATE.format(model=error_name)}

@@ -15,7 +15,7 @@ from playwright.sync_api import Page, expect
 from multimodal.kimi_checkpoint import build_kimi_k25, noise_image
 from server.helpers import save_random_checkpoint
 
-from .helpers import Served
+from .helpers import ARTIFACTS, BUNDLED, Served
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +66,27 @@ def test_no_image_control_for_a_text_model(page: Page, serve: Callable[..., Serv
     connected(page, serve(model=str(save_random_checkpoint(tmp_path / "text_model"))))
     expect(page.locator("#attach")).to_be_hidden()
     expect(page.locator("#attachments")).to_be_hidden()
+
+
+@pytest.mark.skipif(BUNDLED is None, reason="needs the bundled model's files")
+def test_bundled_model_answers_a_drawn_picture(page: Page, serve: Callable[..., Served], tmp_path: Path) -> None:
+    """The offline demo end to end: a fresh picture the vision data draws (never seen in training: the eval seed),
+    attached in the page and answered right by the bundled model, its scan of the picture in the thinking."""
+    from reasoning_engine.tiny.vision_data import check_image_answer, eval_image_samples
+
+    sample = eval_image_samples(per_task=1)[0]  # "What colour is the circle?"
+    image = tmp_path / "shapes.png"
+    sample.meta["image"].save(image)
+    connected(page, serve())
+    page.fill("#temperature", "0")
+    page.set_input_files("#attach-file", str(image))
+    page.fill("#prompt", sample.messages[0]["content"][1]["text"])
+    page.press("#prompt", "Enter")
+    page.wait_for_function("() => document.querySelectorAll('.turn.assistant').length === 1"
+                           " && document.getElementById('conversation').getAttribute('aria-busy') === 'false'")
+    expect(page.locator("#error")).to_be_hidden()
+    answer = page.locator(".turn.assistant .answer").text_content() or ""
+    assert check_image_answer(sample, answer), (sample.expected, answer)
+    page.locator(".turn.assistant .thinking summary").click()  # show the scan in the picture
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS.parent / "playground_image.png"))

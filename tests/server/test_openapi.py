@@ -82,3 +82,11 @@ def test_openapi_and_docs_need_the_api_key(fake_server: Any) -> None:
     for path in ("/openapi.json", "/docs"):
         assert httpx.get(f"{url}{path}").status_code == 401
         assert httpx.get(f"{url}{path}", headers={"Authorization": "Bearer sekret"}).status_code == 200
+
+
+def test_each_body_names_the_served_models(fake_server: Any) -> None:
+    _, url = fake_server("hi", served_model_names=["a", "b"])
+    schemas = httpx.get(f"{url}/openapi.json").json()["components"]["schemas"]
+    assert schemas["MessagesRequest"]["properties"]["model"] == {"type": "string", "enum": ["a", "b"]}
+    assert schemas["ChatCompletionRequest"]["properties"]["model"] == {
+        "anyOf": [{"type": "string", "enum": ["a", "b"]}, {"type": "null"}]}

@@ -448,6 +448,8 @@ def bench_attention(plan: Plan) -> list[KernelRow]:
 
         shape = f"B={len(q_lens)} q={q_lens[0]} ctx={ctx_lens[0] + q_lens[0]} H={heads}/{kv_heads} D={head_dim}"
         rows.append(_measure(KernelRow(name, shape), gqa))
+    rows += _bench_sparse_attention(plan)
+    rows += _bench_gpt_oss_attention(plan)
     # writing the MLA latent of a prefill chunk into the paged cache
     tokens, width, bs = (16384, 576, 64) if not plan.dry else (64, 80, 16)
 
@@ -462,6 +464,88 @@ def bench_attention(plan: Plan) -> list[KernelRow]:
         row.agreement = "exact" if written else "MISMATCH"
 
     rows.append(_measure(KernelRow("write_kv_cache", f"T={tokens} width={width}"), write))
+    return rows
+
+
+def _bench_gpt_oss_attention(plan: Plan) -> list[KernelRow]:
+    """gpt-oss-120b's GQA (64 / 8 heads of 64) with sinks at decode: a sliding layer (window 128) reads only its
+    window, a full layer the whole context."""
+    from reasoning_engine.kernels import attention, triton_attention
+
+    dev, bf16, rows = plan.device, torch.bfloat16, []
+    heads, kv_heads, head_dim, bs = (64, 8, 64, 16) if not plan.dry else (4, 2, 32, 16)
+    batch_size, ctx = (8, 32768) if not plan.dry else (2, 40)
+    for window in ((128, None) if not plan.dry else (8, None)):
+
+        def gqa(row: KernelRow, window: int | None = window) -> None:
+            batch, nblocks = _paged_batch([ctx - 1] * batch_size, [1] * batch_size, bs, dev)
+            k = torch.randn(nblocks, bs, kv_heads, head_dim, device=dev, dtype=bf16)
+            v = torch.randn_like(k)
+            q = torch.randn(batch_size, heads, head_dim, device=dev, dtype=bf16)
+            sinks = torch.randn(heads, device=dev, dtype=bf16)
+            meta, tmeta = triton_attention.prepare_attention(batch, bs), attention.prepare_attention(batch, bs)
+            args = (q, k, v, batch)
+            row.agreement = _rel(triton_attention.paged_attention(*args, meta, head_dim**-0.5, sinks, window),
+                                 attention.paged_attention(*args, tmeta, head_dim**-0.5, sinks, window))
+            row.triton_s = _bench(lambda: triton_attention.paged_attention(*args, meta, head_dim**-0.5, sinks, window), dev)
+            row.torch_s = _bench(lambda: attention.paged_attention(*args, tmeta, head_dim**-0.5, sinks, window), dev)
+            span = min(ctx, window or ctx)
+            row.nbytes = 2 * batch_size * span * kv_heads * head_dim * 2 + 2 * q.numel() * 2
+            row.flops = 4 * batch_size * span * heads * head_dim
+
+        shape = f"B={batch_size} ctx={ctx} H={heads}/{kv_heads} D={head_dim} {'window ' + str(window) if window else 'full'}"
+        rows.append(_measure(KernelRow("gqa_sinks_decode gpt-oss", shape), gqa))
+    return rows
+
+
+def _bench_sparse_attention(plan: Plan) -> list[KernelRow]:
+    """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5) at decode: the lightning indexer's scores over the whole
+    context (64 index heads of 128 channels) and MLA over each query's 2,048 selected tokens (64 heads)."""
+    from reasoning_engine.kernels import attention, sparse_attention, triton_attention, triton_sparse_attention
+
+    dev, bf16, rows = plan.device, torch.bfloat16, []
+    index_heads, index_dim, topk, heads, latent, rope, bs = ((64, 128, 2048, 64, 512, 64, 64) if not plan.dry
+                                                             else (8, 32, 16, 4, 64, 16, 16))
+    for batch_size, ctx in ((1, 131072), (8, 32768)) if not plan.dry else ((1, 48), (2, 40)):
+        batch, nblocks = _paged_batch([ctx - 1] * batch_size, [1] * batch_size, bs, dev)
+        keys = torch.randn(nblocks, bs, index_dim, device=dev, dtype=bf16)
+        q_index = torch.randn(batch_size, index_heads, index_dim, device=dev, dtype=bf16)
+        weights = torch.randn(batch_size, index_heads, device=dev)
+
+        def indexer(row: KernelRow, batch=batch, keys=keys, q_index=q_index, weights=weights, ctx=ctx) -> None:
+            def run(module):
+                return module.indexer_scores(q_index, weights, keys, batch, 0, batch.num_tokens)
+
+            row.agreement = _rel(run(triton_sparse_attention), run(sparse_attention))
+            row.triton_s = _bench(lambda: run(triton_sparse_attention), dev)
+            row.torch_s = _bench(lambda: run(sparse_attention), dev)
+            row.nbytes = batch.num_tokens * ctx * index_dim * 2
+            row.flops = 2 * batch.num_tokens * index_heads * ctx * index_dim
+
+        rows.append(_measure(KernelRow("dsa_indexer", f"B={batch_size} ctx={ctx} H={index_heads} D={index_dim}"),
+                             indexer))
+        kv = torch.randn(nblocks, bs, latent + rope, device=dev, dtype=bf16)
+        q = torch.randn(batch_size, heads, latent + rope, device=dev, dtype=bf16)
+        selected = torch.stack([torch.randperm(ctx, device=dev)[:topk] for _ in range(batch_size)])
+
+        def sparse_mla(row: KernelRow, batch=batch, kv=kv, q=q, selected=selected) -> None:
+            meta, tmeta = triton_attention.prepare_attention(batch, bs), attention.prepare_attention(batch, bs)
+            scale = 192**-0.5
+
+            def run_triton():
+                return triton_sparse_attention.sparse_latent_attention(q, kv, latent, batch, meta, scale, selected)
+
+            def run_torch():
+                return sparse_attention.sparse_latent_attention(q, kv, latent, batch, tmeta, scale, selected)
+
+            row.agreement = _rel(run_triton(), run_torch())
+            row.triton_s = _bench(run_triton, dev)
+            row.torch_s = _bench(run_torch, dev)
+            row.nbytes = batch_size * topk * (latent + rope) * 2 + batch_size * heads * (2 * latent + rope) * 2
+            row.flops = 2 * batch_size * heads * topk * (2 * latent + rope)
+
+        rows.append(_measure(KernelRow("dsa_sparse_mla", f"B={batch_size} ctx={ctx} k={topk} H={heads} "
+                                                         f"L={latent}+{rope}"), sparse_mla))
     return rows
 
 
@@ -482,6 +566,12 @@ def _moe_inputs(tokens: int, experts: int, top_k: int, hidden: int, inter: int, 
         s13 = torch.rand(experts, 2 * inter, hidden // 32, device=device).to(torch.bfloat16) * 0.02
         s2 = torch.rand(experts, hidden, inter // 32, device=device).to(torch.bfloat16) * 0.02
         return x, w13, w2, weights, ids, MoEQuant("w4a16", s13, s2, group_size=32), INT4_BYTES_PER_PARAM
+    if quant == "mxfp4":  # e8m0 scales near 2^-6: weights of the spread the clamped SwiGLU sees
+        w13 = torch.randint(0, 256, (experts, 2 * inter, hidden // 2), device=device, dtype=torch.uint8)
+        w2 = torch.randint(0, 256, (experts, hidden, inter // 2), device=device, dtype=torch.uint8)
+        s13 = torch.randint(119, 123, (experts, 2 * inter, hidden // 32), device=device, dtype=torch.uint8)
+        s2 = torch.randint(119, 123, (experts, hidden, inter // 32), device=device, dtype=torch.uint8)
+        return x, w13, w2, weights, ids, MoEQuant("mxfp4", s13, s2), 0.5 + 1 / 32
     w13 = (torch.randn(experts, 2 * inter, hidden, device=device) * 0.1).to(torch.float8_e4m3fn)
     w2 = (torch.randn(experts, hidden, inter, device=device) * 0.1).to(torch.float8_e4m3fn)
     s13 = torch.rand(experts, 2 * math.ceil(inter / 128), math.ceil(hidden / 128), device=device) * 0.01
@@ -509,14 +599,22 @@ def bench_moe(plan: Plan) -> list[KernelRow]:
         ("moe_w4a16", 1, 4, 2, 64, 64, "w4a16", BANDWIDTH_TARGET),
         ("moe_fp8", 1, 4, 2, 64, 64, "fp8_block", None),
     ]
+    # gpt-oss-120b's experts as shipped: MXFP4, biases, the clamped SwiGLU (hidden = intermediate = 2880, top-4)
+    cases += [("moe_mxfp4 gpt-oss-120b", t, 128, 4, 2880, 2880, "mxfp4", None) for t in (1, 64)] if not plan.dry else [
+        ("moe_mxfp4", 1, 4, 2, 64, 64, "mxfp4", None)]
     for label, tokens, experts, top_k, hidden, inter, quant, target in cases:
 
         def moe(row: KernelRow, tokens: int = tokens, experts: int = experts, top_k: int = top_k, hidden: int = hidden,
                 inter: int = inter, quant: str | None = quant) -> None:
             x, w13, w2, weights, ids, q, bytes_per_weight = _moe_inputs(tokens, experts, top_k, hidden, inter, quant, dev)
-            row.agreement = _rel(triton_moe.fused_moe(x, w13, w2, weights, ids, q), fused_moe.fused_moe(x, w13, w2, weights, ids, q))
-            row.triton_s = _bench(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids, q), dev)
-            row.torch_s = _bench(lambda: fused_moe.fused_moe(x, w13, w2, weights, ids, q), dev)
+            extra: dict[str, Any] = {}
+            if quant == "mxfp4":
+                extra = dict(w13_bias=torch.randn(experts, 2 * inter, device=dev, dtype=torch.bfloat16),
+                             w2_bias=torch.randn(experts, hidden, device=dev, dtype=torch.bfloat16), swiglu_limit=7.0)
+            row.agreement = _rel(triton_moe.fused_moe(x, w13, w2, weights, ids, q, **extra),
+                                 fused_moe.fused_moe(x, w13, w2, weights, ids, q, **extra))
+            row.triton_s = _bench(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids, q, **extra), dev)
+            row.torch_s = _bench(lambda: fused_moe.fused_moe(x, w13, w2, weights, ids, q, **extra), dev)
             hit = int(ids.unique().numel())
             row.nbytes = hit * 3 * hidden * inter * bytes_per_weight + 2 * tokens * hidden * 2
             row.flops = 2 * tokens * top_k * 3 * hidden * inter

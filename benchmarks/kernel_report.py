@@ -466,6 +466,115 @@ def vision_attention_case(lengths: list[int], shape: str) -> Case:
     return Case("MoonViT", "vision attention", shape, False, build)
 
 
+DSV32_TP8 = Model("dsv32-tp8", heads=16, hidden=7168, experts=256, global_experts=256, top_k=8, inter=256, quant=None,
+                  q_lora=1536, vocab=129280)
+INDEX_HEADS, INDEX_DIM, INDEX_TOPK = 64, 128, 2048  # DeepSeek-V3.2's lightning indexer (GLM-5: 32 heads)
+
+
+def dsa_indexer_case(model: Model, tokens: int, context: int, decode_path: bool) -> Case:
+    """The indexer's scores for `tokens` queries (decode: one per sequence) over `context` cached tokens each."""
+    def build(device: str) -> tuple[Callable[[], Any], None]:
+        import torch
+
+        from reasoning_engine.kernels import triton_sparse_attention as tsa
+
+        fb, num_blocks = (_decode_batch(tokens, context, False, device) if decode_path
+                          else _ragged_batch(context, [tokens], False, device))
+        keys = torch.randn(num_blocks, BLOCK_SIZE, INDEX_DIM, dtype=torch.bfloat16, device=device)
+        q = torch.randn(fb.num_tokens, INDEX_HEADS, INDEX_DIM, dtype=torch.bfloat16, device=device)
+        weights = torch.randn(fb.num_tokens, INDEX_HEADS, dtype=torch.float32, device=device)
+        return (lambda: tsa.indexer_scores(q, weights, keys, fb, 0, fb.num_tokens)), None
+
+    shape = f"b{tokens} ctx{_k(context)}" if decode_path else f"chunk{_k(tokens)} after {_k(context)}"
+    return Case(model.name, "dsa indexer", shape, decode_path, build)
+
+
+def dsa_sparse_mla_case(model: Model, tokens: int, context: int, decode_path: bool) -> Case:
+    """MLA over each query's INDEX_TOPK selected positions of a `context`-token cache."""
+    def build(device: str) -> tuple[Callable[[], Any], None]:
+        import torch
+
+        from reasoning_engine.kernels import triton_attention as ta
+        from reasoning_engine.kernels import triton_sparse_attention as tsa
+
+        fb, num_blocks = (_decode_batch(tokens, context, False, device) if decode_path
+                          else _ragged_batch(context, [tokens], False, device))
+        width = model.latent + model.rope
+        kv = torch.randn(num_blocks, BLOCK_SIZE, width, dtype=torch.bfloat16, device=device)
+        q = torch.randn(fb.num_tokens, model.heads, width, dtype=torch.bfloat16, device=device)
+        selected = torch.randint(0, context, (fb.num_tokens, INDEX_TOPK), device=device)
+        meta = ta.prepare_attention(fb, BLOCK_SIZE)
+        return (lambda: tsa.sparse_latent_attention(q, kv, model.latent, fb, meta, 192**-0.5, selected)), None
+
+    shape = f"b{tokens} ctx{_k(context)}" if decode_path else f"chunk{_k(tokens)} after {_k(context)}"
+    return Case(model.name, "dsa sparse mla", shape, decode_path, build)
+
+
+def dsa_cases() -> list[Case]:
+    """DeepSeek-V3.2 / GLM-5 sparse attention at DeepSeek-V3.2's shapes under TP=8."""
+    cases: list[Case] = []
+    for make in (dsa_indexer_case, dsa_sparse_mla_case):
+        cases += [make(DSV32_TP8, b, ctx, True) for b in DECODE_BATCHES for ctx in (32768, 131072)]
+        cases.append(make(DSV32_TP8, 2048, 30720, False))
+    return cases
+
+
+GPT_OSS_HEADS, GPT_OSS_KV_HEADS, GPT_OSS_HEAD_DIM, GPT_OSS_WINDOW = 64, 8, 64, 128  # gpt-oss-120b on one GPU
+
+
+def gpt_oss_attention_case(batch: int, ctx: int, window: int | None, decode_path: bool) -> Case:
+    """gpt-oss-120b's GQA with sinks, on a sliding (window 128) or full layer: decode steps as a CUDA graph replays
+    them, or one prefill chunk after `ctx` cached tokens."""
+    def build(device: str) -> tuple[Callable[[], Any], None]:
+        import torch
+
+        from reasoning_engine.kernels import triton_attention as ta
+
+        fb, num_blocks = _decode_batch(batch, ctx, True, device) if decode_path else _ragged_batch(ctx, [batch], False, device)
+        cache = torch.randn(num_blocks, BLOCK_SIZE, GPT_OSS_KV_HEADS, GPT_OSS_HEAD_DIM, dtype=torch.bfloat16, device=device)
+        q = torch.randn(fb.num_tokens, GPT_OSS_HEADS, GPT_OSS_HEAD_DIM, dtype=torch.bfloat16, device=device)
+        sinks = torch.randn(GPT_OSS_HEADS, dtype=torch.bfloat16, device=device)
+        meta = ta.prepare_attention(fb, BLOCK_SIZE)
+        return (lambda: ta.paged_attention(q, cache, cache, fb, meta, GPT_OSS_HEAD_DIM**-0.5, sinks, window)), None
+
+    layer = f"window{window}" if window else "full"
+    shape = f"b{batch} ctx{_k(ctx)} graph {layer}" if decode_path else f"chunk{_k(batch)} after {_k(ctx)} {layer}"
+    return Case("gpt-oss-120b", "gqa+sinks decode" if decode_path else "gqa+sinks prefill", shape, decode_path, build)
+
+
+def gpt_oss_moe_case(tokens: int, decode_path: bool) -> Case:
+    """gpt-oss-120b's experts as shipped: 128 experts in MXFP4, top-4, hidden = intermediate = 2880, with biases and
+    the clamped SwiGLU."""
+    def build(device: str) -> tuple[Callable[[], Any], None]:
+        import torch
+
+        from reasoning_engine.kernels import triton_moe
+        from reasoning_engine.kernels.fused_moe import MoEQuant
+
+        e, h, i, k = 128, 2880, 2880, 4
+        w13 = torch.randint(0, 256, (e, 2 * i, h // 2), dtype=torch.uint8, device=device)
+        w2 = torch.randint(0, 256, (e, h, i // 2), dtype=torch.uint8, device=device)
+        quant = MoEQuant("mxfp4", torch.full((e, 2 * i, h // 32), 120, dtype=torch.uint8, device=device),
+                         torch.full((e, h, i // 32), 120, dtype=torch.uint8, device=device))
+        b13 = torch.zeros(e, 2 * i, dtype=torch.bfloat16, device=device)
+        b2 = torch.zeros(e, h, dtype=torch.bfloat16, device=device)
+        hidden = torch.randn(tokens, h, dtype=torch.bfloat16, device=device)
+        weights = torch.rand(tokens, k, device=device)
+        ids = torch.rand(tokens, e, device=device).topk(k, dim=-1).indices.to(torch.int32)
+        return (lambda: triton_moe.fused_moe(hidden, w13, w2, weights, ids, quant, w13_bias=b13, w2_bias=b2,
+                                             swiglu_limit=7.0)), None
+
+    return Case("gpt-oss-120b", "moe mxfp4", f"t{tokens}", decode_path, build)
+
+
+def gpt_oss_cases() -> list[Case]:
+    cases = [gpt_oss_attention_case(b, ctx, w, True) for b in (1, 64) for ctx in (32768, 131072)
+             for w in (GPT_OSS_WINDOW, None)]
+    cases += [gpt_oss_attention_case(8192, 0, w, False) for w in (GPT_OSS_WINDOW, None)]
+    cases += [gpt_oss_moe_case(t, True) for t in DECODE_BATCHES] + [gpt_oss_moe_case(8192, False)]
+    return cases
+
+
 def all_cases() -> list[Case]:
     cases: list[Case] = []
     for model in ATTENTION_MODELS:
@@ -490,6 +599,8 @@ def all_cases() -> list[Case]:
     cases += [vision_attention_case([4096], "1 image x 4096 patches"),
               vision_attention_case([1024] * 8, "8 images x 1024 patches"),
               vision_attention_case([16384], "1 image x 16384 patches")]
+    cases += dsa_cases()
+    cases += gpt_oss_cases()
     return cases
 
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v2", "qwen3", "qwen3_moe", "llama")
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v2", "qwen3", "qwen3_moe", "llama", "glm4_moe",
+                         "minimax_m2", "deepseek_v32", "glm_moe_dsa", "gpt_oss", "glm4_moe_lite")
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -84,20 +85,26 @@ class ModelConfig:
 
     @property
     def is_mla(self) -> bool:
-        return self.family in ("deepseek_v3", "deepseek_v2")
+        return self.family in ("deepseek_v3", "deepseek_v2", "deepseek_v32", "glm_moe_dsa")
 
     @property
     def name(self) -> str:
         return self.path.name
 
     def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes one token occupies in the KV cache over all layers: MLA keeps only the latent and the rope key."""
+        """Bytes one token occupies in the KV cache over all layers: MLA keeps only the latent and the rope key, plus
+        the DSA indexer's key on each layer with an indexer (DeepSeek-V3.2, GLM-5's "full" layers)."""
         size = torch.tensor([], dtype=dtype).element_size()
         if self.is_mla:
             per_layer = self.raw["kv_lora_rank"] + self.raw["qk_rope_head_dim"]
         else:
             per_layer = 2 * self.num_key_value_heads * self.head_dim
-        return per_layer * size * self.num_hidden_layers
+        index_keys = 0
+        if self.is_mla and self.raw.get("index_topk"):
+            types = self.raw.get("indexer_types") or ()
+            indexed = sum(1 for i in range(self.num_hidden_layers) if i >= len(types) or types[i] == "full")
+            index_keys = self.raw["index_head_dim"] * indexed
+        return (per_layer * self.num_hidden_layers + index_keys) * size
 
 
 def load_model_config(path: str | os.PathLike) -> ModelConfig:
@@ -127,8 +134,11 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
                    ("lm_head.", "lm_head."))
         raw.setdefault("quantization_config", outer.get("quantization_config"))
         raw.setdefault("torch_dtype", outer.get("torch_dtype") or outer.get("dtype"))
-    family = {"kimi_k2": "deepseek_v3", "kimi_k25": "deepseek_v3"}.get(model_type, model_type)
-    raw = normalise_config(family, raw, config_file)
+    # GLM-4.7-Flash (glm4_moe_lite) is DeepSeek-V3's MLA and MoE; its own config class reads its fields
+    # (`mlp_layer_types`, GLM's defaults)
+    family = {"kimi_k2": "deepseek_v3", "kimi_k25": "deepseek_v3",
+              "glm4_moe_lite": "deepseek_v3"}.get(model_type, model_type)
+    raw = normalise_config(model_type if model_type == "glm4_moe_lite" else family, raw, config_file)
     theta, scaling = _rope(raw)
     num_heads = raw["num_attention_heads"]
     eos = raw.get("eos_token_id", outer.get("eos_token_id"))
@@ -291,12 +301,16 @@ class ParallelConfig:
 
         quant = parse_quant_config(raw)
         unit = 1  # packed experts split in whole INT4 scale groups (of whole int32 words) or FP8 blocks
-        if quant is not None:
+        if quant is not None and quant.method != "fp8-channel":  # per-channel FP8: any split keeps whole scales
             unit = math.lcm(8, quant.group_size) if quant.method == "compressed-tensors" else math.lcm(*quant.block)
-        inter = raw["moe_intermediate_size"]
+            if quant.method == "mxfp4":  # whole groups of 32 (gpt-oss)
+                unit = quant.group_size
+        # the experts' width: MiniMax-M2 names it intermediate_size (it has no dense MLP)
+        field = "moe_intermediate_size" if raw.get("moe_intermediate_size") else "intermediate_size"
+        inter = raw[field]
         if tp > 1 and inter % (tp * unit):
             whole = f"whole quantization blocks of {unit} channels" if unit > 1 else "equal parts"
-            raise ValueError(f"tensor_parallel_size={tp} must split moe_intermediate_size ({inter}) into {whole}; or "
+            raise ValueError(f"tensor_parallel_size={tp} must split {field} ({inter}) into {whole}; or "
                              f"pass enable_expert_parallel to partition the experts over the ranks instead")
 
 

@@ -8,6 +8,7 @@ whose functions take the same arguments, so a layer picks its implementation onc
 | norm      | `norm.py`              | `triton_norm.py`          |
 | rotary    | `rotary.py`            | `triton_rotary.py`        |
 | sampling  | `sampling.py`          | `triton_sampling.py`      |
+| sparse_attention | `sparse_attention.py` | `triton_sparse_attention.py` |
 
 Triton is imported only by the `triton_*` modules, so the package imports where Triton is absent.
 """
@@ -34,6 +35,7 @@ _MODULES = {
     "norm": ("norm", "triton_norm"),
     "rotary": ("rotary", "triton_rotary"),
     "sampling": ("sampling", "triton_sampling"),
+    "sparse_attention": ("sparse_attention", "triton_sparse_attention"),
 }
 
 

@@ -37,25 +37,44 @@ class TorchAttentionMetadata:
     query_rows: torch.Tensor  # [T] position of each token in the padded [B * Qmax] query layout
     padded: bool  # False when every sequence has exactly Qmax query tokens (no scatter needed)
     needs_mask: bool  # False for a single sequence decoding one token over its own length: it sees every key
-    biases: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)  # additive masks per head group
+    biases: dict[tuple[int, torch.dtype, int | None], torch.Tensor] = field(default_factory=dict)  # additive masks per
+    # head group (and sliding window)
     fused_decode: bool = False  # a decode step inside a compiled graph: `decode_attention` instead of the gather path
+    query_pos: torch.Tensor | None = None  # [B, Qmax] each query's position (0 for padding rows), for sliding windows
 
-    def bias(self, group: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """The mask as an additive bias [B, 1, Qmax * group, L], built once per step and shared by all layers."""
-        if not self.needs_mask:
+    def _window(self, window: int | None) -> int | None:
+        """The window, or None where it cuts nothing off (every key of the step lies within it)."""
+        return window if window is not None and window < self.mask.shape[-1] else None
+
+    def windowed_mask(self, window: int | None) -> torch.Tensor:
+        """The mask restricted to the last `window` positions up to each query (sliding-window layers)."""
+        if window is None:
+            return self.mask
+        keys = torch.arange(self.mask.shape[-1], device=self.mask.device)
+        return self.mask & (keys.view(1, 1, -1) > (self.query_pos - window).unsqueeze(-1))
+
+    def bias(self, group: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor | None:
+        """The mask (within `window` of each query when given) as an additive bias [B, 1, Qmax * group, L], built
+        once per step and shared by all layers."""
+        window = self._window(window)
+        if not self.needs_mask and window is None:
             return None
-        key = (group, dtype)
+        key = (group, dtype, window)
         if key not in self.biases:
-            num_seqs, qmax, length = self.mask.shape
-            expanded = self.mask.unsqueeze(2).expand(-1, -1, group, -1).reshape(num_seqs, 1, qmax * group, length)
-            bias = torch.zeros(expanded.shape, dtype=dtype, device=self.mask.device)
+            mask = self.windowed_mask(window)
+            num_seqs, qmax, length = mask.shape
+            expanded = mask.unsqueeze(2).expand(-1, -1, group, -1).reshape(num_seqs, 1, qmax * group, length)
+            bias = torch.zeros(expanded.shape, dtype=dtype, device=mask.device)
             self.biases[key] = bias.masked_fill_(~expanded, float("-inf"))
         return self.biases[key]
 
-    def decode_valid(self) -> torch.Tensor | None:
-        """[B, L] whether each context position lies within its sequence, for one query per sequence; None when
-        every position does."""
-        return self.mask.view(self.mask.shape[0], -1) if self.needs_mask else None
+    def decode_valid(self, window: int | None = None) -> torch.Tensor | None:
+        """[B, L] whether each context position lies within its sequence (and `window`), for one query per
+        sequence; None when every position does."""
+        window = self._window(window)
+        if not self.needs_mask and window is None:
+            return None
+        return self.windowed_mask(window).view(self.mask.shape[0], -1)
 
 
 def write_kv_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -115,8 +134,9 @@ def _sub_batch(batch: ForwardBatch, seqs: list[int]) -> ForwardBatch:
         rows = torch.cat([torch.arange(first[b], first[b + 1]) for b in seqs]).to(batch.tree_mask.device)
         tree = batch.tree_mask[rows, : max(lens)]
     seq_lens = [batch.seq_lens_cpu[b] for b in seqs]
-    return ForwardBatch(
-        input_ids=batch.input_ids[:0], positions=batch.positions[:0], slot_mapping=batch.slot_mapping[:0],
+    return ForwardBatch(  # positions: a draft tree's query positions set its sliding windows (`_query_positions`)
+        input_ids=batch.input_ids[:0], positions=batch.positions[:0] if tree is None else batch.positions[rows],
+        slot_mapping=batch.slot_mapping[:0],
         query_start_loc=torch.tensor(starts, dtype=batch.query_start_loc.dtype, device=batch.query_start_loc.device),
         seq_lens=batch.seq_lens[index], block_tables=batch.block_tables[index], logits_indices=batch.logits_indices[:0],
         max_query_len=max(lens), max_seq_len=max(seq_lens), query_lens_cpu=lens, seq_lens_cpu=seq_lens,
@@ -144,7 +164,18 @@ def _prepare_ragged(batch: ForwardBatch, block_size: int) -> TorchAttentionMetad
     # a single decoding sequence sees every key, unless the key axis is the static bound rather than its length
     needs_mask = batch.static_shapes or not (num_seqs == 1 and qmax == 1)
     return TorchAttentionMetadata(kv_index=kv_index.reshape(-1), mask=mask, query_rows=query_rows, padded=padded,
-                                  needs_mask=needs_mask)
+                                  needs_mask=needs_mask, query_pos=_query_positions(batch, context_lens, qpos, query_rows))
+
+
+def _query_positions(batch: ForwardBatch, context_lens: torch.Tensor, qpos: torch.Tensor,
+                     query_rows: torch.Tensor) -> torch.Tensor:
+    """[B, Qmax] position of each query (0 for padding rows): its index in the sequence, or under a draft tree its
+    position in `batch.positions` (context length + depth), which is what a sliding window counts back from."""
+    if batch.tree_mask is not None:
+        out = torch.zeros(batch.num_seqs * batch.max_query_len, dtype=torch.long, device=context_lens.device)
+        out[query_rows] = batch.positions.long()
+        return out.view(batch.num_seqs, batch.max_query_len)
+    return torch.where(qpos < batch.query_lens().view(-1, 1), context_lens + qpos, 0)
 
 
 def _prepare_decode(batch: ForwardBatch, block_size: int) -> TorchAttentionMetadata:
@@ -155,7 +186,8 @@ def _prepare_decode(batch: ForwardBatch, block_size: int) -> TorchAttentionMetad
     kv_index, valid = _context_slots(batch, block_size, positions)
     return TorchAttentionMetadata(kv_index=kv_index.reshape(-1), mask=valid.view(num_seqs, 1, -1),
                                   query_rows=torch.arange(num_seqs, device=positions.device), padded=False,
-                                  needs_mask=batch.static_shapes or num_seqs != 1)
+                                  needs_mask=batch.static_shapes or num_seqs != 1,
+                                  query_pos=(batch.seq_lens.long() - 1).view(num_seqs, 1))
 
 
 def _apply_tree_mask(mask: torch.Tensor, batch: ForwardBatch, context_lens: torch.Tensor, query_rows: torch.Tensor) -> torch.Tensor:
@@ -183,25 +215,33 @@ def _from_padded(x: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
     return flat[meta.query_rows] if meta.padded else flat
 
 
-def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
-    """q [B, Qmax, H, D], k [B, L, KVH, D], v [B, L, KVH, Dv] -> [B, Qmax, H, Dv], heads folded into the query axis."""
+def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TorchAttentionMetadata, scale: float,
+                  sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """q [B, Qmax, H, D], k [B, L, KVH, D], v [B, L, KVH, Dv] -> [B, Qmax, H, Dv], heads folded into the query axis.
+    `sinks` [H]: a learned logit per head that joins each softmax's denominator only (gpt-oss), so SDPA cannot take
+    it and the explicit product runs; `window`: each query sees its last `window` positions only."""
     num_seqs, qmax, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
     qg = q.view(num_seqs, qmax, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, qmax * group, head_dim)
-    bias = meta.bias(group, q.dtype)
-    if qmax * group <= SMALL_QUERY:
+    bias = meta.bias(group, q.dtype, window)
+    if qmax * group <= SMALL_QUERY or sinks is not None:
         scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale
         if bias is not None:
             scores = scores + bias
-        out = torch.matmul(scores.softmax(dim=-1), v.transpose(1, 2))
+        if sinks is None:
+            probs = scores.softmax(dim=-1)
+        else:  # rows in query-major order: row q * group + g is head kv_head * group + g
+            sink = sinks.to(scores.dtype).view(1, num_kv_heads, 1, group, 1).expand(num_seqs, -1, qmax, -1, -1)
+            probs = torch.cat([scores, sink.reshape(num_seqs, num_kv_heads, qmax * group, 1)], -1).softmax(-1)[..., :-1]
+        out = torch.matmul(probs, v.transpose(1, 2))
     else:
         out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias, scale=scale)
     return out.view(num_seqs, num_kv_heads, qmax, group, -1).permute(0, 2, 1, 3, 4).reshape(num_seqs, qmax, num_heads, -1)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor,
-                     valid: torch.Tensor | None, scale: float) -> torch.Tensor:
+                     valid: torch.Tensor | None, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence as loops Inductor fuses: keys and values are loaded through `kv_index` inside the score
     and output reductions, so nothing is gathered into a copy and no key layout is made for a matrix product. The
     gather path spends most of a decode step's attention on those copies (at 32 sequences on the benchmark model, ~2/3
@@ -210,7 +250,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
     the output is normalised once, after its sum. Run eagerly it builds [B, L, H, D] products: it is meant to be
     traced into a compiled graph (engine/compiled_decode.py).
     q [B, H, D]; k [slots, KVH, D] and v [slots, KVH, Dv] (the caches with blocks flattened, any strides);
-    kv_index [B, L]; valid [B, L] (False beyond each sequence) or None -> [B, H, Dv]."""
+    kv_index [B, L]; valid [B, L] (False beyond each sequence or its window) or None; sinks [H] (logits that join
+    only the denominator) or None -> [B, H, Dv]."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, length = k.shape[1], kv_index.shape[1]
     group = num_heads // num_kv_heads
@@ -219,9 +260,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
     scores = (query * keys).sum(-1).view(num_seqs, length, num_heads)
     if valid is not None:
         scores = scores.masked_fill(~valid.view(num_seqs, length, 1), float("-inf"))
-    weights = (scores - scores.amax(1, keepdim=True)).exp().view(num_seqs, length, num_kv_heads, group, 1)
+    top = scores.amax(1, keepdim=True)
+    if sinks is not None:
+        top = torch.maximum(top, sinks.to(scores.dtype).view(1, 1, num_heads))
+    weights = (scores - top).exp().view(num_seqs, length, num_kv_heads, group, 1)
     values = v[kv_index].view(num_seqs, length, num_kv_heads, 1, v.shape[-1])
-    return ((weights * values).sum(1) / weights.sum(1)).view(num_seqs, num_heads, v.shape[-1])
+    total = weights.sum(1)
+    if sinks is not None:
+        total = total + (sinks.to(scores.dtype).view(1, 1, num_heads) - top).exp().view(num_seqs, num_kv_heads, group, 1)
+    return ((weights * values).sum(1) / total).view(num_seqs, num_heads, v.shape[-1])
 
 
 def _by_parts(q: torch.Tensor, meta: MixedAttentionMetadata, dv: int,
@@ -235,19 +282,22 @@ def _by_parts(q: torch.Tensor, meta: MixedAttentionMetadata, dv: int,
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-    meta: TorchAttentionMetadata | MixedAttentionMetadata, scale: float
+    meta: TorchAttentionMetadata | MixedAttentionMetadata, scale: float, sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """GQA over the paged cache. q [T, H, D]; caches [num_blocks, block_size, KVH, D]; returns [T, H, Dv]."""
+    """GQA over the paged cache. q [T, H, D]; caches [num_blocks, block_size, KVH, D]; returns [T, H, Dv].
+    `sinks` [H]: per-head logits in each softmax's denominator; `window`: a query at position p sees only the keys at
+    positions above p - window (sliding-window layers; the cache still holds the older ones)."""
     if isinstance(meta, MixedAttentionMetadata):
         return _by_parts(q, meta, v_cache.shape[-1],
-                         lambda qp, part, m: paged_attention(qp, k_cache, v_cache, part, m, scale))
+                         lambda qp, part, m: paged_attention(qp, k_cache, v_cache, part, m, scale, sinks, window))
     num_seqs, qmax = batch.num_seqs, batch.max_query_len
     if meta.fused_decode:
         return decode_attention(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), meta.kv_index.view(num_seqs, -1),
-                                meta.decode_valid(), scale)
+                                meta.decode_valid(window), scale, sinks)
     k = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, meta.kv_index).view(num_seqs, -1, *k_cache.shape[2:])
     v = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, meta.kv_index).view(num_seqs, -1, *v_cache.shape[2:])
-    out = _grouped_sdpa(_to_padded(q, meta, num_seqs, qmax), k, v, meta, scale)
+    out = _grouped_sdpa(_to_padded(q, meta, num_seqs, qmax), k, v, meta, scale, sinks, window)
     return _from_padded(out, meta)
 
 

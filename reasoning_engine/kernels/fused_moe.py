@@ -27,15 +27,15 @@ import torch.nn.functional as F
 class MoEQuant:
     """Quantized expert weights' scales and format; `fused_moe(..., quant=None)` means w13/w2 are plain floats."""
 
-    method: str  # "w4a16" or "fp8_block"
+    method: str  # "w4a16", "fp8_block" or "mxfp4"
     w13_scale: torch.Tensor
     w2_scale: torch.Tensor
     group_size: int = 32  # w4a16: input channels sharing one scale
     block_shape: tuple[int, int] = (128, 128)  # fp8_block: (output, input) channels sharing one scale
 
     def __post_init__(self) -> None:
-        if self.method not in ("w4a16", "fp8_block"):
-            raise ValueError(f"MoEQuant.method must be 'w4a16' or 'fp8_block', got {self.method!r}")
+        if self.method not in ("w4a16", "fp8_block", "mxfp4"):
+            raise ValueError(f"MoEQuant.method must be 'w4a16', 'fp8_block' or 'mxfp4', got {self.method!r}")
 
 
 def noaux_tc_router(
@@ -110,9 +110,25 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block_sh
     return weight.float() * full
 
 
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_GROUP = 32  # values sharing one e8m0 scale
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """OCP MXFP4 as gpt-oss ships its experts: [..., out, in/2] uint8, two e2m1 codes per byte (low nibble first), and
+    [..., out, in/32] uint8 e8m0 scales (2^(s - 127)) -> [..., out, in] float32 (exact: every product is a float32)."""
+    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    codes = torch.stack([blocks & 0xF, blocks >> 4], dim=-1).flatten(-2).long()
+    values = lut[codes].unflatten(-1, (-1, MXFP4_GROUP))
+    return (values * torch.exp2(scales.float() - 127).unsqueeze(-1)).flatten(-2)
+
+
 def _dense_expert_weights(w13: torch.Tensor, w2: torch.Tensor, quant: MoEQuant | None, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     if quant is None:
         return w13[expert].to(dtype), w2[expert].to(dtype)
+    if quant.method == "mxfp4":
+        return (dequantize_mxfp4(w13[expert], quant.w13_scale[expert]).to(dtype),
+                dequantize_mxfp4(w2[expert], quant.w2_scale[expert]).to(dtype))
     if quant.method == "w4a16":
         return (
             dequantize_int4_packed(w13[expert], quant.w13_scale[expert], quant.group_size).to(dtype),
@@ -134,10 +150,14 @@ def fused_moe(
     topk_ids: torch.Tensor,
     quant: MoEQuant | None = None,
     other_experts: bool = False,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """Routed experts: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]). hidden [T, H] -> [T, H].
     Loops over the experts that received tokens, one dense GEMM pair each (weights dequantized per expert); ids of
-    other ranks' experts (>= E, `other_experts`) are skipped."""
+    other ranks' experts (>= E, `other_experts`) are skipped. gpt-oss: biases w13_bias [E, 2I] and w2_bias [E, H],
+    and with `swiglu_limit` its clamped SwiGLU (`clamped_swiglu`) instead of silu(gate) * up."""
     tokens, top_k = topk_ids.shape
     out = torch.zeros(tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     flat = topk_ids.flatten().long()
@@ -147,24 +167,40 @@ def fused_moe(
         pairs = (flat == expert).nonzero().squeeze(1)
         rows = pairs // top_k
         g13, g2 = _dense_expert_weights(w13, w2, quant, expert, hidden.dtype)
-        gate, up = F.linear(hidden[rows], g13).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, g2).float() * topk_weights.flatten()[pairs].float().unsqueeze(1)
+        b13 = None if w13_bias is None else w13_bias[expert].to(hidden.dtype)
+        b2 = None if w2_bias is None else w2_bias[expert].to(hidden.dtype)
+        gate, up = F.linear(hidden[rows], g13, b13).chunk(2, dim=-1)
+        act = F.silu(gate) * up if swiglu_limit is None else clamped_swiglu(gate, up, swiglu_limit)
+        y = F.linear(act, g2, b2).float() * topk_weights.flatten()[pairs].float().unsqueeze(1)
         out.index_add_(0, rows, y)
     return out.to(hidden.dtype)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float = 1.702) -> torch.Tensor:
+    """gpt-oss's expert activation: gate clamped above at `limit`, up to [-limit, limit], then
+    gate * sigmoid(alpha * gate) * (up + 1) (the +1 and alpha as OpenAI trained it)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
 
 
 @torch.library.custom_op("reasoning_engine::fused_moe", mutates_args=())
 def fused_moe_op(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor, method: str | None, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
-                 group_size: int, block_shape: list[int]) -> torch.Tensor:
+                 group_size: int, block_shape: list[int], w13_bias: torch.Tensor | None = None,
+                 w2_bias: torch.Tensor | None = None, swiglu_limit: float = 0.0) -> torch.Tensor:
     """`fused_moe` as one opaque op: a compiled forward (engine/compiled_decode.py) runs its expert loop, whose trip
-    count depends on the routing, eagerly instead of breaking the graph at every layer."""
+    count depends on the routing, eagerly instead of breaking the graph at every layer. A `swiglu_limit` of 0 means
+    silu(gate) * up."""
     quant = None if method is None else MoEQuant(method, w13_scale, w2_scale, group_size, (block_shape[0], block_shape[1]))
-    return fused_moe(hidden, w13, w2, topk_weights, topk_ids, quant)
+    return fused_moe(hidden, w13, w2, topk_weights, topk_ids, quant, w13_bias=w13_bias, w2_bias=w2_bias,
+                     swiglu_limit=swiglu_limit or None)
 
 
 @fused_moe_op.register_fake
 def _fused_moe_shape(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, method: str | None, w13_scale: torch.Tensor | None,
-                     w2_scale: torch.Tensor | None, group_size: int, block_shape: list[int]) -> torch.Tensor:
+                     w2_scale: torch.Tensor | None, group_size: int, block_shape: list[int],
+                     w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                     swiglu_limit: float = 0.0) -> torch.Tensor:
     return torch.empty_like(hidden)

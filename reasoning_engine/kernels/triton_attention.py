@@ -40,6 +40,7 @@ _SPLIT_TOKENS = 256  # tokens per decode slice: enough work per program that the
 # slice) stay a small share of the cache bytes read, small enough that a 32k context spreads over 128 programs
 _MAX_SPLITS = 128  # slices per sequence at most (about one per SM of an H200); longer contexts get longer slices
 _MERGE_SPLITS = 32  # slices the merge kernel reads per step ...
+_NO_WINDOW = 1 << 30  # the window of a full-attention layer: longer than any context, so it cuts nothing off
 _MERGE_CHANNELS = 64  # ... of this many output channels: a [32, 64] float32 tile, 16 registers a thread; a batch-1
 # step of 8 heads x 512 channels is 64 programs (one per (sequence, head) would be 8, each reading 128 slices)
 
@@ -121,7 +122,7 @@ def _split_plan(seq_len, split_tokens, MAX_SPLITS: tl.constexpr):
 @triton.jit
 def _decode_partial_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale,
+    qk_scale, window,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -133,12 +134,14 @@ def _decode_partial_kernel(
     PRECISION: tl.constexpr,
 ):
     """One slice of one sequence for a block of the query heads of one KV head. V_FROM_K: the value is the key's first
-    DV channels (MLA's latent), taken from the key tile instead of loaded again."""
+    DV channels (MLA's latent), taken from the key tile instead of loaded again. A sliding `window` slices only the
+    keys it spans: the last `window` of the sequence."""
     seq = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    per_split, splits = _split_plan(seq_len, split_tokens, MAX_SPLITS)
+    lo = tl.maximum(seq_len - window, 0)
+    per_split, splits = _split_plan(seq_len - lo, split_tokens, MAX_SPLITS)
     if split >= splits:
         return  # past this sequence's last slice: the merge reads only its own slices
     num_head_blocks = tl.cdiv(group, BLOCK_G)
@@ -146,7 +149,7 @@ def _decode_partial_kernel(
     g = (head_block % num_head_blocks) * BLOCK_G + tl.arange(0, BLOCK_G)
     g_ok = g < group
     heads = kv_head * group + g
-    start = split * per_split
+    start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
     part_row = (seq * num_heads + heads).to(tl.int64) * num_splits + split
 
@@ -192,15 +195,17 @@ def _decode_partial_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, stride_ot, stride_oh, num_heads, num_splits, split_tokens,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    part_out_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, sinks_ptr, stride_ot, stride_oh, num_heads, num_splits,
+    split_tokens, window,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, MAX_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Merge one (sequence, head)'s slices for BLOCK_DV of its channels: the largest log-sum-exp first, then the
     slices' outputs weighted by exp2(lse - max), BLOCK_S slices at a time in slice order, so the sum's order depends
-    on the sequence alone."""
+    on the sequence alone. A head's sink logit (HAS_SINKS) joins the denominator as one more slice with no output."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    _, splits = _split_plan(tl.load(seq_lens_ptr + seq), split_tokens, MAX_SPLITS)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    _, splits = _split_plan(seq_len - tl.maximum(seq_len - window, 0), split_tokens, MAX_SPLITS)
     base = (seq * num_heads + head).to(tl.int64) * num_splits
     dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     top = tl.full([], float("-inf"), tl.float32)
@@ -216,13 +221,18 @@ def _decode_reduce_kernel(
         parts = tl.load(part_out_ptr + (base + s)[:, None] * DV + dv[None, :], mask=used[:, None] & (dv < DV)[None, :], other=0.0)
         acc += tl.sum(weights[:, None] * parts, axis=0)
         total += tl.sum(weights, axis=0)
+    if HAS_SINKS:  # the partial sums are relative to exp2(top): rescale them to a maximum that counts the sink
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        new_top = tl.maximum(top, sink)
+        acc = acc * tl.exp2(top - new_top)
+        total = total * tl.exp2(top - new_top) + tl.exp2(sink - new_top)
     tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + dv, (acc / total).to(out_ptr.dtype.element_ty), mask=dv < DV)
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, tree_ptr,
-    qk_scale,
+    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, tree_ptr, positions_ptr, sinks_ptr,
+    qk_scale, window,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -232,8 +242,10 @@ def _prefill_kernel(
     D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_TREE: tl.constexpr, V_FROM_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
+    """A sliding `window` counts back from each query's position (a draft node's: context length + depth, read from
+    `positions_ptr`); a head's sink logit (HAS_SINKS) joins each row's softmax denominator at the end."""
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -257,11 +269,18 @@ def _prefill_kernel(
         d2 = tl.arange(0, BLOCK_D2)
         q2 = tl.load(q_rows + D1 + d2[None, :], mask=i_ok[:, None] & (d2 < D2)[None, :], other=0.0)
 
+    if HAS_TREE:
+        win_pos = tl.load(positions_ptr + tok, mask=i_ok, other=0)
+        kv_start = tl.maximum(context_len + 1 - window, 0)  # a draft node's position is at least context_len
+    else:
+        win_pos = q_pos
+        kv_start = tl.maximum(context_len + m_block * BLOCK_M + 1 - window, 0)
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     kv_end = tl.minimum(seq_len, context_len + (m_block + 1) * BLOCK_M)
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         ok = pos < kv_end
         blk = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + pos // block_size, mask=ok, other=0).to(tl.int64)
@@ -272,7 +291,7 @@ def _prefill_kernel(
         if D2 > 0:
             k2 = tl.load(k_rows[:, None] + D1 + d2[None, :], mask=ok[:, None] & (d2 < D2)[None, :], other=0.0)
             s += mma(q2, tl.trans(k2), PRECISION)
-        allowed = i_ok[:, None] & (pos[None, :] <= q_pos[:, None])
+        allowed = i_ok[:, None] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > win_pos[:, None] - window)
         if HAS_TREE:
             j = pos - context_len  # index among the step's own tokens; negative for the cached context
             in_step = (j >= 0)[None, :]
@@ -292,6 +311,11 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION)
         m_i = m_new
 
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_fin = tl.maximum(m_i, sink)
+        acc = acc * tl.exp2(m_i - m_fin)[:, None]
+        l_i = l_i * tl.exp2(m_i - m_fin) + tl.exp2(sink - m_fin)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = out_ptr + tok[:, None] * stride_ot + head * stride_oh
     tl.store(o_rows + dv[None, :], out.to(out_ptr.dtype.element_ty), mask=i_ok[:, None] & (dv < DV)[None, :])
@@ -334,9 +358,11 @@ def decode_traffic(seq_lens: list[int], num_heads: int, num_kv_heads: int, k_dim
 
 def _attend(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_dims: tuple[int, int], v_dim: int,
-    batch: ForwardBatch, meta: TritonAttentionMetadata, scale: float,
+    batch: ForwardBatch, meta: TritonAttentionMetadata, scale: float, sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q [T, H, d1 + d2]; k/v caches viewed as [num_blocks, block_size, KVH, *] (v may alias k); returns [T, H, v_dim]."""
+    """q [T, H, d1 + d2]; k/v caches viewed as [num_blocks, block_size, KVH, *] (v may alias k); returns [T, H, v_dim].
+    `sinks` [H] and `window` as in `paged_attention`."""
     tokens, num_heads, _ = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -356,6 +382,8 @@ def _attend(
     qk_scale = scale * _LOG2E
     num_seqs = batch.num_seqs
     v_from_k = v_cache is k_cache and v_dim == d1
+    window = _NO_WINDOW if window is None else window
+    sink_arg = sinks if sinks is not None else meta.seq_lens  # any pointer when there are no sinks
     if meta.max_query_len == 1:
         splits = launch_splits(meta.max_seq_len, meta.split_tokens)
         block_g, block_n, warps = _decode_tiles(group, dims["BLOCK_DV"], v_from_k)
@@ -363,13 +391,14 @@ def _attend(
         part_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
         _decode_partial_kernel[(num_seqs, num_kv_heads * triton.cdiv(group, block_g), splits)](
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, part_out, part_lse,
-            qk_scale, *strides, meta.block_tables.stride(0), num_heads, group, meta.block_size, splits, meta.split_tokens,
+            qk_scale, window, *strides, meta.block_tables.stride(0), num_heads, group, meta.block_size, splits, meta.split_tokens,
             BLOCK_G=block_g, BLOCK_N=block_n, V_FROM_K=v_from_k, MAX_SPLITS=_MAX_SPLITS, num_warps=warps, **dims,
         )
         merge_dv = min(dims["BLOCK_DV"], _MERGE_CHANNELS)
         _decode_reduce_kernel[(num_seqs, num_heads, triton.cdiv(v_dim, merge_dv))](
-            part_out, part_lse, out, meta.seq_lens, out.stride(0), out.stride(1), num_heads, splits, meta.split_tokens,
-            DV=v_dim, BLOCK_DV=merge_dv, BLOCK_S=_MERGE_SPLITS, MAX_SPLITS=_MAX_SPLITS,
+            part_out, part_lse, out, meta.seq_lens, sink_arg, out.stride(0), out.stride(1), num_heads, splits,
+            meta.split_tokens, window,
+            DV=v_dim, BLOCK_DV=merge_dv, BLOCK_S=_MERGE_SPLITS, MAX_SPLITS=_MAX_SPLITS, HAS_SINKS=sinks is not None,
             num_warps=num_warps_for(_MERGE_SPLITS * merge_dv),
         )
         return out
@@ -377,20 +406,24 @@ def _attend(
     block_m = 16 if wide else 64
     _prefill_kernel[(triton.cdiv(meta.max_query_len, block_m), num_seqs, num_heads)](
         q, k_cache, v_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens, tree if tree is not None else meta.seq_lens,
-        qk_scale, *strides, out.stride(0), out.stride(1), meta.block_tables.stride(0), tree.stride(0) if tree is not None else 0,
+        batch.positions if tree is not None else meta.seq_lens, sink_arg, qk_scale, window, *strides, out.stride(0), out.stride(1), meta.block_tables.stride(0), tree.stride(0) if tree is not None else 0,
         group, meta.block_size,
         BLOCK_M=block_m, BLOCK_N=32 if wide else 64, HAS_TREE=tree is not None, V_FROM_K=v_from_k,
+        HAS_SINKS=sinks is not None,
         num_warps=8 if wide else 4, num_stages=2 if wide else 3, **dims,  # wide, 3 stages: the tree mask spills
     )
     return out
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, meta: TritonAttentionMetadata, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, meta: TritonAttentionMetadata,
+    scale: float, sinks: torch.Tensor | None = None, window: int | None = None,
 ) -> torch.Tensor:
     """GQA over the paged cache. q [T, H, D]; caches [num_blocks, block_size, KVH, D]; returns [T, H, Dv].
-    Decode-only steps take the split-K path (T == B, token b belongs to sequence b); others the varlen kernel."""
-    return _attend(q, k_cache, v_cache, (q.shape[-1], 0), v_cache.shape[-1], batch, meta, scale)
+    Decode-only steps take the split-K path (T == B, token b belongs to sequence b); others the varlen kernel.
+    `sinks` [H]: per-head logits in each softmax's denominator; `window`: a query at position p sees only the keys at
+    positions above p - window."""
+    return _attend(q, k_cache, v_cache, (q.shape[-1], 0), v_cache.shape[-1], batch, meta, scale, sinks, window)
 
 
 def paged_latent_attention(

@@ -207,7 +207,7 @@ def _load_weight_tile(
 ):
     """[BLOCK_K, BLOCK_N] tile of expert `expert`'s weight (rows = output channels; input channels k0 .. k0 + BLOCK_K),
     dequantized to DTYPE: QUANT 0 plain, 1 INT4 packed (8 per int32, lowest nibble first, +8 offset), 2 FP8 with block
-    scales. Every byte is loaded once: INT4 as [BLOCK_K / 8, BLOCK_N] words unpacked in registers, scales as one row
+    scales, 3 MXFP4 (two e2m1 codes per byte, low nibble first; uint8 e8m0 scales 2^(s - 127) per 32 inputs). Every byte is loaded once: INT4 as [BLOCK_K / 8, BLOCK_N] words unpacked in registers, scales as one row
     per group of SCALE_K inputs (BLOCK_K and SCALE_K divide one another) broadcast over the group.
     scale_rows: the scale row of each output channel."""
     w_base = w_ptr + expert * stride_we + rows[None, :] * stride_wn
@@ -221,9 +221,21 @@ def _load_weight_tile(
             s_ptr + expert * stride_se + scale_rows[None, :] * stride_sn + groups[:, None] * stride_sk,
             mask=(groups < tl.cdiv(k_in, SCALE_K))[:, None] & col_ok[None, :], other=0.0,
         ).to(tl.float32)
+        if QUANT == 3:
+            scale = tl.exp2(scale - 127.0)
         scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (SCALE_ROWS, BLOCK_K // SCALE_ROWS, scale.shape[1])),
                            (BLOCK_K, scale.shape[1]))
-        if QUANT == 1:
+        if QUANT == 3:  # e2m1: sign, 2 exponent bits, 1 mantissa bit; exponent 0 is subnormal (0 or 0.5)
+            pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            packed = tl.load(w_base + pairs[:, None] * stride_wk, mask=(pairs < k_in // 2)[:, None] & col_ok[None, :], other=0)
+            codes = (packed[:, None, :].to(tl.int32) >> (tl.arange(0, 2) * 4)[None, :, None]) & 0xF
+            codes = tl.reshape(codes, (BLOCK_K, packed.shape[1]))
+            exponent = (codes >> 1) & 3
+            mantissa = (codes & 1).to(tl.float32)
+            magnitude = tl.where(exponent == 0, 0.5 * mantissa,
+                                 (1.0 + 0.5 * mantissa) * tl.exp2((exponent - 1).to(tl.float32)))
+            w = tl.where(codes >= 8, -magnitude, magnitude)
+        elif QUANT == 1:
             words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
             packed = tl.load(w_base + words[:, None] * stride_wk, mask=(words < k_in // 8)[:, None] & col_ok[None, :], other=0)
             nibbles = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
@@ -237,15 +249,18 @@ def _load_weight_tile(
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_pad_ptr, topk_w_ptr,
+    a_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_pad_ptr, topk_w_ptr,
     num_pairs, a_row_div, n_out, k_in, up_scale_row0,
-    stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om,
+    stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_om,
     GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
     QUANT: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False, SWIGLU_LIMIT: tl.constexpr = 0.0,
 ):
     """One row tile (one expert's pairs) x one column tile. GATED: weight rows [0, n_out) are the gate, [n_out, 2 n_out)
-    the up projection, and the tile stores silu(gate) * up. Output row = pair index."""
+    the up projection, and the tile stores silu(gate) * up, or with SWIGLU_LIMIT > 0 gpt-oss's clamped SwiGLU. HAS_BIAS:
+    the expert's bias row (gate's then up's for GATED) is added before the activation and the routing weight. Output
+    row = pair index."""
     tile = tl.program_id(0)
     if tile * BLOCK_M >= tl.load(num_post_pad_ptr):
         return
@@ -269,8 +284,17 @@ def _moe_gemm_kernel(
                                      col_ok, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, QUANT,
                                      SCALE_K, BLOCK_K, a.dtype)
             acc_up += mma(a, w_up, MODE)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(b_ptr + expert * stride_be + n_out + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        acc = acc * tl.sigmoid(acc) * acc_up
+        if SWIGLU_LIMIT > 0:
+            gate = tl.minimum(acc, SWIGLU_LIMIT)
+            up = tl.minimum(tl.maximum(acc_up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
+            acc = gate * tl.sigmoid(1.702 * gate) * (up + 1.0)
+        else:
+            acc = acc * tl.sigmoid(acc) * acc_up
     if APPLY_WEIGHT:
         acc = acc * tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     out_rows = out_ptr + pair.to(tl.int64)[:, None] * stride_om
@@ -313,14 +337,19 @@ def fused_moe(
     topk_ids: torch.Tensor,
     quant: MoEQuant | None = None,
     other_experts: bool = False,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """Routed experts: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]). hidden [T, H] -> [T, H].
     Two grouped GEMM launches over the expert-sorted pairs, then a sum over each token's k rows. `other_experts`:
-    ids may name experts of other ranks (ids >= E), whose pairs are skipped."""
+    ids may name experts of other ranks (ids >= E), whose pairs are skipped. Biases and `swiglu_limit` (gpt-oss) as
+    in the torch reference, applied in the GEMMs' epilogues."""
     tokens, top_k = topk_ids.shape
     hidden_size = hidden.shape[1]
     num_experts = w13.shape[0]
-    inter = w2.shape[2] * (8 if quant is not None and quant.method == "w4a16" else 1)
+    pack = {"w4a16": 8, "mxfp4": 2}.get(quant.method, 1) if quant is not None else 1
+    inter = w2.shape[2] * pack
     if not tokens:
         return torch.zeros(0, hidden_size, dtype=hidden.dtype, device=hidden.device)
     if hidden.stride(-1) != 1:
@@ -330,21 +359,24 @@ def fused_moe(
     sorted_ids, expert_ids, num_post_pad = moe_align_block_size(topk_ids, num_experts, block_m)
     if quant is None:
         kind, scale_n, scale_k, s13, s2, up_row0 = 0, 1, 1, w13, w2, 0
-    elif quant.method == "w4a16":
-        kind, scale_n, scale_k, s13, s2, up_row0 = 1, 1, quant.group_size, quant.w13_scale, quant.w2_scale, inter
+    elif quant.method in ("w4a16", "mxfp4"):
+        kind = 1 if quant.method == "w4a16" else 3
+        scale_n, scale_k, s13, s2, up_row0 = 1, quant.group_size, quant.w13_scale, quant.w2_scale, inter
     else:
         scale_n, scale_k = quant.block_shape
         kind, s13, s2, up_row0 = 2, quant.w13_scale, quant.w2_scale, triton.cdiv(inter, scale_n)
     common = dict(QUANT=kind, SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_M=block_m, MODE=dot_mode(hidden.dtype), num_warps=4)
+    b13, b2 = (w13 if w13_bias is None else w13_bias), (w2 if w2_bias is None else w2_bias)  # any pointer when None
     num_tiles = expert_ids.numel()
     row_tiles = min(pairs, num_experts) if block_m == 16 else num_tiles
     intermediate = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
     block_n, block_k = _gemm_tiles(row_tiles, block_m, inter, scale_k)
     _moe_gemm_kernel[(num_tiles, triton.cdiv(inter, block_n))](
-        hidden, w13, s13, intermediate, sorted_ids, expert_ids, num_post_pad, topk_weights,
+        hidden, w13, s13, b13, intermediate, sorted_ids, expert_ids, num_post_pad, topk_weights,
         pairs, top_k, inter, hidden_size, up_row0,
-        hidden.stride(0), *w13.stride(), *s13.stride(), intermediate.stride(0),
-        GATED=True, APPLY_WEIGHT=False, BLOCK_N=block_n, BLOCK_K=block_k, **common,
+        hidden.stride(0), *w13.stride(), *s13.stride(), b13.stride(0), intermediate.stride(0),
+        GATED=True, APPLY_WEIGHT=False, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=w13_bias is not None,
+        SWIGLU_LIMIT=float(swiglu_limit or 0.0), **common,
     )
     # pairs of another rank's expert are never written: zeros, so they add nothing to their token's sum
     per_pair = (torch.zeros if other_experts else torch.empty)(pairs, hidden_size, dtype=torch.float32, device=hidden.device)
@@ -353,9 +385,9 @@ def fused_moe(
         weights = weights.float()
     block_n, block_k = _gemm_tiles(row_tiles, block_m, hidden_size, scale_k)
     _moe_gemm_kernel[(num_tiles, triton.cdiv(hidden_size, block_n))](
-        intermediate, w2, s2, per_pair, sorted_ids, expert_ids, num_post_pad, weights,
+        intermediate, w2, s2, b2, per_pair, sorted_ids, expert_ids, num_post_pad, weights,
         pairs, 1, hidden_size, inter, 0,
-        intermediate.stride(0), *w2.stride(), *s2.stride(), per_pair.stride(0),
-        GATED=False, APPLY_WEIGHT=True, BLOCK_N=block_n, BLOCK_K=block_k, **common,
+        intermediate.stride(0), *w2.stride(), *s2.stride(), b2.stride(0), per_pair.stride(0),
+        GATED=False, APPLY_WEIGHT=True, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=w2_bias is not None, **common,
     )
     return per_pair.view(tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)

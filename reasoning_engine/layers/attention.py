@@ -16,8 +16,9 @@ from torch import nn
 
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.kernels import kernel_module
+from reasoning_engine.layers.indexer import Indexer
 from reasoning_engine.layers.linear import row_parallel
-from reasoning_engine.layers.norm import RMSNorm
+from reasoning_engine.layers.norm import RMSNorm, ShardedRMSNorm
 from reasoning_engine.layers.rotary import RotaryEmbedding
 from reasoning_engine.parallel import Group
 
@@ -28,17 +29,30 @@ class GQAttention(nn.Module):
     kernel_family = "attention"
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding,
-                 bias: bool = False, qk_norm_eps: float | None = None, tp: Group = Group()) -> None:
-        """Head counts are the model's; this rank keeps 1 / tp.size of each."""
+                 bias: bool = False, qk_norm_eps: float | None = None, tp: Group = Group(),
+                 o_bias: bool | None = None, qk_norm_all_heads: bool = False, sinks: bool = False,
+                 sliding_window: int | None = None) -> None:
+        """Head counts are the model's; this rank keeps 1 / tp.size of each. `o_bias` None: the output projection
+        has a bias when the QKV projection does (Llama, Qwen3); GLM-4.5 biases q/k/v only. `qk_norm_all_heads`: the
+        q/k RMSNorm spans all heads' channels of a token (MiniMax-M2) instead of each head (Qwen3); under tensor
+        parallelism its statistic is then all-reduced over the ranks."""
         super().__init__()
         num_heads, num_kv_heads = num_heads // tp.size, num_kv_heads // tp.size
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qkv_proj = nn.Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias=bias)
-        self.o_proj = row_parallel(num_heads * head_dim * tp.size, hidden_size, bias, tp)
-        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
-        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.o_proj = row_parallel(num_heads * head_dim * tp.size, hidden_size, bias if o_bias is None else o_bias, tp)
+        self.qk_norm_all_heads = qk_norm_all_heads
+        if qk_norm_eps is not None and qk_norm_all_heads:
+            self.q_norm = ShardedRMSNorm(num_heads * tp.size * head_dim, qk_norm_eps, tp)
+            self.k_norm = ShardedRMSNorm(num_kv_heads * tp.size * head_dim, qk_norm_eps, tp)
+        else:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.rotary = rotary
         self.scale = head_dim**-0.5
+        # gpt-oss: a learned logit per head (this rank's) in the softmax denominator, and sliding-window layers
+        self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
+        self.sliding_window = sliding_window
         self.ops = kernel_module(self.kernel_family, "torch")
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -57,12 +71,15 @@ class GQAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_all_heads:  # one RMS over all of a token's heads
+            q, k = self.q_norm(q.flatten(1)).view_as(q), self.k_norm(k.flatten(1)).view_as(k)
+        elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         self.ops.write_kv_cache(self.k_cache, k, batch.slot_mapping)
         self.ops.write_kv_cache(self.v_cache, v, batch.slot_mapping)
-        out = self.ops.paged_attention(q, self.k_cache, self.v_cache, batch, batch.attn_metadata, self.scale)
+        out = self.ops.paged_attention(q, self.k_cache, self.v_cache, batch, batch.attn_metadata, self.scale,
+                                       sinks=self.sinks, window=self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -73,8 +90,11 @@ class MLAttention(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rotary: RotaryEmbedding,
-                 eps: float, softmax_scale: float, bias: bool = False, tp: Group = Group()) -> None:
-        """`num_heads` is the model's; this rank keeps 1 / tp.size of them (the latent projections are whole)."""
+                 eps: float, softmax_scale: float, bias: bool = False, tp: Group = Group(),
+                 indexer: Indexer | None = None) -> None:
+        """`num_heads` is the model's; this rank keeps 1 / tp.size of them (the latent projections are whole).
+        `indexer`: DeepSeek Sparse Attention's lightning indexer (layers/indexer.py; whole on every rank), whose
+        top-k selection restricts each query's attention; its key cache is this layer's second cache."""
         super().__init__()
         num_heads //= tp.size
         self.num_heads = num_heads
@@ -98,12 +118,18 @@ class MLAttention(nn.Module):
         self.w_uk: torch.Tensor | None = None  # [H, nope, latent]
         self.w_uv: torch.Tensor | None = None  # [H, latent, v]
         self.kv_cache: torch.Tensor | None = None
+        self.indexer = indexer
+        # GLM-5's "shared" layers attend to the tokens an earlier layer's indexer chose (a tuple: not a submodule)
+        self.shared_indexer: tuple[Indexer, ...] = ()
 
     def cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
-        return [(num_blocks, block_size, self.kv_lora_rank + self.rope_dim)]
+        latent = (num_blocks, block_size, self.kv_lora_rank + self.rope_dim)
+        return [latent] if self.indexer is None else [latent, self.indexer.cache_shape(num_blocks, block_size)]
 
     def bind_cache(self, caches: list[torch.Tensor]) -> None:
-        (self.kv_cache,) = caches
+        self.kv_cache = caches[0]
+        if self.indexer is not None:
+            self.indexer.k_cache = caches[1]
 
     def process_weights_after_loading(self) -> None:
         """Split kv_b_proj into the per-head up-projections the absorbed form multiplies by."""
@@ -118,7 +144,8 @@ class MLAttention(nn.Module):
             kv_a = self.kv_a_proj_with_mqa(x)
         else:
             q_a, kv_a = self.fused_qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], dim=-1)
-            q = self.q_b_proj(self.q_a_layernorm(q_a))
+            q_resid = self.q_a_layernorm(q_a)
+            q = self.q_b_proj(q_resid)
         q = q.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -126,7 +153,20 @@ class MLAttention(nn.Module):
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
         self.ops.write_kv_cache(self.kv_cache, torch.cat([c_kv, k_pe.squeeze(1)], dim=-1), batch.slot_mapping)
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, latent]
-        out_latent = self.ops.paged_latent_attention(torch.cat([q_latent, q_pe], dim=-1), self.kv_cache,
-                                                     self.kv_lora_rank, batch, batch.attn_metadata, self.scale)
+        # DeepSeek Sparse Attention: this layer's indexer picks each query's tokens, or a GLM-5 "shared" layer reuses
+        # the pick of the indexer it points at; None (no indexer, or no query sees more than index_topk) is dense
+        source = self.indexer if self.indexer is not None else next(iter(self.shared_indexer), None)
+        selected = None
+        if self.indexer is not None:
+            selected = self.indexer(positions, x, q_resid, batch)
+        elif source is not None:
+            selected = source.selected
+        if selected is None:
+            out_latent = self.ops.paged_latent_attention(torch.cat([q_latent, q_pe], dim=-1), self.kv_cache,
+                                                         self.kv_lora_rank, batch, batch.attn_metadata, self.scale)
+        else:
+            out_latent = source.ops.sparse_latent_attention(torch.cat([q_latent, q_pe], dim=-1), self.kv_cache,
+                                                            self.kv_lora_rank, batch, batch.attn_metadata, self.scale,
+                                                            selected)
         out = torch.bmm(out_latent.transpose(0, 1), self.w_uv).transpose(0, 1)  # [T, H, v]
         return self.o_proj(out.reshape(num_tokens, -1))

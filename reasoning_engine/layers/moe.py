@@ -53,18 +53,20 @@ class Router(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, scoring: str, *, norm_topk_prob: bool,
                  routed_scaling_factor: float = 1.0, n_group: int = 1, topk_group: int = 1,
-                 topk_method: str = "greedy", correction_bias: bool = False) -> None:
+                 topk_method: str = "greedy", correction_bias: bool = False, bias: bool = False) -> None:
+        """`bias`: the router is a linear layer with a bias (gpt-oss)."""
         super().__init__()
         if scoring not in ("sigmoid", "softmax"):
             raise ValueError(f"scoring_func must be 'sigmoid' or 'softmax', got {scoring!r}")
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts)) if correction_bias else None
+        self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
         self.num_experts, self.top_k, self.scoring = num_experts, top_k, scoring
         self.norm_topk_prob, self.scaling = norm_topk_prob, routed_scaling_factor
         self.n_group, self.topk_group, self.topk_method = n_group or 1, topk_group or 1, topk_method
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         if self.scoring == "sigmoid":
             return self._noaux_tc(logits.sigmoid())
         scores = logits.softmax(dim=-1)
@@ -96,16 +98,16 @@ class Router(nn.Module):
 @dataclass(frozen=True)
 class ExpertQuant:
     """The quantized format routed-expert weights are kept in (a `MoEQuant` without its tensors): "w4a16" (INT4
-    packed eight per int32, one scale per `group_size` input channels) or "fp8_block" (float8_e4m3fn, one float32
-    scale per `block_shape` tile)."""
+    packed eight per int32, one scale per `group_size` input channels), "fp8_block" (float8_e4m3fn, one float32
+    scale per `block_shape` tile) or "mxfp4" (gpt-oss: e2m1 codes two per byte, one e8m0 scale per 32 inputs)."""
 
     method: str
     group_size: int = 32
     block_shape: tuple[int, int] = (128, 128)
 
     def __post_init__(self) -> None:
-        if self.method not in ("w4a16", "fp8_block"):
-            raise ValueError(f"ExpertQuant.method must be 'w4a16' or 'fp8_block', got {self.method!r}")
+        if self.method not in ("w4a16", "fp8_block", "mxfp4"):
+            raise ValueError(f"ExpertQuant.method must be 'w4a16', 'fp8_block' or 'mxfp4', got {self.method!r}")
 
 
 class Experts(nn.Module):
@@ -150,6 +152,13 @@ class Experts(nn.Module):
             weights = {"w13": (w13_shape, 8, torch.int32), "w2": (w2_shape, 8, torch.int32)}
             scales = {name: (*shape[:2], -(-shape[2] // quant.group_size)) for name, (shape, _, _) in weights.items()}
             scale_dtype = torch.bfloat16
+        elif quant.method == "mxfp4":  # w13 uint8 [E, 2I, H/2], w13_scale uint8 [E, 2I, H/32]; w2 likewise over I
+            if hidden_size % 32 or intermediate_size % 32:
+                raise ValueError(f"MXFP4 experts need hidden_size and intermediate_size (this rank's) divisible by 32 "
+                                 f"(one scale per 32 values), got {hidden_size} and {intermediate_size}")
+            weights = {"w13": (w13_shape, 2, torch.uint8), "w2": (w2_shape, 2, torch.uint8)}
+            scales = {name: (*shape[:2], shape[2] // 32) for name, (shape, _, _) in weights.items()}
+            scale_dtype = torch.uint8
         else:
             bn, bk = quant.block_shape
             weights = {"w13": (w13_shape, 1, torch.float8_e4m3fn), "w2": (w2_shape, 1, torch.float8_e4m3fn)}

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from reasoning_engine.kernels import kernel_module
+from reasoning_engine.parallel import Group
 
 
 class RMSNorm(nn.Module):
@@ -21,3 +22,24 @@ class RMSNorm(nn.Module):
         if x.dim() == 2:
             return self.ops.rms_norm(x, self.weight, self.eps)
         return self.ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)  # per-head q/k norm
+
+
+class ShardedRMSNorm(RMSNorm):
+    """RMSNorm over a feature dimension that tensor parallelism splits (MiniMax-M2's q/k norm spans all heads of a
+    token, and the heads are split over `tp`): each rank keeps its slice of the weight, and the statistic is the
+    sum of squares all-reduced over the group divided by the whole dimension, so every rank normalises by the full
+    row's RMS, as the unsplit model does."""
+
+    def __init__(self, dim: int, eps: float, tp: Group = Group()) -> None:
+        """`dim` is the model's; this rank keeps dim / tp.size channels."""
+        super().__init__(dim // tp.size, eps)
+        self.tp, self.full_dim = tp, dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, dim / tp.size] (rows may be strided)."""
+        if self.tp.size == 1:
+            return super().forward(x)
+        h = x.float()
+        sum_sq = self.tp.all_reduce(h.pow(2).sum(-1, keepdim=True))
+        h = h * torch.rsqrt(sum_sq / self.full_dim + self.eps)
+        return (self.weight.to(x.dtype) * h.to(x.dtype)).to(x.dtype)

@@ -32,7 +32,8 @@ Slicer = Callable[[torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class Split:
     """This rank's part of one dimension of a checkpoint tensor: an even share over `group`, or with `padded` the
-    row block of a vocabulary padded to a multiple of the group (cut at the tensor's end)."""
+    row block of a vocabulary padded to a multiple of the group (cut at the tensor's end). A dimension of one is
+    shared whole (a per-channel scale's input dimension: the one scale of every input channel)."""
 
     dim: int
     group: Group
@@ -40,6 +41,8 @@ class Split:
 
     def index(self, shape: list[int] | torch.Size, name: str) -> Index:
         size = shape[self.dim]
+        if size == 1 and not self.padded:
+            return (slice(None),) * (self.dim + 1)
         if self.padded:
             part = self.group.padded_part(size)
             part = range(min(part.start, size), min(part.stop, size))

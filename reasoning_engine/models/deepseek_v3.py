@@ -1,6 +1,10 @@
 """DeepSeek-V3 / Kimi K2 / Kimi K2.5 (and DeepSeek-V2): MLA attention over a latent cache, dense first layers, then
 MoE layers with shared experts. The routing differs by family (noaux_tc sigmoid for V3/K2, softmax greedy for V2).
 
+DeepSeek-V3.2 (`deepseek_v32`) and GLM-5 (`glm_moe_dsa`) are V3 with DeepSeek Sparse Attention: every MLA layer has a
+lightning indexer (layers/indexer.py) when the config has `index_topk`; GLM-5's `indexer_types` mark "shared" layers,
+which have no indexer and attend to the tokens the previous "full" layer's indexer chose.
+
 Tensors of the multi-token-prediction layers (index >= num_hidden_layers) are skipped here; the speculative decoder
 loads them on its own (speculative/mtp.py), building them with `decoder_layer` and mapping them with `map_layer_weight`.
 """
@@ -13,6 +17,7 @@ from torch import nn
 
 from reasoning_engine.config import ModelConfig
 from reasoning_engine.layers.attention import MLAttention
+from reasoning_engine.layers.indexer import Indexer
 from reasoning_engine.layers.moe import Experts, GatedMLP, Router, SparseMoE
 from reasoning_engine.layers.rotary import RotaryEmbedding, yarn_softmax_scale
 from reasoning_engine.models.base import CausalLM, DecoderLayer, WeightTarget, column_split, mlp_target, row_split, rows
@@ -23,6 +28,9 @@ from reasoning_engine.parallel import Parallel
 def _is_moe_layer(config: ModelConfig, index: int) -> bool:
     if not config.get("n_routed_experts"):
         return False
+    types = config.get("mlp_layer_types") or ()
+    if index < len(types):
+        return types[index] == "sparse"
     freq = config.get("moe_layer_freq", 1) or 1
     return index >= (config.get("first_k_dense_replace", 0) or 0) and index % freq == 0
 
@@ -31,7 +39,7 @@ def _mlp(config: ModelConfig, index: int, parallel: Parallel) -> nn.Module:
     if not _is_moe_layer(config, index):
         return GatedMLP(config.hidden_size, config.raw["intermediate_size"], tp=parallel.tp)
     num_experts = config.raw["n_routed_experts"]
-    v3 = config.family == "deepseek_v3"
+    v3 = config.family != "deepseek_v2"
     scoring = config.get("scoring_func", "sigmoid" if v3 else "softmax")
     router = Router(
         config.hidden_size, num_experts, config.raw["num_experts_per_tok"], scoring,
@@ -65,8 +73,32 @@ def decoder_layer(config: ModelConfig, index: int, rotary: RotaryEmbedding, para
     scale = (rope_dim + nope_dim) ** -0.5 * yarn_softmax_scale(config.rope_scaling)
     attn = MLAttention(config.hidden_size, config.num_attention_heads, raw.get("q_lora_rank"), raw["kv_lora_rank"],
                        nope_dim, rope_dim, raw["v_head_dim"], rotary, config.rms_norm_eps, scale,
-                       bias=bool(raw.get("attention_bias", False)), tp=parallel.tp)
+                       bias=bool(raw.get("attention_bias", False)), tp=parallel.tp,
+                       indexer=_indexer(config, index, rotary))
     return DecoderLayer(attn, _mlp(config, index, parallel), config.hidden_size, config.rms_norm_eps)
+
+
+def _indexer(config: ModelConfig, index: int, rotary: RotaryEmbedding) -> Indexer | None:
+    """Layer `index`'s DSA indexer: none without `index_topk` or on GLM-5's "shared" layers. DeepSeek-V3.2 rotates
+    the index query and key in the neox layout, GLM-5 interleaved like its MLA."""
+    raw = config.raw
+    types = raw.get("indexer_types") or ()
+    if not raw.get("index_topk") or (index < len(types) and types[index] == "shared"):
+        return None
+    if raw.get("q_lora_rank") is None:
+        raise ValueError("DeepSeek Sparse Attention's indexer reads the low-rank query: the config needs q_lora_rank")
+    return Indexer(config.hidden_size, raw["q_lora_rank"], raw["index_n_heads"], raw["index_head_dim"],
+                   raw["qk_rope_head_dim"], raw["index_topk"], rotary, interleaved=config.family == "glm_moe_dsa")
+
+
+def share_indexers(layers: list[DecoderLayer]) -> None:
+    """Point each layer without an indexer at the nearest earlier layer's (GLM-5's "shared" layers)."""
+    last: Indexer | None = None
+    for layer in layers:
+        if layer.self_attn.indexer is not None:
+            last = layer.self_attn.indexer
+        elif last is not None:
+            layer.self_attn.shared_indexer = (last,)
 
 
 def map_layer_weight(name: str, config: ModelConfig, parallel: Parallel = Parallel()) -> WeightTarget | None:
@@ -88,12 +120,13 @@ def map_layer_weight(name: str, config: ModelConfig, parallel: Parallel = Parall
 
 
 class DeepseekV3ForCausalLM(CausalLM):
-    """Also runs deepseek_v2, kimi_k2 and kimi_k25 (their text model)."""
+    """Also runs deepseek_v2, kimi_k2, kimi_k25 (their text model), deepseek_v32 and glm_moe_dsa."""
 
     def __init__(self, config: ModelConfig, max_positions: int, parallel: Parallel = Parallel()) -> None:
         rotary = rotary_embedding(config, max_positions)
-        super().__init__(config, [decoder_layer(config, i, rotary, parallel) for i in range(config.num_hidden_layers)],
-                         parallel)
+        layers = [decoder_layer(config, i, rotary, parallel) for i in range(config.num_hidden_layers)]
+        share_indexers(layers)
+        super().__init__(config, layers, parallel)
 
     def map_weight(self, name: str) -> WeightTarget | None:
         match = re.match(r"layers\.(\d+)\.", name)

@@ -37,6 +37,9 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     for module in model.modules():
         if isinstance(module, Experts) and module.quant is not None:
             _fill_quantized_experts(module, generator(module.w13.device))
+            for name, param in module.named_parameters(recurse=False):
+                if name not in module.fixed_dtypes:  # biases beside packed experts (gpt-oss)
+                    param.zero_()
             continue
         for param in module.parameters(recurse=False):
             if isinstance(module, RMSNorm):
@@ -57,6 +60,9 @@ def _fill_quantized_experts(experts: Experts, gen: torch.Generator) -> None:
         if experts.quant.method == "w4a16":
             weight.view(torch.uint8).random_(0, 256, generator=gen)  # eight uniform nibbles per int32
             scale.fill_(1.0 / (math.sqrt(weight.shape[-1] * 8) * INT4_RMS))
+        elif experts.quant.method == "mxfp4":  # uniform e2m1 codes (RMS ~2.9), a power-of-two scale near the spread
+            weight.random_(0, 256, generator=gen)
+            scale.fill_(127 + round(math.log2(1.0 / (math.sqrt(weight.shape[-1] * 2) * 2.9))))
         else:
             for expert in weight:  # one expert at a time: the float temporary stays small
                 expert.copy_(torch.randn(expert.shape, generator=gen, device=expert.device, dtype=torch.bfloat16))

@@ -1,6 +1,6 @@
 """Quantized checkpoint formats: which layers a checkpoint quantizes and how to turn them back into dense weights.
 
-Two published formats are read:
+Three published formats are read:
 
 - compressed-tensors ``pack-quantized`` INT4 (Kimi K2 Thinking / K2.5 routed experts): per linear layer
   ``weight_packed`` int32 ``[out, ceil(in / 8)]`` holding eight 4-bit values per int32, lowest nibble first, each value
@@ -10,6 +10,12 @@ Two published formats are read:
 - DeepSeek / Kimi K2 block FP8 (``quant_method: fp8``): ``weight`` float8_e4m3fn ``[out, in]`` and ``weight_scale_inv``
   float32 ``[ceil(out / bo), ceil(in / bi)]`` for ``weight_block_size: [bo, bi]``; dense weight = ``fp8 * scale`` of
   its block, edge blocks partial.
+- compressed-tensors ``float-quantized`` FP8 (GLM-4.5 / 4.6 / 4.7 FP8): ``weight`` float8_e4m3fn ``[out, in]`` and
+  ``weight_scale`` ``[out, 1]`` (per channel) or ``[1]`` (per tensor); dense weight = ``fp8 * scale``. Activation
+  quantization (dynamic per token, or a static ``input_scale``) is not applied: activations stay in the compute dtype.
+- MXFP4 (``quant_method: mxfp4``, gpt-oss): only the experts, as stacked ``*_blocks`` uint8 ``[E, out, in/32, 16]``
+  (two e2m1 codes per byte, low nibble first) and ``*_scales`` uint8 ``[E, out, in/32]`` (e8m0: 2^(s - 127)). They
+  are read as stored (plain tensors) into the packed experts; `kernels.fused_moe.dequantize_mxfp4` is the reference.
 
 Routed experts stay quantized in the engine (`expert_quant` picks the format their `layers.moe.Experts` keeps; the
 fused-MoE kernels dequantize on the fly), which is where nearly all the bytes of these models are. Every other
@@ -31,7 +37,7 @@ import torch.nn.functional as F
 
 from reasoning_engine.layers.moe import ExpertQuant
 
-SUPPORTED_QUANT_METHODS = ("compressed-tensors", "fp8")
+SUPPORTED_QUANT_METHODS = ("compressed-tensors", "fp8", "mxfp4")  # compressed-tensors INT4 or FP8 ("fp8-channel")
 INT4_PACK_FACTOR = 8  # 4-bit values per int32
 INT4_OFFSET = 8  # stored nibble = q + 8
 
@@ -40,7 +46,8 @@ INT4_OFFSET = 8  # stored nibble = q + 8
 class QuantConfig:
     """A checkpoint's weight quantization, reduced to what loading needs.
 
-    ``method`` is ``"compressed-tensors"`` (INT4 pack-quantized, ``group_size``) or ``"fp8"`` (``block``).
+    ``method`` is ``"compressed-tensors"`` (INT4 pack-quantized, ``group_size``), ``"fp8"`` (``block``) or
+    ``"fp8-channel"`` (compressed-tensors float-quantized, per-channel or per-tensor scales).
     ``targets`` and ``ignore`` use the compressed-tensors conventions: ``"Linear"`` (any linear layer),
     ``"re:<regex>"`` (matched from the start of the module name) or an exact module name.
     """
@@ -87,6 +94,8 @@ def parse_quant_config(hf_config: dict[str, Any]) -> QuantConfig | None:
         return _parse_compressed_tensors(raw)
     if method == "fp8":
         return _parse_fp8(raw)
+    if method == "mxfp4":  # gpt-oss: its experts' `*_blocks` / `*_scales`, read as stored and kept packed
+        return QuantConfig(method="mxfp4", group_size=32, ignore=tuple(raw.get("modules_to_not_convert") or ()))
     raise ValueError(
         f"unsupported quantization method {method!r} in quantization_config; supported: {', '.join(SUPPORTED_QUANT_METHODS)}"
     )
@@ -98,6 +107,8 @@ def _parse_compressed_tensors(raw: dict[str, Any]) -> QuantConfig:
         raise ValueError("compressed-tensors quantization_config has no config_groups")
     if raw.get("kv_cache_scheme"):
         raise ValueError("compressed-tensors kv_cache_scheme (quantized KV cache in the checkpoint) is not supported")
+    if {group.get("format") or raw.get("format") for group in groups.values()} == {"float-quantized"}:
+        return _parse_compressed_fp8(raw, groups)
     targets: list[str] = []
     group_sizes: set[int] = set()
     for name, group in groups.items():
@@ -126,9 +137,28 @@ def _parse_compressed_tensors(raw: dict[str, Any]) -> QuantConfig:
     )
 
 
+def _parse_compressed_fp8(raw: dict[str, Any], groups: dict[str, Any]) -> QuantConfig:
+    """FP8 weights with one scale per output channel or per tensor (GLM-4.5 FP8). Input activations, dynamic or
+    static, are left unquantized: layers run in the compute dtype (routed experts dequantized on the fly, the rest at
+    load)."""
+    targets: list[str] = []
+    for name, group in groups.items():
+        args = group.get("weights") or {}
+        wanted = {"num_bits": 8, "type": "float", "symmetric": True}
+        wrong = {k: args.get(k) for k, v in wanted.items() if args.get(k) != v}
+        if wrong or args.get("strategy") not in ("channel", "tensor"):
+            raise ValueError(f"unsupported compressed-tensors FP8 weights in config group {name!r}: "
+                             f"{wrong or {'strategy': args.get('strategy')}}; supported: {wanted} with strategy "
+                             f"'channel' or 'tensor'")
+        if group.get("output_activations"):
+            raise ValueError(f"compressed-tensors config group {name!r} quantizes output activations; not supported")
+        targets.extend(group.get("targets") or ["Linear"])
+    return QuantConfig(method="fp8-channel", targets=tuple(targets), ignore=tuple(raw.get("ignore") or ()))
+
+
 def _parse_fp8(raw: dict[str, Any]) -> QuantConfig:
     fmt = raw.get("fmt", "e4m3")
-    if fmt != "e4m3":
+    if fmt not in ("e4m3", "float8_e4m3fn"):  # MiniMax-M2 spells it out
         raise ValueError(f"unsupported fp8 format {fmt!r}; supported: 'e4m3' (float8_e4m3fn)")
     if raw.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(f"unsupported fp8 activation_scheme {raw.get('activation_scheme')!r}; supported: 'dynamic'")
@@ -139,15 +169,22 @@ def _parse_fp8(raw: dict[str, Any]) -> QuantConfig:
     return QuantConfig(method="fp8", block=(block[0], block[1]), ignore=ignore)
 
 
-def expert_quant(quant: QuantConfig | None, layer: int) -> ExpertQuant | None:
+def expert_quant(quant: QuantConfig | None, layer: int, hidden_size: int = 0,
+                 intermediate_size: int = 0) -> ExpertQuant | None:
     """The format the routed experts of decoder layer `layer` stay in, or None when they are not quantized (they are
-    then dense, dequantized at load if stored quantized)."""
-    if quant is None:
+    then dense, dequantized at load if stored quantized). Per-channel FP8 experts stay packed as block FP8 with
+    blocks of one output channel by at least every input channel (the sizes are the expert's `hidden_size` and
+    `intermediate_size`; without them, such experts are dequantized at load)."""
+    if quant is None or (quant.method == "fp8-channel" and not hidden_size):
         return None
     if not all(quant.is_quantized(f"model.layers.{layer}.mlp.experts.0.{proj}_proj") for proj in ("gate", "up", "down")):
         return None
+    if quant.method == "fp8-channel":  # a block as wide as any input, in whole 128s so the Triton tiles divide it
+        return ExpertQuant("fp8_block", block_shape=(1, -(-max(hidden_size, intermediate_size) // 128) * 128))
     if quant.method == "fp8":
         return ExpertQuant("fp8_block", block_shape=quant.block)
+    if quant.method == "mxfp4":
+        return ExpertQuant("mxfp4", group_size=quant.group_size)
     return ExpertQuant("w4a16", group_size=quant.group_size)
 
 
@@ -188,6 +225,17 @@ def dequantize_int4_pack(
     q = nibbles.reshape(rows, -1)[:, :cols].to(torch.float32) - INT4_OFFSET
     q = F.pad(q, (0, groups * group_size - cols)).view(rows, groups, group_size)
     dense = (q * scale.to(torch.float32).unsqueeze(-1)).view(rows, groups * group_size)[:, :cols]
+    return dense.to(dtype).contiguous()
+
+
+def dequantize_fp8_channel(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dense ``[out, in]`` weight from compressed-tensors FP8: ``weight`` times its row's ``scale`` (``[out, 1]``) or
+    the one per-tensor scale, the product formed in float32 and rounded once to ``dtype``."""
+    rows = weight.shape[0]
+    if scale.numel() not in (1, rows):
+        raise ValueError(f"weight_scale must hold one value per output channel ({rows}) or one per tensor, got shape "
+                         f"{tuple(scale.shape)}")
+    dense = weight.to(torch.float32) * scale.to(torch.float32).reshape(-1, 1)
     return dense.to(dtype).contiguous()
 
 

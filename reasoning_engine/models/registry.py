@@ -11,7 +11,10 @@ from reasoning_engine.layers import use_kernel_backend
 from reasoning_engine.layers.linear import can_pack, pack_linears
 from reasoning_engine.models.base import CausalLM, materialize
 from reasoning_engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from reasoning_engine.models.glm4_moe import Glm4MoeForCausalLM
+from reasoning_engine.models.gpt_oss import GptOssForCausalLM
 from reasoning_engine.models.llama import LlamaForCausalLM
+from reasoning_engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from reasoning_engine.models.qwen3 import Qwen3ForCausalLM
 from reasoning_engine.parallel import Parallel
 
@@ -20,9 +23,14 @@ logger = logging.getLogger(__name__)
 FAMILIES: dict[str, type[CausalLM]] = {
     "deepseek_v3": DeepseekV3ForCausalLM,
     "deepseek_v2": DeepseekV3ForCausalLM,
+    "deepseek_v32": DeepseekV3ForCausalLM,
+    "glm_moe_dsa": DeepseekV3ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "qwen3_moe": Qwen3ForCausalLM,
     "llama": LlamaForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
+    "minimax_m2": MiniMaxM2ForCausalLM,
+    "glm4_moe": Glm4MoeForCausalLM,
 }
 
 

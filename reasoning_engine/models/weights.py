@@ -29,10 +29,12 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from reasoning_engine.kernels.fused_moe import dequantize_mxfp4
 from reasoning_engine.models.quantization import (
     INT4_PACK_FACTOR,
     QuantConfig,
     dequantize_fp8_block,
+    dequantize_fp8_channel,
     dequantize_int4_pack,
 )
 
@@ -63,7 +65,7 @@ class CheckpointTensor:
     """One logical tensor: its name as the model sees it, and the stored tensors it is read from."""
 
     name: str
-    kind: str  # "plain", "int4" (pack-quantized) or "fp8" (block FP8)
+    kind: str  # "plain", "int4" (pack-quantized), "fp8" (block FP8), "fp8_channel" (compressed-tensors FP8) or "mxfp4"
     parts: tuple[str, ...]  # stored tensor names: the tensor itself, or the quantized parts in _INT4_PARTS / weight order
 
 
@@ -136,7 +138,21 @@ def plan_checkpoint(locations: dict[str, Path], quant: QuantConfig | None) -> li
             _require_quant(quant, "fp8", stored)
             plan.append(CheckpointTensor(f"{base}.weight", "fp8", (f"{base}.weight", stored)))
             consumed.update((f"{base}.weight", stored))
-        elif not (stored.endswith(".weight") and f"{stored}_scale_inv" in names) and not _is_int4_part(stored, names):
+        elif stored.endswith(".weight_scale") and stored[: -len("scale")] + "packed" not in names:
+            base = stored[: -len(".weight_scale")]
+            if f"{base}.weight" not in names:
+                raise ValueError(f"{stored!r} has no {base + '.weight'!r} to scale in the checkpoint")
+            _require_quant(quant, "fp8-channel", stored)
+            plan.append(CheckpointTensor(f"{base}.weight", "fp8_channel", (f"{base}.weight", stored)))
+            consumed.update((f"{base}.weight", stored, f"{base}.input_scale"))
+        elif stored.endswith("_blocks") and f"{stored[: -len('_blocks')]}_scales" in names:  # gpt-oss MXFP4 experts
+            base = stored[: -len("_blocks")]
+            _require_quant(quant, "mxfp4", stored)
+            plan.append(CheckpointTensor(base, "mxfp4", (stored, f"{base}_scales")))
+            consumed.update((stored, f"{base}_scales"))
+        elif (not (stored.endswith(".weight") and f"{stored}_scale_inv" in names) and not _is_int4_part(stored, names)
+              and not _is_fp8_channel_part(stored, names)
+              and not (stored.endswith("_scales") and f"{stored[: -len('_scales')]}_blocks" in names)):
             plan.append(CheckpointTensor(stored, "plain", (stored,)))
             consumed.add(stored)
     return plan
@@ -147,6 +163,16 @@ def _is_int4_part(stored: str, names: set[str]) -> bool:
     for part in _INT4_PARTS[1:]:
         if stored.endswith("." + part):
             return stored[: -len(part)] + "weight_packed" in names
+    return False
+
+
+def _is_fp8_channel_part(stored: str, names: set[str]) -> bool:
+    """weight and input_scale of a compressed-tensors FP8 layer (a weight_scale without weight_packed) are read with
+    its weight_scale; input_scale goes unused (activations are not quantized here)."""
+    for part in (".weight", ".input_scale"):
+        if stored.endswith(part):
+            base = stored[: -len(part)]
+            return f"{base}.weight_scale" in names and f"{base}.weight_packed" not in names
     return False
 
 
@@ -229,8 +255,9 @@ def iter_checkpoint_tensors(
     ``prefix_strip`` (e.g. ``"language_model."``) only tensors under that prefix are yielded, without it; the others
     (a vision tower) are skipped and counted in one log line. A quantized ``X.weight`` for which ``keep_packed(name)``
     holds is yielded as its stored parts instead: ``X.weight_packed`` (int32) and ``X.weight_scale`` for INT4,
-    ``X.weight`` (float8_e4m3fn) and ``X.weight_scale_inv`` (float32) for block FP8. Files whose read bytes reach the
-    resident budget are reopened between tensors, so read a tensor before asking for the next.
+    ``X.weight`` (float8_e4m3fn) and ``X.weight_scale_inv`` (float32) for block FP8, ``X_blocks`` and ``X_scales``
+    (uint8) for gpt-oss's MXFP4 experts (dequantized, ``X`` is transformers' [E, in, out]). Files whose read bytes
+    reach the resident budget are reopened between tensors, so read a tensor before asking for the next.
     """
     locations = checkpoint_files(model_dir)
     plan = plan_checkpoint(locations, quant)
@@ -274,6 +301,9 @@ class _LogicalTensor:
         entry = self.entry
         if entry.kind == "int4":
             return [int(v) for v in self._part(2).tolist()]
+        if entry.kind == "mxfp4":  # blocks [E, out, in/32, 16] stand for transformers' [E, in, out]
+            experts, out, groups, _ = self.files.shape(self.locations[entry.parts[0]], entry.parts[0])
+            return [experts, groups * 32, out]
         return self.files.shape(self.locations[entry.parts[0]], entry.parts[0])
 
     def _part(self, i: int, index: Index | None = None) -> torch.Tensor:
@@ -288,6 +318,9 @@ class _LogicalTensor:
                 raise ValueError(f"{entry.name!r} is stored as float8_e4m3fn without a weight_scale_inv")
             return tensor.to(dtype=self.dtype, copy=True) if tensor.is_floating_point() else tensor.clone()
         assert self.quant is not None
+        if entry.kind == "mxfp4":  # read whole (only unpacked experts come here), then cut
+            dense = dequantize_mxfp4(self._part(0).flatten(-2), self._part(1)).transpose(1, 2)
+            return (dense[index] if index is not None else dense).to(self.dtype).contiguous()
         rows, cols = _bounds(index, self.shape)
         if entry.kind == "int4":
             # whole scale groups of the columns (a group is a multiple of the eight values of an int32)
@@ -300,6 +333,14 @@ class _LogicalTensor:
             except ValueError as exc:
                 raise ValueError(f"cannot dequantize {entry.name!r}: {exc}") from exc
             return dense[:, cols.start - c0 :].contiguous()
+        if entry.kind == "fp8_channel":
+            weight, scale = self._part(0, (rows, cols)), self._part(1)
+            if weight.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"{entry.parts[0]!r} has a weight_scale but is stored as {weight.dtype}, not float8_e4m3fn")
+            try:
+                return dequantize_fp8_channel(weight, scale.reshape(-1)[rows] if scale.numel() > 1 else scale, self.dtype)
+            except ValueError as exc:
+                raise ValueError(f"cannot dequantize {entry.name!r}: {exc}") from exc
         br, bc = self.quant.block  # whole FP8 blocks
         r0, c0 = rows.start // br * br, cols.start // bc * bc
         weight = self._part(0, (slice(r0, rows.stop), slice(c0, cols.stop)))
@@ -338,12 +379,33 @@ class _StoredPart:
         return self.files.get(self.locations[self.stored], self.stored, index).clone()
 
 
+class _ChannelScale:
+    """A compressed-tensors FP8 layer's scale as packed experts keep it (block FP8 with one-row blocks): float32
+    [out, 1], one per output channel; a per-tensor scale is repeated. Exact: the stored scale is bf16 or float32."""
+
+    def __init__(self, stored: str, rows: int, locations: dict[str, Path], files: _MappedFiles) -> None:
+        self.stored, self.locations, self.files = stored, locations, files
+        self.shape = [rows, 1]
+
+    def read(self, index: Index | None = None) -> torch.Tensor:
+        scale = self.files.get(self.locations[self.stored], self.stored).to(torch.float32).reshape(-1, 1)
+        if scale.shape[0] == 1:
+            scale = scale.expand(self.shape[0], 1)
+        elif scale.shape[0] != self.shape[0]:
+            raise ValueError(f"{self.stored!r} holds {scale.shape[0]} scales for {self.shape[0]} output channels")
+        return (scale[index] if index is not None else scale).contiguous()
+
+
 def _packed_parts(
     entry: CheckpointTensor, name: str, locations: dict[str, Path], files: _MappedFiles, quant: QuantConfig | None
 ) -> list[tuple[str, LazyTensor]]:
     """A quantized layer's stored parts as the packed expert parameters take them, named after ``name``'s layer;
     shapes and dtypes are checked from the file headers."""
     assert quant is not None
+    if entry.kind == "mxfp4":
+        blocks, scales = entry.parts
+        return [(f"{name}_blocks", _StoredPart(blocks, locations, files)),
+                (f"{name}_scales", _StoredPart(scales, locations, files))]
     base = name[: -len(".weight")]
     if entry.kind == "int4":
         packed, scale, shape = entry.parts
@@ -357,6 +419,11 @@ def _packed_parts(
             raise ValueError(f"{entry.name!r} has {cols} input channels: kept packed, they must be a multiple of 8")
         return [(f"{base}.weight_packed", _StoredPart(packed, locations, files)),
                 (f"{base}.weight_scale", _StoredPart(scale, locations, files))]
+    if entry.kind == "fp8_channel":
+        weight, scale = entry.parts
+        rows = files.shape(locations[weight], weight)[0]
+        return [(f"{base}.weight", _StoredPart(weight, locations, files)),
+                (f"{base}.weight_scale", _ChannelScale(scale, rows, locations, files))]
     weight, scale_inv = entry.parts
     return [(f"{base}.weight", _StoredPart(weight, locations, files)),
             (f"{base}.weight_scale_inv", _StoredPart(scale_inv, locations, files))]

@@ -8,6 +8,8 @@ internals. We also render with `sanitize_control_tokens=True`: control tokens ty
 from __future__ import annotations
 
 import inspect
+import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +48,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if message.role == "assistant":
             if message.reasoning_content is not None:
                 item["reasoning_content"] = message.reasoning_content
+                item["thinking"] = message.reasoning_content  # the key gpt-oss's template reads
+            elif isinstance(content, str) and "</think>" in content:
+                item["reasoning_content"], item["content"] = _inline_thinking(content)
             if message.tool_calls:
                 item["tool_calls"] = [{"id": call.id, "type": "function",
                                        "function": {"name": call.function.name, "arguments": call.function.arguments}}
@@ -54,6 +59,16 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             item["tool_call_id"] = message.tool_call_id
         out.append(item)
     return out
+
+
+def _inline_thinking(content: str) -> tuple[str, str]:
+    """(thinking, answer) of an assistant message that carries its thinking in the content (`<think>...</think>
+    answer`, as MiniMax-M2's API returns it and tells OpenAI clients to send it back). Templates split this
+    themselves, but rendering marks the control tokens typed in messages (to encode them as text), which defeats
+    their stripping of the newlines around the markers (MiniMax-M2's then renders `<think>\n\n...`); split here, the
+    template writes the turn as the model wrote it."""
+    before, after = content.split("</think>")[0], content.split("</think>")[-1]
+    return before.split("<think>")[-1].strip("\n"), after.lstrip("\n")
 
 
 def thinking_switch(kwargs: dict[str, Any]) -> bool | None:
@@ -85,6 +100,8 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[T
         raise bad_request("this model has no chat template; use /v1/completions with a raw prompt", param="messages")
     if continue_final_message and messages[-1]["role"] != "assistant":
         raise bad_request("continue_final_message needs a final assistant message", param="continue_final_message")
+    if iterates_arguments(str(tokenizer.chat_template)):
+        messages = _arguments_as_mappings(messages)
     try:
         ids = tokenizer.apply_chat_template(
             messages,
@@ -103,6 +120,37 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[T
         raise bad_request("the rendered prompt is empty", param="messages")
     tail = tokenizer.decode(ids[-_TAIL_TOKENS:], skip_special_tokens=False)
     return RenderedChat(token_ids=ids, tail=tail, thinking_requested=thinking_switch(template_kwargs))
+
+
+def iterates_arguments(template: str) -> bool:
+    """Whether a template walks a call's arguments as a mapping: `arguments.items()` / `arguments|items`, directly
+    or through a variable set from them (GLM-4.5's and MiniMax-M2's `{% set _args = tc.arguments %}` ...
+    `_args.items()`). Such templates get the arguments as objects; the others keep OpenAI's JSON strings."""
+    names = {"arguments", *re.findall(r"set\s+(\w+)\s*=[^%]*\barguments\b", template)}
+    return any(re.search(rf"\b{re.escape(name)}\s*(?:\.items\(\)|\|\s*items\b)", template) for name in names)
+
+
+def _arguments_as_mappings(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Earlier tool calls with their arguments JSON (an OpenAI string) decoded into objects, for templates that write
+    each argument themselves (as vLLM passes them); arguments that are not a JSON object stay as they are."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            message = {**message, "tool_calls": [_decoded_call(call) for call in calls]}
+        out.append(message)
+    return out
+
+
+def _decoded_call(call: dict[str, Any]) -> dict[str, Any]:
+    arguments = call.get("function", {}).get("arguments")
+    try:
+        decoded = json.loads(arguments) if isinstance(arguments, str) else None
+    except ValueError:
+        decoded = None
+    if not isinstance(decoded, dict):
+        return call
+    return {**call, "function": {**call["function"], "arguments": decoded}}
 
 
 def supports_sanitizing(tokenizer: Any) -> bool:

@@ -10,11 +10,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from reasoning_engine.server.reasoning_parsers import REASONING_PARSER_CHOICES
+from reasoning_engine.server.tool_parsers import TOOL_PARSER_CHOICES
+
 API_KEY_ENV = "REASONING_ENGINE_API_KEY"
 MEDIA_MAX_BYTES = 20 * 1024 * 1024
 MEDIA_FETCH_TIMEOUT_S = 10.0
-_REASONING_PARSERS = ("kimi_k2", "deepseek_r1", "qwen3", "auto", "none")
-_TOOL_PARSERS = ("kimi_k2", "hermes", "auto", "none")
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -28,8 +29,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                        help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV})")
     serve.add_argument("--served-model-name", nargs="+", default=None, help="model name(s) clients use")
     serve.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output)")
-    serve.add_argument("--reasoning-parser", choices=_REASONING_PARSERS, default="auto")
-    serve.add_argument("--tool-call-parser", choices=_TOOL_PARSERS, default="auto")
+    serve.add_argument("--reasoning-parser", choices=REASONING_PARSER_CHOICES, default="auto")
+    serve.add_argument("--tool-call-parser", choices=TOOL_PARSER_CHOICES, default="auto")
     serve.add_argument("--max-thinking-tokens", type=int, default=None,
                        help="default thinking budget for requests that set none")
     serve.add_argument("--speculative-config", default=None,

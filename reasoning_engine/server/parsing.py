@@ -9,7 +9,12 @@ from __future__ import annotations
 from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
-from reasoning_engine.server.reasoning_parsers import REASONING_FORMATS, ReasoningParser, initial_mode
+from reasoning_engine.server.reasoning_parsers import (
+    REASONING_FORMATS,
+    HarmonyReasoningParser,
+    ReasoningParser,
+    initial_mode,
+)
 from reasoning_engine.server.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallDelta, ToolParser
 
 _KIMI_VOCAB_MARKERS = ("<|tool_calls_section_begin|>", "<|im_middle|>")
@@ -29,17 +34,40 @@ def resolve_reasoning_parser(name: str, model_type: str, vocab: Container[str]) 
         return None if name == "none" else name
     if model_type.startswith("kimi") or any(m in vocab for m in _KIMI_VOCAB_MARKERS):
         return "kimi_k2"
+    if model_type == "gpt_oss":  # harmony: no `</think>`, the thinking is the analysis channel
+        return "gpt_oss"
     if "</think>" not in vocab:
         return None
+    if model_type.startswith("glm"):
+        return "glm45"
+    if model_type.startswith("minimax"):
+        return "minimax_m2"
+    if model_type == "deepseek_v32":
+        return "deepseek_v3"
     return "deepseek_r1" if model_type.startswith("deepseek") else "qwen3"
 
 
 def resolve_tool_parser(name: str, model_type: str, vocab: Container[str], chat_template: str | None) -> str | None:
-    """`auto`: Kimi's call tokens mean kimi_k2, a `<tool_call>` token or template mention means hermes."""
+    """`auto`: Kimi's call tokens mean kimi_k2, GLM's `<arg_key>` glm45, a `<tool_call>` token or template mention
+    hermes."""
     if name != "auto":
         return None if name == "none" else name
     if model_type.startswith("kimi") or "<|tool_call_begin|>" in vocab:
         return "kimi_k2"
+    if model_type == "gpt_oss":
+        return "gpt_oss"
+    if model_type.startswith("glm") or "<arg_key>" in vocab:
+        return "glm45"
+    if model_type.startswith("minimax") or "<minimax:tool_call>" in vocab:
+        return "minimax_m2"
+    if model_type.startswith("deepseek"):
+        # V3.1's template (kept by V3.2-Exp) writes NAME<｜tool▁sep｜>{json}; V3's older one `function<｜tool▁sep｜>
+        # NAME` and a json fence, which no parser here reads; V3.2 itself ships no template and writes DSML
+        template = chat_template or ""
+        if "<｜tool▁call▁begin｜>" in template and "```json" not in template:
+            return "deepseek_v31"
+        if model_type == "deepseek_v32":
+            return "deepseek_v32"
     if "<tool_call>" in vocab or "<tool_call>" in (chat_template or ""):
         return "hermes"
     return None
@@ -58,6 +86,7 @@ class ChatOutputParser:
         self._reasoning_started = False
         self._content_started = False
         self._held_space = ""
+        self._thinking_tags = ""  # thinking kept in the content: "" before it, "open" inside, "closed" after
 
     @property
     def tool_calls(self) -> list[ToolCall]:
@@ -75,8 +104,21 @@ class ChatOutputParser:
             return self._answer(text, final)
         thinking, answer = self.reasoning.finish() if final else self.reasoning.feed(text)
         delta = self._answer(answer, final)
-        delta.reasoning = self._trim_reasoning(thinking, ended=final or not self.reasoning.in_reasoning)
+        if self.reasoning.format.thinking_in_content:
+            delta.content = self._thinking_as_content(thinking) + delta.content
+        else:
+            delta.reasoning = self._trim_reasoning(thinking, ended=final or not self.reasoning.in_reasoning)
         return delta
+
+    def _thinking_as_content(self, text: str) -> str:
+        """The thinking as written, between the format's markers (the opening one also when the prompt wrote it);
+        a thinking cut off mid-way stays open."""
+        fmt, out = self.reasoning.format, text
+        if not self._thinking_tags and self.reasoning.had_reasoning:
+            out, self._thinking_tags = fmt.start + out, "open"
+        if self._thinking_tags == "open" and not self.reasoning.in_reasoning:
+            out, self._thinking_tags = out + fmt.end, "closed"
+        return out
 
     def _answer(self, text: str, final: bool) -> ParsedDelta:
         if self.tools is None:
@@ -105,17 +147,21 @@ class ChatOutputParser:
 
 
 def build_output_parser(reasoning_name: str | None, tool_name: str | None, *, prompt_tail: str,
-                        thinking_requested: bool | None, tools_active: bool, drop: Iterable[str]) -> ChatOutputParser:
+                        thinking_requested: bool | None, tools_active: bool, drop: Iterable[str],
+                        tool_schemas: dict[str, dict] | None = None) -> ChatOutputParser:
     """A fresh parser chain for one choice of one request; `drop` are special-token strings to keep out of the text
     (the thinking markers are also kept out of the answer, and the tool format's markers out of the thinking, where
-    a model may write them whether or not tools are offered)."""
+    a model may write them whether or not tools are offered). `tool_schemas` (the offered tools' parameter schemas by
+    name) type the arguments of formats that write them untyped (glm45)."""
     fmt = REASONING_FORMATS[reasoning_name] if reasoning_name else None
     content_drop = (*drop, fmt.start, fmt.end) if fmt else tuple(drop)
     tool_cls = TOOL_PARSERS[tool_name] if tool_name else ToolParser
-    tools = tool_cls(drop=content_drop) if tool_name or content_drop else None
+    schemas = {"schemas": tool_schemas} if getattr(tool_cls, "uses_schemas", False) else {}
+    tools = tool_cls(drop=content_drop, **schemas) if tool_name or content_drop else None
     reasoning = None
     if fmt is not None:
         extra_ends = tool_cls.start_markers if tools_active else ()
-        reasoning = ReasoningParser(fmt, initial_mode(fmt, prompt_tail, thinking_requested), extra_ends=extra_ends,
+        parser_cls = HarmonyReasoningParser if fmt.name == "gpt_oss" else ReasoningParser
+        reasoning = parser_cls(fmt, initial_mode(fmt, prompt_tail, thinking_requested), extra_ends=extra_ends,
                                     drop=(*drop, *tool_cls.markers))
     return ChatOutputParser(reasoning, tools, emit_tool_calls=tools_active and tool_name is not None)

@@ -240,6 +240,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # the chat template's `reasoning_effort` (gpt-oss renders it into its system message); chat_template_kwargs wins
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     thinking_token_budget: int | None = Field(
         default=None, ge=0, validation_alias=AliasChoices("thinking_token_budget", "max_thinking_tokens"))
     add_generation_prompt: bool = True

@@ -447,7 +447,8 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]],
     tool_choice: Any = req.tool_choice
     if isinstance(tool_choice, FunctionToolChoice):
         tool_choice = NamedToolChoice(type="function", function=NamedFunction(name=tool_choice.name))
-    budget = thinking_budget(req.reasoning.effort if req.reasoning else None, max_model_len)
+    effort = req.reasoning.effort if req.reasoning else None
+    budget = thinking_budget(effort, max_model_len)
     chat = ChatCompletionRequest(
         model=req.model, messages=messages, temperature=req.temperature, top_p=req.top_p,
         max_completion_tokens=req.max_output_tokens, user=req.user, prompt_cache_key=req.prompt_cache_key,
@@ -456,6 +457,7 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]],
                for t in req.tools] if req.tools else None,
         tool_choice=tool_choice, parallel_tool_calls=req.parallel_tool_calls, thinking_token_budget=budget,
         chat_template_kwargs=disable_thinking({}) if budget == 0 else None,
+        reasoning_effort=effort if effort in ("low", "medium", "high") else None,  # the template's own (gpt-oss)
         response_format=_response_format(req.text))
     return chat, params
 

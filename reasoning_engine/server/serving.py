@@ -495,12 +495,14 @@ class OpenAIServing:
             skip_special_tokens=not parsing, thinking_token_budget=budget if thinking_on else None,
             constraint=constraint)
 
+        tool_schemas = {tool.function.name: tool.function.parameters or {} for tool in req.tools or ()}
+
         def new_parser() -> ChatOutputParser | None:
             if not parsing:
                 return None
             return build_output_parser(self.reasoning_parser, self.tool_parser, prompt_tail=rendered.tail,
                                        thinking_requested=rendered.thinking_requested, tools_active=tools_active,
-                                       drop=self.special_tokens)
+                                       drop=self.special_tokens, tool_schemas=tool_schemas)
 
         workload = "agent" if tools_active else "chat"
         if not refs:
@@ -519,6 +521,8 @@ class OpenAIServing:
         """The chat rendered as the engine will see it (media parts as the template's placeholders, loaded later),
         its media, and the thinking budget; shared with Anthropic's count_tokens, so a count is the real prompt's."""
         kwargs = check_template_kwargs(dict(req.chat_template_kwargs or {}))
+        if req.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", req.reasoning_effort)
         budget = req.thinking_token_budget if req.thinking_token_budget is not None else self.max_thinking_tokens
         if budget == 0 and thinking_switch(kwargs) is not False:
             kwargs = disable_thinking(kwargs)  # a zero budget means no thinking: render the prompt that way

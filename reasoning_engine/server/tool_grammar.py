@@ -11,9 +11,12 @@
 Each call's arguments follow its tool's `parameters` JSON schema (no parameters: `{}`), with at most one whitespace
 character in a row, so a small model cannot wander into blank space but `{"a": 1}` and `{"a":1}` both fit.
 Formats: kimi_k2 (`<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>
-{json}<|tool_call_end|>...<|tool_calls_section_end|>`) and hermes (`<tool_call>\\n{"name": "NAME", "arguments":
-{json}}\\n</tool_call>`, calls separated by a newline), as in tool_parsers.py. Markers are matched as text, so they fit
-whether the tokenizer has them as single tokens or spells them out.
+{json}<|tool_call_end|>...<|tool_calls_section_end|>`), hermes (`<tool_call>\\n{"name": "NAME", "arguments":
+{json}}\\n</tool_call>`, calls separated by a newline), glm45 (`<tool_call>NAME<arg_key>K</arg_key>` ...
+`</tool_call>`, the arguments in xgrammar's `glm_xml` rendering of the schema, which takes GLM-4.5's newlines between
+the parts and GLM-4.7's compact form alike) and minimax_m2 (`<minimax:tool_call>\\n<invoke name="NAME">\\n` ...
+`</invoke>\\n</minimax:tool_call>`, the arguments in xgrammar's `minimax_xml` rendering), as in tool_parsers.py.
+Markers are matched as text, so they fit whether the tokenizer has them as single tokens or spells them out.
 """
 
 from __future__ import annotations
@@ -27,12 +30,18 @@ from typing import Any
 from reasoning_engine.server.protocol import FunctionDef
 from reasoning_engine.server.reasoning_parsers import KIMI_TOOL_SECTION_BEGINS
 from reasoning_engine.server.tool_parsers import (
+    GLM_CALL_BEGIN,
+    GLM_CALL_END,
     HERMES_CALL_BEGIN,
     HERMES_CALL_END,
     KIMI_ARGUMENT_BEGIN,
     KIMI_CALL_BEGIN,
     KIMI_CALL_END,
     KIMI_SECTION_ENDS,
+    MINIMAX_CALLS_BEGIN,
+    MINIMAX_CALLS_END,
+    MINIMAX_INVOKE_BEGIN,
+    MINIMAX_INVOKE_END,
 )
 from reasoning_engine.structured.params import StructuredOutputsParams
 
@@ -76,11 +85,50 @@ class HermesCallSyntax(CallSyntax):
         return f'{HERMES_CALL_BEGIN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
 
 
+class GlmCallSyntax(CallSyntax):
+    def call_begin(self, name: str) -> str:
+        return f"{GLM_CALL_BEGIN}{name}"
+
+    def call_content(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """The schema's properties as `<arg_key>` / `<arg_value>` pairs: strings raw, other values JSON."""
+        return {**arguments, "style": "glm_xml"}
+
+
+class MiniMaxCallSyntax(CallSyntax):
+    def call_begin(self, name: str) -> str:
+        return f'{MINIMAX_INVOKE_BEGIN}"{name}">\n'
+
+    def call_content(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """The schema's properties as `<parameter name="K">V</parameter>` lines: strings raw, other values JSON. An
+        array parameter declared without `items` gets `items: {}` (what the schema means), since xgrammar's
+        `minimax_xml` refuses every value of such a parameter."""
+        return {**arguments, "json_schema": _array_items_given(arguments["json_schema"]), "style": "minimax_xml"}
+
+
+def _array_items_given(schema: dict[str, Any]) -> dict[str, Any]:
+    properties = schema.get("properties")
+    if not isinstance(properties, dict):
+        return schema
+
+    def given(prop: Any) -> Any:
+        kind = prop.get("type") if isinstance(prop, dict) else None
+        if "array" in (kind if isinstance(kind, list) else [kind]) and not {"items", "prefixItems"} & prop.keys():
+            return {**prop, "items": {}}
+        return prop
+
+    return {**schema, "properties": {name: given(prop) for name, prop in properties.items()}}
+
+
 CALL_SYNTAXES: dict[str, CallSyntax] = {
     "kimi_k2": KimiCallSyntax(trigger=KIMI_TOOL_SECTION_BEGINS[0], open=KIMI_TOOL_SECTION_BEGINS[0],
                               close=KIMI_SECTION_ENDS[0], separator="", call_end=KIMI_CALL_END),
     "hermes": HermesCallSyntax(trigger=HERMES_CALL_BEGIN, open="", close="", separator="\n",
                                call_end=f"}}\n{HERMES_CALL_END}"),
+    "glm45": GlmCallSyntax(trigger=GLM_CALL_BEGIN, open="", close="", separator="\n", call_end=GLM_CALL_END),
+    # vLLM's name for GLM-4.7's compact form, which glm_xml takes as well
+    "glm47": GlmCallSyntax(trigger=GLM_CALL_BEGIN, open="", close="", separator="\n", call_end=GLM_CALL_END),
+    "minimax_m2": MiniMaxCallSyntax(trigger=MINIMAX_CALLS_BEGIN, open=f"{MINIMAX_CALLS_BEGIN}\n",
+                                    close=MINIMAX_CALLS_END, separator="", call_end=f"{MINIMAX_INVOKE_END}\n"),
 }
 
 

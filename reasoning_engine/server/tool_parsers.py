@@ -6,6 +6,16 @@ Formats:
 - hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; the JSON is scanned as it arrives so the
   arguments stream out character by character, and a `</tool_call>` inside an argument string is not mistaken for
   the closing tag.
+- glm45 (GLM-4.5 / 4.6 / 4.7; `glm47` names the same parser): `<tool_call>NAME<arg_key>K</arg_key><arg_value>V
+  </arg_value>...</tool_call>`, values typed by the tool's schema (see `Glm45ToolParser`).
+- minimax_m2 (MiniMax-M2): `<minimax:tool_call><invoke name="NAME"><parameter name="K">V</parameter>...</invoke>
+  </minimax:tool_call>`, values typed by the tool's schema (see `MiniMaxM2ToolParser`).
+- deepseek_v31 (DeepSeek-V3.1, V3.2-Exp): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}
+  <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`.
+- deepseek_v32 (DeepSeek-V3.2's DSML): `<｜DSML｜function_calls><｜DSML｜invoke name="NAME"><｜DSML｜parameter
+  name="K" string="true|false">V</｜DSML｜parameter>...</｜DSML｜invoke></｜DSML｜function_calls>`.
+- gpt_oss (gpt-oss's harmony format): `<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json
+  <|message|>{json}<|call|>`; final and preamble messages are content (see `HarmonyToolParser`).
 
 A parser's contract: no marker ever reaches the content, whatever the splitting of the text into pieces. The first
 delta of a call carries its id and name (arguments ""), later deltas carry argument fragments whose concatenation
@@ -15,13 +25,23 @@ is the call's arguments string.
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from reasoning_engine.server.markers import MarkerSet
-from reasoning_engine.server.reasoning_parsers import KIMI_TOOL_SECTION_BEGINS
+from reasoning_engine.server.reasoning_parsers import (
+    HARMONY_CHANNEL,
+    HARMONY_CONSTRAIN,
+    HARMONY_ENDS,
+    HARMONY_MARKERS,
+    HARMONY_MESSAGE,
+    HARMONY_START,
+    KIMI_TOOL_SECTION_BEGINS,
+    harmony_channel,
+)
 
 
 @dataclass
@@ -346,5 +366,549 @@ class HermesToolParser(ToolParser):
         self._buf = ""
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"kimi_k2": KimiK2ToolParser, "hermes": HermesToolParser}
+GLM_CALL_BEGIN, GLM_CALL_END = "<tool_call>", "</tool_call>"
+GLM_KEY_BEGIN, GLM_KEY_END = "<arg_key>", "</arg_key>"
+GLM_VALUE_BEGIN, GLM_VALUE_END = "<arg_value>", "</arg_value>"
+
+
+def _string_schema(schema: object) -> bool | str | None:
+    """Whether a JSON-schema property takes strings only (True), strings or null ("nullable": the template writes
+    null as `null`), something else (False), or does not say (None)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(kind, list):
+        kinds = {k for k in kind if k != "null"}
+        if kinds == {"string"}:
+            return "nullable" if "null" in kind else True
+        return False if kinds else None
+    return None if kind is None else kind == "string"
+
+
+def _decoded(value: str, keep_strings: bool) -> object:
+    """A non-string argument written raw (`42`, `true`, `{"a": 1}`); what does not parse stays the text. With
+    `keep_strings`, a value that decodes to a string (`"x"`) also stays the text as written."""
+    try:
+        decoded = json.loads(value)
+    except ValueError:
+        return value
+    return value if keep_strings and isinstance(decoded, str) else decoded
+
+
+class Glm45ToolParser(ToolParser):
+    """GLM-4.5 / 4.6 / 4.7: `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>` (4.5 and
+    4.6 put newlines between the parts). The template writes a string value as is and anything else as JSON, so a
+    value is JSON-decoded unless the tool's schema says the argument is a string (without a schema for it: when it
+    decodes to something else than a string). The arguments stream as one JSON object: each key at its `</arg_key>`,
+    string values escaped piece by piece as they arrive, other values whole at their `</arg_value>`.
+
+    States: text -> name -> key -> await_value -> value -> between -> key ... -> text; `skip` drops a nameless call.
+    Text between the parts (the newlines) is dropped.
+    """
+
+    start_markers = (GLM_CALL_BEGIN,)
+    markers = (GLM_CALL_BEGIN, GLM_CALL_END, GLM_KEY_BEGIN, GLM_KEY_END, GLM_VALUE_BEGIN, GLM_VALUE_END)
+    uses_schemas = True
+
+    def __init__(self, drop: Iterable[str] = (), schemas: dict[str, dict] | None = None) -> None:
+        """`schemas`: each offered tool's `parameters` JSON schema, by tool name."""
+        super().__init__(drop)
+        self._markers = MarkerSet([*self.markers, *self._drop])
+        self._schemas = schemas or {}
+        self._state = "text"
+        self._name = ""
+        self._key = ""
+        self._value = ""
+        self._quoted = False  # a string value is streaming: its opening quote is out
+
+    def _run(self) -> None:
+        while True:
+            before, marker, self._buf = self._markers.split(self._buf)
+            if self._state == "text":
+                self._content.append(before)
+            elif self._state == "name":
+                self._name += before
+            elif self._state == "key":
+                self._key += before
+            elif self._state == "value":
+                self._value_text(before)
+            if marker is None:
+                return
+            self._on_marker(marker)
+
+    def _on_marker(self, marker: str) -> None:
+        if marker == GLM_CALL_BEGIN:
+            self._end_call()
+            self._state, self._name = "name", ""
+            return
+        if marker == GLM_CALL_END:
+            self._end_call()
+            return
+        if self._state in ("text", "skip") or marker not in self.markers:
+            return  # a stray tag outside a call, or a dropped special token
+        if self._state == "name" and not self._open_call_named():
+            return
+        if marker == GLM_KEY_BEGIN:
+            self._end_pair()
+            self._state, self._key = "key", ""
+        elif marker == GLM_KEY_END and self._state == "key":
+            self._add_arguments(("{" if not self.calls[-1].arguments else ", ") + json.dumps(self._key.strip()) + ": ")
+            self._state = "await_value"
+        elif marker == GLM_VALUE_BEGIN and self._state == "await_value":
+            self._state, self._value, self._quoted = "value", "", False
+        elif marker == GLM_VALUE_END and self._state == "value":
+            self._end_pair()
+
+    def _open_call_named(self) -> bool:
+        """Leaving the name: open the call, or skip a call without a name."""
+        name = self._name.strip()
+        if not name:
+            self._state = "skip"
+            return False
+        self._open_call(f"call_{uuid.uuid4().hex[:24]}", name)
+        self._state = "between"
+        return True
+
+    def _string_value(self) -> bool | str | None:
+        schema = self._schemas.get(self.calls[-1].name)
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        return _string_schema(properties.get(self._key.strip()) if isinstance(properties, dict) else None)
+
+    def _value_text(self, text: str) -> None:
+        if self._string_value() is True:  # the escaped text of a JSON string is the escaped text of its pieces
+            if not self._quoted:
+                self._add_arguments('"')
+                self._quoted = True
+            self._add_arguments(json.dumps(text, ensure_ascii=False)[1:-1])
+        else:
+            self._value += text
+
+    def _end_pair(self) -> None:
+        """Finish the key-value pair in progress: close its value, or give a key without one an empty string."""
+        if self._state == "await_value":
+            self._add_arguments('""')
+        elif self._state == "value":
+            if self._quoted:
+                self._add_arguments('"')
+            else:
+                kind = self._string_value()
+                value: object = _decoded(self._value, keep_strings=kind is None)
+                if kind == "nullable":
+                    value = None if self._value == "null" else self._value
+                self._add_arguments(json.dumps(value, ensure_ascii=False))
+        self._state, self._key, self._value, self._quoted = "between", "", "", False
+
+    def _end_call(self) -> None:
+        """Close the call in progress (if any): the pair being written, then the arguments object."""
+        if self._state == "name":
+            self._open_call_named()
+        if self._state not in ("text", "skip"):
+            self._end_pair()
+            self._add_arguments("}" if self.calls[-1].arguments else "{}")
+        self._state = "text"
+
+    def _flush(self) -> None:
+        rest, self._buf = self._buf, ""
+        if self._state == "text":
+            self._content.append(rest)
+            return
+        if self._state == "name":
+            self._name += rest
+        elif self._state == "key":
+            self._key += rest
+        elif self._state == "value":
+            self._value_text(rest)
+        self._end_call()
+
+
+MINIMAX_CALLS_BEGIN, MINIMAX_CALLS_END = "<minimax:tool_call>", "</minimax:tool_call>"
+MINIMAX_INVOKE_BEGIN, MINIMAX_INVOKE_END = "<invoke name=", "</invoke>"
+MINIMAX_PARAMETER_BEGIN, MINIMAX_PARAMETER_END = "<parameter name=", "</parameter>"
+_MINIMAX_TYPE_ALIASES = {"str": "string", "text": "string", "int": "integer", "float": "number", "bool": "boolean"}
+
+
+def _minimax_kind(schema: object) -> str:
+    """The type a MiniMax-M2 parameter value is read as: its JSON-schema property's `type` (the first one but
+    "null" when it lists several); "string" when the schema does not say, as MiniMax's reference parser reads it."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), None)
+    return _MINIMAX_TYPE_ALIASES.get(kind.lower(), kind.lower()) if isinstance(kind, str) else "string"
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _minimax_value(text: str, kind: str) -> object:
+    """A whole (stripped) parameter value read as `kind`, following MiniMax's reference parser: `null` is None,
+    integers / numbers / booleans are parsed (a number with an integral value becomes an integer, booleans are
+    "true" or "1"), objects, arrays and other types are read as JSON; a value that does not parse stays text."""
+    if text.lower() == "null":
+        return None
+    if kind == "string":
+        return text
+    if kind == "boolean":
+        return text.lower() in ("true", "1")
+    try:
+        if kind == "integer":
+            return int(text)
+        if kind == "number":
+            number = float(text)
+            if not math.isfinite(number):
+                return text
+            return int(number) if number.is_integer() else number
+        return json.loads(text, parse_constant=_no_constant)
+    except ValueError:
+        return text
+
+
+def _unquote(text: str) -> str:
+    text = text.strip()
+    return text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'" else text
+
+
+class _InvokeTagsToolParser(ToolParser):
+    """The state machine shared by the formats that write `BLOCK<invoke name="NAME"><parameter name="KEY">VALUE
+    </parameter>...</invoke>...END_BLOCK` with their own tag spellings (MiniMax-M2, DeepSeek-V3.2's DSML). The
+    arguments stream as one JSON object; subclasses read an invoke's name, open a parameter from its header (the
+    key, and how its value is read) and take its value.
+
+    States: text -> calls (between invokes) -> name (`"NAME">`) -> invoke (between parameters) -> key (`"KEY"...>`)
+    -> value -> invoke ... -> calls -> text; `skip` drops an invoke without a name. Outside a call block the invoke
+    and parameter tags are plain text; text between the parts of a block is dropped. Class attributes: `markers`
+    (block begin, end) and `_tags` (invoke begin, end, parameter begin, end)."""
+
+    _tags: tuple[str, str, str, str]
+
+    def __init__(self, drop: Iterable[str] = ()) -> None:
+        super().__init__(drop)
+        self._markers = MarkerSet([*self.markers, *self._tags, *self._drop])
+        self._value_ends = (self._tags[3], self._tags[1], self.markers[1])
+        self._state = "text"
+        self._header = ""  # an invoke's or parameter's header as it arrives
+
+    def _invoke_name(self, header: str) -> str:
+        raise NotImplementedError
+
+    def _open_parameter(self, header: str) -> None:
+        raise NotImplementedError
+
+    def _value_text(self, text: str) -> None:
+        raise NotImplementedError
+
+    def _end_parameter(self) -> None:
+        raise NotImplementedError
+
+    def _add_key(self, key: str) -> None:
+        self._add_arguments(("{" if not self.calls[-1].arguments else ", ") + json.dumps(key, ensure_ascii=False)
+                            + ": ")
+
+    def _run(self) -> None:
+        while True:
+            if self._state in ("name", "key"):
+                end = self._buf.find(">")
+                self._header += self._buf if end < 0 else self._buf[:end]
+                self._buf = "" if end < 0 else self._buf[end + 1:]
+                if end < 0:
+                    return
+                self._end_header()
+                continue
+            before, marker, self._buf = self._markers.split(self._buf)
+            if self._state == "text":
+                self._content.append(before)
+            elif self._state == "value":
+                self._value_text(before)
+            if marker is None:
+                return
+            self._on_marker(marker)
+
+    def _on_marker(self, marker: str) -> None:
+        if marker in self._drop:
+            return
+        block_begin, block_end = self.markers
+        invoke_begin, invoke_end, parameter_begin, _ = self._tags
+        if self._state == "text":
+            if marker == block_begin:
+                self._state = "calls"
+            elif marker != block_end:
+                self._content.append(marker)  # a tag outside a call block is text; a stray block end is dropped
+            return
+        if self._state == "value":
+            if marker not in self._value_ends:
+                self._value_text(marker)
+                return
+            self._end_parameter()
+            self._state = "invoke"
+        if marker in (invoke_begin, invoke_end, block_begin, block_end):
+            self._end_invoke()
+            if marker == block_end:
+                self._state = "text"
+            elif marker == invoke_begin:
+                self._state, self._header = "name", ""
+        elif marker == parameter_begin and self._state == "invoke":
+            self._state, self._header = "key", ""
+
+    def _end_header(self) -> None:
+        header, self._header = self._header, ""
+        if self._state == "name":
+            name = self._invoke_name(header)
+            if name:
+                self._open_call(f"call_{uuid.uuid4().hex[:24]}", name)
+            self._state = "invoke" if name else "skip"
+            return
+        self._open_parameter(header)
+        self._state = "value"
+
+    def _end_invoke(self) -> None:
+        """Close the call in progress, if any (a parameter whose name was cut off is left out), and go between
+        invokes."""
+        if self._state in ("invoke", "key"):
+            self._add_arguments("}" if self.calls[-1].arguments else "{}")
+        self._state = "calls"
+
+    def _flush(self) -> None:
+        rest, self._buf = self._buf, ""
+        if self._state == "text":
+            self._content.append(rest)
+            return
+        if self._state == "value":
+            self._value_text(rest)
+            self._end_parameter()
+            self._state = "invoke"
+        self._end_invoke()
+
+
+class MiniMaxM2ToolParser(_InvokeTagsToolParser):
+    """MiniMax-M2: `<minimax:tool_call><invoke name="NAME"><parameter name="KEY">VALUE</parameter>...</invoke>...
+    </minimax:tool_call>` (newlines between the parts). Values are untyped text read by the tool's schema
+    (`_minimax_value`): each key goes out when its `<parameter name="KEY">` closes, string values escaped piece by
+    piece as they arrive (their outer whitespace dropped, as the reference parser strips them; held while they could
+    still be `null`), other values whole at their `</parameter>`."""
+
+    start_markers = (MINIMAX_CALLS_BEGIN,)
+    markers = (MINIMAX_CALLS_BEGIN, MINIMAX_CALLS_END)
+    uses_schemas = True
+    _tags = (MINIMAX_INVOKE_BEGIN, MINIMAX_INVOKE_END, MINIMAX_PARAMETER_BEGIN, MINIMAX_PARAMETER_END)
+
+    def __init__(self, drop: Iterable[str] = (), schemas: dict[str, dict] | None = None) -> None:
+        """`schemas`: each offered tool's `parameters` JSON schema, by tool name."""
+        super().__init__(drop)
+        self._schemas = schemas or {}
+        self._kind = "string"
+        self._value = ""  # a non-string value, or a string's held whitespace (or its possible `null`)
+        self._quoted = False  # a string value is streaming: its opening quote is out
+
+    def _invoke_name(self, header: str) -> str:
+        return _unquote(header)
+
+    def _open_parameter(self, header: str) -> None:
+        key = _unquote(header)
+        self._add_key(key)
+        schema = self._schemas.get(self.calls[-1].name)
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        self._kind = _minimax_kind(properties.get(key) if isinstance(properties, dict) else None)
+        self._value, self._quoted = "", False
+
+    def _value_text(self, text: str) -> None:
+        if self._kind != "string":
+            self._value += text
+            return
+        text = self._value + text
+        if not self._quoted:
+            text = text.lstrip()
+            if "null".startswith(text.rstrip().lower()):
+                self._value = text  # nothing yet, or it may still be `null`
+                return
+            self._add_arguments('"')
+            self._quoted = True
+        kept = text.rstrip()  # trailing whitespace waits: it is dropped if the value ends here
+        self._value = text[len(kept):]
+        if kept:
+            self._add_arguments(json.dumps(kept, ensure_ascii=False)[1:-1])
+
+    def _end_parameter(self) -> None:
+        if self._quoted:
+            self._add_arguments('"')
+        else:
+            self._add_arguments(json.dumps(_minimax_value(self._value.strip(), self._kind), ensure_ascii=False))
+        self._value, self._quoted = "", False
+
+
+DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DEEPSEEK_CALL_BEGIN, DEEPSEEK_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
+DEEPSEEK_SEP = "<｜tool▁sep｜>"
+
+
+class DeepSeekV31ToolParser(ToolParser):
+    """DeepSeek-V3.1 (and V3.2-Exp, whose template keeps it): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME
+    <｜tool▁sep｜>{json}<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`. The JSON arguments stream as written (a call
+    without any is given `{}`); text between calls is dropped.
+
+    States: text -> calls (between calls) -> name -> args -> calls -> text; `skip` drops a call without a name."""
+
+    start_markers = (DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALL_BEGIN)
+    markers = (DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END, DEEPSEEK_CALL_BEGIN, DEEPSEEK_SEP, DEEPSEEK_CALL_END)
+
+    def __init__(self, drop: Iterable[str] = ()) -> None:
+        super().__init__(drop)
+        self._markers = MarkerSet([*self.markers, *self._drop])
+        self._state = "text"
+        self._name = ""
+
+    def _run(self) -> None:
+        while True:
+            before, marker, self._buf = self._markers.split(self._buf)
+            if self._state == "text":
+                self._content.append(before)
+            elif self._state == "name":
+                self._name += before
+            elif self._state == "args":
+                self._add_arguments(before.lstrip() if not self.calls[-1].arguments else before)
+            if marker is None:
+                return
+            self._on_marker(marker)
+
+    def _on_marker(self, marker: str) -> None:
+        if marker == DEEPSEEK_CALLS_BEGIN and self._state == "text":
+            self._state = "calls"
+        elif marker == DEEPSEEK_CALL_BEGIN:
+            self._end_call()
+            self._state, self._name = "name", ""
+        elif marker == DEEPSEEK_SEP and self._state == "name":
+            name = self._name.strip()
+            if name:
+                self._open_call(f"call_{uuid.uuid4().hex[:24]}", name)
+            self._state = "args" if name else "skip"
+        elif marker == DEEPSEEK_CALL_END:
+            self._end_call()
+        elif marker == DEEPSEEK_CALLS_END:
+            self._end_call()
+            self._state = "text"
+
+    def _end_call(self) -> None:
+        """Close the call in progress (if any) and go between calls."""
+        if self._state == "args" and not self.calls[-1].arguments:
+            self._add_arguments("{}")
+        if self._state != "text":
+            self._state = "calls"
+
+    def _flush(self) -> None:
+        rest, self._buf = self._buf, ""
+        if self._state == "text":
+            self._content.append(rest)
+        elif self._state == "args":
+            self._add_arguments(rest.lstrip() if not self.calls[-1].arguments else rest)
+
+
+DSML_CALLS_BEGIN, DSML_CALLS_END = "<｜DSML｜function_calls>", "</｜DSML｜function_calls>"
+DSML_INVOKE_BEGIN, DSML_INVOKE_END = "<｜DSML｜invoke name=", "</｜DSML｜invoke>"
+DSML_PARAMETER_BEGIN, DSML_PARAMETER_END = "<｜DSML｜parameter name=", "</｜DSML｜parameter>"
+_DSML_HEADER = re.compile(r'\s*"(?P<name>[^"]*)"(?:\s+string="(?P<string>true|false)")?\s*')
+
+
+class DeepSeekV32ToolParser(_InvokeTagsToolParser):
+    """DeepSeek-V3.2's DSML (its released chat encoding, `encoding_dsv32.py`): `<｜DSML｜function_calls>
+    <｜DSML｜invoke name="NAME"><｜DSML｜parameter name="KEY" string="true">VALUE</｜DSML｜parameter>...
+    </｜DSML｜invoke>...</｜DSML｜function_calls>` (newlines between the parts). `string="true"` marks a raw string
+    value, streamed escaped piece by piece; `string="false"` a JSON one, written whole at its end tag (text that does
+    not parse is kept as a string)."""
+
+    start_markers = (DSML_CALLS_BEGIN,)
+    markers = (DSML_CALLS_BEGIN, DSML_CALLS_END)
+    _tags = (DSML_INVOKE_BEGIN, DSML_INVOKE_END, DSML_PARAMETER_BEGIN, DSML_PARAMETER_END)
+
+    def __init__(self, drop: Iterable[str] = ()) -> None:
+        super().__init__(drop)
+        self._raw_string = True
+        self._value = ""  # a JSON value as it arrives
+
+    def _invoke_name(self, header: str) -> str:
+        match = _DSML_HEADER.fullmatch(header)
+        return match.group("name") if match else header.strip().strip('"')
+
+    def _open_parameter(self, header: str) -> None:
+        match = _DSML_HEADER.fullmatch(header)
+        self._add_key(match.group("name") if match else header.strip().strip('"'))
+        self._raw_string = not match or match.group("string") != "false"
+        if self._raw_string:
+            self._add_arguments('"')
+        self._value = ""
+
+    def _value_text(self, text: str) -> None:
+        if self._raw_string:
+            self._add_arguments(json.dumps(text, ensure_ascii=False)[1:-1])
+        else:
+            self._value += text
+
+    def _end_parameter(self) -> None:
+        if self._raw_string:
+            self._add_arguments('"')
+        else:
+            try:
+                value: object = json.loads(self._value)
+            except ValueError:
+                value = self._value.strip()
+            self._add_arguments(json.dumps(value, ensure_ascii=False))
+        self._value = ""
+
+
+_HARMONY_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
+
+
+class HarmonyToolParser(ToolParser):
+    """gpt-oss's harmony messages (see `reasoning_parsers.HarmonyReasoningParser`, which hands over every message but
+    the analysis ones whole): a message with a recipient (`to=functions.NAME`, in the header before or after the
+    channel) is a call whose body is its JSON arguments, streamed as they come; the final channel and commentary
+    without a recipient (a preamble) are content; an analysis message (reasoning parsing off) is dropped. Text
+    outside any message is content."""
+
+    markers = HARMONY_MARKERS
+
+    def __init__(self, drop: Iterable[str] = ()) -> None:
+        super().__init__(drop)
+        self._markers = MarkerSet([*self.markers, *self._drop])
+        self._state = "text"
+        self._header = ""
+
+    def _run(self) -> None:
+        while True:
+            before, marker, self._buf = self._markers.split(self._buf)
+            if self._state == "text":
+                self._content.append(before)
+            elif self._state == "header":
+                self._header += before
+            elif self._state == "call":
+                self._add_arguments(before.lstrip() if not self.calls[-1].arguments else before)
+            # in "skip" (an analysis body) the text is dropped
+            if marker is None:
+                return
+            self._on_marker(marker)
+
+    def _on_marker(self, marker: str) -> None:
+        if marker == HARMONY_START or (marker == HARMONY_CHANNEL and self._state == "text"):
+            self._state, self._header = "header", "" if marker == HARMONY_START else marker
+        elif self._state == "header" and marker in (HARMONY_CHANNEL, HARMONY_CONSTRAIN):
+            self._header += marker
+        elif self._state == "header" and marker == HARMONY_MESSAGE:
+            recipient = _HARMONY_RECIPIENT.search(self._header)
+            if recipient:
+                self._open_call(f"call_{uuid.uuid4().hex[:24]}", recipient.group(1).removeprefix("functions."))
+                self._state = "call"
+            else:
+                self._state = "skip" if harmony_channel(self._header) == "analysis" else "text"
+        elif marker in HARMONY_ENDS:
+            self._state = "text"
+
+    def _flush(self) -> None:
+        rest, self._buf = self._buf, ""
+        if self._state == "text":
+            self._content.append(rest)
+        elif self._state == "call":
+            self._add_arguments(rest)
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {"kimi_k2": KimiK2ToolParser, "hermes": HermesToolParser,
+                                            "glm45": Glm45ToolParser, "glm47": Glm45ToolParser,
+                                            "minimax_m2": MiniMaxM2ToolParser,
+                                            "deepseek_v31": DeepSeekV31ToolParser, "deepseek_v32": DeepSeekV32ToolParser,
+                                            "gpt_oss": HarmonyToolParser}
 TOOL_PARSER_CHOICES = (*TOOL_PARSERS, "auto", "none")

@@ -13,6 +13,9 @@ The block attends causally over the MTP's own positions, so it has its own laten
 for every position the target keeps (`DraftModel` in decoder.py). Drafts longer than one token reuse the first MTP
 layer autoregressively: its output z'_t stands in for the target's hidden state at t + 1 and its argmax for x_{t+2}.
 Drafts are greedy, hence point masses, so verification stays exact.
+
+GLM-4.5 / 4.6 / 4.7 ship the same module (`num_nextn_predict_layers`, same tensor names) around a block of their own
+stack (GQA attention and the MoE); `_FAMILY_LAYERS` names each family's block builder and tensor mapping.
 """
 
 from __future__ import annotations
@@ -37,10 +40,19 @@ from reasoning_engine.models.base import (
     packed_targets,
     vocab_target,
 )
-from reasoning_engine.models.deepseek_v3 import decoder_layer, map_layer_weight
+from reasoning_engine.models import deepseek_v3, glm4_moe
 from reasoning_engine.models.quantization import parse_quant_config
 from reasoning_engine.models.weights import LazyTensor, checkpoint_files, iter_checkpoint_tensors
 from reasoning_engine.parallel import Parallel
+
+# family -> (decoder block of layer `index`, checkpoint tensor -> parameter mapping) of the target's stack
+_FAMILY_LAYERS: dict[str, tuple[Callable[..., DecoderLayer], Callable[..., WeightTarget | None]]] = {
+    "deepseek_v3": (deepseek_v3.decoder_layer, deepseek_v3.map_layer_weight),
+    "deepseek_v2": (deepseek_v3.decoder_layer, deepseek_v3.map_layer_weight),
+    "deepseek_v32": (deepseek_v3.decoder_layer, deepseek_v3.map_layer_weight),  # its MTP layer has an indexer too
+    "glm_moe_dsa": (deepseek_v3.decoder_layer, deepseek_v3.map_layer_weight),
+    "glm4_moe": (glm4_moe.decoder_layer, glm4_moe.map_layer_weight),
+}
 
 
 class SharedHead(nn.Module):
@@ -57,7 +69,7 @@ class MTPLayer(DecoderLayer):
     plus the MTP inputs and head."""
 
     def __init__(self, config: ModelConfig, index: int, rotary: RotaryEmbedding, parallel: Parallel) -> None:
-        block = decoder_layer(config, index, rotary, parallel)
+        block = _FAMILY_LAYERS[config.family][0](config, index, rotary, parallel)
         super().__init__(block.self_attn, block.mlp, config.hidden_size, config.rms_norm_eps)
         hidden, vocab, eps = config.hidden_size, config.vocab_size, config.rms_norm_eps
         self.embed_tokens = vocab_embedding(vocab, hidden, parallel.tp)
@@ -109,7 +121,7 @@ def load_mtp(target: CausalLM, engine_config: EngineConfig) -> MTPDraftModel:
     """The first MTP layer of the target's checkpoint, on the target's device and dtype, sharing its rotary table."""
     config = engine_config.model
     layer_prefix = f"{config.weight_prefix}model.layers.{config.num_hidden_layers}."
-    has_layers = config.is_mla and (config.get("num_nextn_predict_layers", 0) or 0) >= 1
+    has_layers = config.family in _FAMILY_LAYERS and (config.get("num_nextn_predict_layers", 0) or 0) >= 1
     if not has_layers or not any(n.startswith(layer_prefix) for n in checkpoint_files(config.path)):
         raise ValueError(f"speculative_config.method 'mtp' needs multi-token-prediction layers in the checkpoint "
                          f"(num_nextn_predict_layers >= 1 and tensors under {layer_prefix!r}); {config.path} has none")
@@ -122,7 +134,7 @@ def load_mtp(target: CausalLM, engine_config: EngineConfig) -> MTPDraftModel:
     def map_weight(name: str) -> WeightTarget | None:
         if name in tables:
             return vocab_target(name, config.vocab_size, target.parallel.tp)
-        return map_layer_weight(name, config, target.parallel)
+        return _FAMILY_LAYERS[config.family][1](name, config, target.parallel)
 
     weights = _mtp_weights(config, layer_prefix, engine_config.dtype, packed_targets(model, map_weight))
     load_parameters(model, weights, map_weight, config.path)

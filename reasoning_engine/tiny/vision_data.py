@@ -3,12 +3,20 @@
 A picture is 64 x 64 pixels on a plain light background, cut into a 4 x 4 grid of 16-pixel cells; each shape (circle,
 square or triangle, in one of six named colours, 10-13 pixels wide, jittered inside its cell) sits in its own cell.
 A cell is exactly what one image token covers (8-pixel patches merged 2 x 2), so the tower has to tell what is in a
-token's cell and the language model where the tokens that matter are. Three questions, each answered after a short
-thinking section as the text tasks are:
+token's cell and the language model where the tokens that matter are. Three questions, each answered after a thinking
+section that scans the picture first:
 
 - "What colour is the circle?": the picture has exactly one shape of the asked kind;
 - "How many squares are there?": 1 to 5 of them, with up to two shapes of other kinds;
 - "Which shape is on the left?": two shapes of different kinds in different columns.
+
+The scan names the cells column by column, top to bottom, each as one fixed item: `|`, the cell's name (an upper-case
+letter, one token) and its content (`-`, or a colour and a shape letter: `|DGS` is a green square in cell D). Every
+content token is then predicted right after the cell's own name, so the language model's lookup into the image tokens
+is the same simple one for every cell and every question (the name says which image token to read), and the answer is
+read from its own thinking, with the counting and stopping rules of the text tasks: the colour scan stops at the asked
+shape, the left scan at the first shape, the count scan marks each match with its running count as the letter counts
+do.
 """
 
 from __future__ import annotations
@@ -77,6 +85,38 @@ def cell_labels(objects: list[tuple[str, str, int, int]]) -> list[int]:
 
 
 NUM_CELL_LABELS = 1 + len(SHAPES) * len(COLOURS)
+# The scan's order (column by column, so the first shape it meets is the leftmost) and each cell's name in it.
+SCAN_ORDER = [(row, col) for col in range(GRID) for row in range(GRID)]
+COLOUR_CODES = {"red": "R", "green": "G", "blue": "B", "yellow": "Y", "purple": "P", "orange": "O"}
+SHAPE_CODES = {"circle": "C", "square": "S", "triangle": "T"}
+# Cell names are upper-case letters, none of them a colour or shape code nor the thinking's opening `I`: the first
+# scans named the cells ` a` ... ` p`, the very tokens the letter counts spell with (`g1 r e e n`), and the two formats
+# competed (run 3 in docs/tiny-reasoner.md). Each item opens with `|`, so a name is always its own bare token (after a
+# space, ` A`, ` K` and ` M` are single merged tokens and the other letters are not).
+CELL_NAMES = "ADEFHJKLMNQUVWXZ"
+ITEM_MARK = "|"
+
+
+def scan(objects: list[tuple[str, str, int, int]], stop_at: str | None = None, count: str | None = None,
+         stop_at_first: bool = False) -> str:
+    """The thinking's scan line: `|A-|DGS|ERC...` over the cells in SCAN_ORDER; it ends after the first `stop_at`
+    shape (or after the first shape at all with `stop_at_first`); with `count`, each such shape gets its running count
+    (`|DGS1`)."""
+    by_cell = {(row, col): (shape, colour) for shape, colour, row, col in objects}
+    items, seen = [], 0
+    for name, cell in zip(CELL_NAMES, SCAN_ORDER):
+        if cell not in by_cell:
+            items.append(f"{ITEM_MARK}{name}-")
+            continue
+        shape, colour = by_cell[cell]
+        item = f"{ITEM_MARK}{name}{COLOUR_CODES[colour]}{SHAPE_CODES[shape]}"
+        if shape == count:
+            seen += 1
+            item += str(seen)
+        items.append(item)
+        if shape == stop_at or stop_at_first:
+            break
+    return "".join(items)
 
 
 def _image_sample(task: str, question: str, objects: list[tuple[str, str, int, int]], reasoning: str, content: str,
@@ -94,8 +134,8 @@ def gen_image_colour(rng: random.Random, shape: str | None = None) -> Sample:
     objects = _scene([shape] + [rng.choice(others) for _ in range(rng.randint(0, 3))], rng)
     colour = objects[0][1]
     question = rng.choice(COLOUR_QUESTIONS).format(shape=shape)
-    return _image_sample("image_colour", question, objects, f"I look for the {shape}. It is {colour}.",
-                         f"The {shape} is {colour}.", colour, rng)
+    reasoning = f"I scan for the {shape}:{scan(objects, stop_at=shape)}\nSo the {shape} is {colour}."
+    return _image_sample("image_colour", question, objects, reasoning, f"The {shape} is {colour}.", colour, rng)
 
 
 def gen_image_count(rng: random.Random, shape: str | None = None) -> Sample:
@@ -106,9 +146,8 @@ def gen_image_count(rng: random.Random, shape: str | None = None) -> Sample:
     objects = _scene([shape] * n + [rng.choice(others) for _ in range(rng.randint(0, 2))], rng)
     question = rng.choice(COUNT_QUESTIONS).format(shape=shape)
     answer = f"is 1 {shape}" if n == 1 else f"are {n} {shape}s"
-    counted = ", ".join(str(i) for i in range(1, n + 1))
-    return _image_sample("image_count", question, objects,
-                         f"I count the {shape}s: {counted}.\nSo there {answer}.", f"There {answer}.", n, rng)
+    reasoning = f"I scan and count the {shape}s:{scan(objects, count=shape)}\nSo there {answer}."
+    return _image_sample("image_count", question, objects, reasoning, f"There {answer}.", n, rng)
 
 
 def gen_image_left(rng: random.Random) -> Sample:
@@ -119,9 +158,8 @@ def gen_image_left(rng: random.Random) -> Sample:
                (right, rng.choice(list(COLOURS)), rng.randrange(GRID), col_right)]
     rng.shuffle(objects)
     question = rng.choice(LEFT_QUESTIONS)
-    return _image_sample("image_left", question, objects,
-                         f"From left to right: {left}, {right}.\nSo the {left} is on the left.",
-                         f"The {left} is on the left.", left, rng)
+    reasoning = f"I scan from the left:{scan(objects, stop_at_first=True)}\nSo the {left} is on the left."
+    return _image_sample("image_left", question, objects, reasoning, f"The {left} is on the left.", left, rng)
 
 
 IMAGE_GENERATORS: dict[str, Callable[[random.Random], Sample]] = {
@@ -133,12 +171,14 @@ IMAGE_TASKS = list(IMAGE_GENERATORS)
 
 
 def training_image_sample(rng: random.Random) -> Sample:
-    """A question of a random type; sometimes the text before the picture, a system prompt, or thinking off."""
+    """A question of a random type; sometimes the text before the picture, a system prompt, or thinking off (the
+    scan then moves into the reply, as the text tasks' working does)."""
     sample = IMAGE_GENERATORS[rng.choice(IMAGE_TASKS)](rng)
     if rng.random() < 0.15:
         sample.messages[0]["content"].reverse()
     if rng.random() < 0.08:
         sample.thinking = False
+        sample.content = f"{sample.reasoning}\n\n{sample.content}"
     if rng.random() < 0.1:
         sample.messages = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] + sample.messages
     return sample

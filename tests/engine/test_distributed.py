@@ -68,6 +68,16 @@ CASES = [
     ("kimi_k25_int4", 2, True, 1),
     ("kimi_k25_int4", 1, True, 2),
     ("deepseek_v3_fp8", 2, True, 1),
+    ("minimax_m2", 2, False, 1),  # q/k norms over all heads: the sum of squares is all-reduced over the ranks
+    ("minimax_m2", 2, True, 1),
+    ("minimax_m2_fp8", 2, True, 1),
+    ("minimax_m2", 1, True, 2),
+    ("glm4_moe", 2, False, 1),  # q/k/v biases (no output bias), partial rotary, shared experts split like a dense MLP
+    ("glm4_moe_as_saved", 2, True, 1),
+    ("glm4_moe_fp8", 2, False, 1),  # per-channel FP8 experts packed: gate/up split by rows with their scales, down
+    ("glm4_moe_fp8", 2, True, 1),  # by columns with every rank holding all of its per-row scales
+    ("gpt_oss", 2, False, 1),  # sinks split with the heads, interleaved gate/up rows split in pairs, one down bias
+    ("gpt_oss_mxfp4", 2, True, 1),  # packed MXFP4 experts partitioned over the ranks
 ]
 
 

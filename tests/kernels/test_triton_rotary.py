@@ -13,7 +13,8 @@ def _tables(max_pos: int, half: int, device: str) -> tuple[torch.Tensor, torch.T
 
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("tokens,hq,hk,head_dim,rot_dim", [(0, 4, 2, 16, 16), (1, 1, 1, 8, 8), (5, 6, 2, 24, 16), (3, 3, 1, 64, 64)])
+@pytest.mark.parametrize("tokens,hq,hk,head_dim,rot_dim", [(0, 4, 2, 16, 16), (1, 1, 1, 8, 8), (5, 6, 2, 24, 16), (3, 3, 1, 64, 64),
+                                                       (3, 4, 2, 32, 8), (2, 3, 1, 128, 64)])
 def test_rotary_matches_reference(device, interleaved, dtype, tokens, hq, hk, head_dim, rot_dim):
     cos, sin = _tables(64, rot_dim // 2, device)
     positions = torch.randint(0, 64, (tokens,), device=device)

@@ -43,6 +43,11 @@ _GQA_BASE: dict[str, Any] = dict(
 )
 _BASES: dict[str, dict[str, Any]] = {
     "deepseek_v3": _DEEPSEEK_BASE,
+    # DeepSeek Sparse Attention with index_topk 8: prompts of 9 tokens and more already attend sparsely; 16 index
+    # heads make an exact-zero score (every head's ReLU zero: a tie topk may order either way) rare
+    "deepseek_v32": dict(_DEEPSEEK_BASE, index_topk=8, index_n_heads=16, index_head_dim=16),
+    "glm_moe_dsa": dict(_DEEPSEEK_BASE, index_topk=8, index_n_heads=16, index_head_dim=16, n_group=1, topk_group=1,
+                        rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
     "deepseek_v2": dict(
         _DEEPSEEK_BASE, q_lora_rank=None, n_shared_experts=2, n_group=None, topk_group=None, topk_method="greedy",
         norm_topk_prob=False, routed_scaling_factor=1.0,
@@ -53,6 +58,23 @@ _BASES: dict[str, dict[str, Any]] = {
                       rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
     "llama": dict(_GQA_BASE, rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                                                   high_freq_factor=4.0, original_max_position_embeddings=64)),
+    # GLM-4.5-Air-like: q/k/v biases, no q/k norm, half the head's channels rotated, head_dim != hidden / heads
+    "glm4_moe": dict(_GQA_BASE, head_dim=32, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+                     num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                     norm_topk_prob=True, attention_bias=True, use_qk_norm=False, num_nextn_predict_layers=0,
+                     rope_parameters=dict(rope_type="default", rope_theta=1000000.0, partial_rotary_factor=0.5)),
+    # GLM-4.7-Flash: DeepSeek-V3's MLA with GLM's MoE; `mlp_layer_types` (first layer dense) as transformers writes it
+    "glm4_moe_lite": dict(_DEEPSEEK_BASE, routed_scaling_factor=1.8, mlp_layer_types=["dense", "sparse", "sparse"],
+                          rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+    # MiniMax-M2-like: q/k norms over all heads, half the head's channels rotated, sigmoid routing with a bias
+    # gpt-oss-like: sinks, q/k/v/o biases, YaRN, sliding windows of 8 tokens (prompts and continuations cross them),
+    # experts with biases and the clamped SwiGLU
+    "gpt_oss": dict(_GQA_BASE, num_hidden_layers=4, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                    sliding_window=8, rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
+                                                           original_max_position_embeddings=128, beta_fast=32.0,
+                                                           beta_slow=1.0, truncate=False)),
+    "minimax_m2": dict(_GQA_BASE, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                       rope_parameters=dict(rope_type="default", rope_theta=5000000.0, partial_rotary_factor=0.5)),
 }
 # keys transformers adds that the published configs do not have
 _NOT_PUBLISHED = ("qk_head_dim", "transformers_version", "output_router_logits", "pretraining_tp")
@@ -68,7 +90,7 @@ class Variant:
     layout: str = "plain"  # "plain", "kimi_k2" (model_type kimi_k2) or "kimi_k25" (wrapper, language_model. prefix)
     mtp: bool = False  # add DeepSeek's MTP layer at index num_hidden_layers
     shards: int = 1
-    quant: str | None = None  # "int4" (routed experts, compressed-tensors) or "fp8" (block FP8)
+    quant: str | None = None  # "int4" (routed experts, compressed-tensors), "fp8" (block FP8) or "fp8_channel"
 
 
 VARIANTS: dict[str, Variant] = {
@@ -81,6 +103,11 @@ VARIANTS: dict[str, Variant] = {
         rope_parameters=dict(_DEEPSEEK_BASE["rope_parameters"], mscale=0.9, mscale_all_dim=0.7)), published=False),
     "deepseek_v3_mtp": Variant("deepseek_v3", dict(num_nextn_predict_layers=1), mtp=True),
     "deepseek_v3_sharded": Variant("deepseek_v3", shards=4),
+    # DeepSeek-V3.2 (neox-rotated index keys) as published; GLM-5 (interleaved) as transformers saves it, its middle
+    # layer reusing the first layer's top-k ("shared")
+    "deepseek_v32": Variant("deepseek_v32"),
+    "glm_moe_dsa": Variant("glm_moe_dsa", dict(indexer_types=["full", "shared", "full"]), published=False),
+    "deepseek_v32_mtp": Variant("deepseek_v32", dict(num_nextn_predict_layers=1), mtp=True),
     "kimi_k2": Variant("deepseek_v3", _KIMI, layout="kimi_k2"),
     "kimi_k25": Variant("deepseek_v3", _KIMI, layout="kimi_k25", shards=3),
     "qwen3": Variant("qwen3"),
@@ -104,6 +131,37 @@ VARIANTS: dict[str, Variant] = {
         quant="fp8", mtp=True),
     "kimi_k2_int4": Variant("deepseek_v3", _KIMI, layout="kimi_k2", quant="int4"),
     "kimi_k25_int4": Variant("deepseek_v3", _KIMI, layout="kimi_k25", quant="int4", shards=3),
+    # GLM-4.5: hub config (rope_theta, top-level partial_rotary_factor); as transformers saves it (rope_parameters),
+    # with q/k norm, a quarter of the channels rotated, group-limited routing, unnormalised weights, no biases
+    "glm4_moe": Variant("glm4_moe"),
+    "glm4_moe_as_saved": Variant("glm4_moe", dict(
+        use_qk_norm=True, attention_bias=False, n_group=4, topk_group=2, norm_topk_prob=False,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)), published=False),
+    "glm4_moe_mtp": Variant("glm4_moe", dict(num_nextn_predict_layers=1), mtp=True),
+    # GLM-4.5-FP8's compressed-tensors per-channel FP8 (every linear but router / embeddings / head)
+    "glm4_moe_fp8": Variant("glm4_moe", quant="fp8_channel", shards=2),
+    "glm4_moe_fp8_mtp": Variant("glm4_moe", dict(num_nextn_predict_layers=1), quant="fp8_channel", mtp=True),
+    # GLM-4.7-Flash as transformers saves it, and hub-style (first_k_dense_replace, rope_theta) with its MTP layer
+    "glm4_moe_lite_as_saved": Variant("glm4_moe_lite", published=False),
+    "glm4_moe_lite_mtp": Variant("glm4_moe_lite", dict(n_group=1, topk_group=1, num_nextn_predict_layers=1), mtp=True),
+    # MiniMax-M2: hub config (rope_theta + rotary_dim and the official extra keys); as transformers saves it
+    # (rope_parameters' partial_rotary_factor), with heads x head_dim != hidden_size, a quarter rotated, top-3
+    "minimax_m2": Variant("minimax_m2"),
+    # gpt-oss: hub config (rope_theta + rope_scaling, experts_per_token, initial_context_length); as transformers
+    # saves it, with full layers first, a window of 5 and top-3 routing
+    "gpt_oss": Variant("gpt_oss"),
+    "gpt_oss_as_saved": Variant("gpt_oss", dict(
+        num_hidden_layers=3, sliding_window=5, num_experts_per_tok=3,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"]), published=False),
+    # the experts in MXFP4 as the official checkpoints ship them (the reference runs on the dequantized weights)
+    "gpt_oss_mxfp4": Variant("gpt_oss", quant="mxfp4"),
+    "minimax_m2_as_saved": Variant("minimax_m2", dict(
+        head_dim=32, num_experts_per_tok=3,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)), published=False),
+    # the official block FP8 (every linear but the router and LM head, MiniMax's quantization_config spelling) with
+    # partial edge blocks: k/v projections 96 x 192, experts 160 x 192
+    "minimax_m2_fp8": Variant("minimax_m2", dict(hidden_size=192, head_dim=48, intermediate_size=160, num_hidden_layers=2),
+                              quant="fp8", shards=2),
 }
 
 
@@ -188,9 +246,15 @@ def _random_model(variant: Variant, seed: int) -> torch.nn.Module:
     config_cls, model_cls = {
         "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
         "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+        "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
+        "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
         "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+        "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM"),
+        "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
+        "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     }[variant.family]
     kwargs = {**_BASES[variant.family], **variant.overrides}
     torch.manual_seed(seed)
@@ -201,6 +265,11 @@ def _random_model(variant: Variant, seed: int) -> torch.nn.Module:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
+            elif ".self_attn." in name and name.endswith(".bias"):  # transformers initialises biases to zero
+                param.copy_(0.2 * torch.randn(param.shape, generator=gen))
+            elif name.endswith(("self_attn.sinks", "mlp.router.bias", "experts.gate_up_proj_bias",
+                                "experts.down_proj_bias")):  # gpt-oss
+                param.copy_(0.5 * torch.randn(param.shape, generator=gen))
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(0.05 * torch.randn(buf.shape, generator=gen))
@@ -211,6 +280,8 @@ def _published(config: dict[str, Any]) -> dict[str, Any]:
     """config.json as the published checkpoints write it: rope_theta + rope_scaling, torch_dtype, family keys."""
     config = {k: v for k, v in config.items() if k not in _NOT_PUBLISHED}
     rope = dict(config.pop("rope_parameters") or {})
+    if "partial_rotary_factor" in rope:  # GLM-4.5's hub config keeps it at the top level
+        config["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
     config["rope_theta"] = rope.pop("rope_theta", 10000.0)
     rope_type = rope.pop("rope_type", "default")
     if "type" not in rope and rope_type != "default":
@@ -223,8 +294,16 @@ def _published(config: dict[str, Any]) -> dict[str, Any]:
         config.update(topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1)
     elif config["model_type"] == "deepseek_v2":
         config.update(scoring_func="softmax", moe_layer_freq=1)
+    elif config["model_type"] == "glm4_moe_lite":
+        config["first_k_dense_replace"] = config.pop("mlp_layer_types").index("sparse")
     elif config["model_type"] == "qwen3_moe":
         config["num_experts"] = config.pop("num_local_experts")
+    elif config["model_type"] == "gpt_oss":  # the official config's own keys beside transformers'
+        config.update(experts_per_token=config["num_experts_per_tok"], initial_context_length=4096)
+    elif config["model_type"] == "minimax_m2":  # the official config: rotary_dim, and MiniMax's own keys
+        config["rotary_dim"] = int(config["head_dim"] * config.pop("partial_rotary_factor", 1.0))
+        config.update(scoring_func="sigmoid", use_qk_norm=True, qk_norm_type="per_layer", use_routing_bias=True,
+                      shared_intermediate_size=0, attn_type_list=[1] * config["num_hidden_layers"], use_mtp=False)
     return config
 
 

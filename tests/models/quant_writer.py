@@ -5,6 +5,13 @@
   ``[out, in/32]``, ``weight_shape`` int64 ``[2]``.
 - Block FP8 as DeepSeek-V3 / Kimi K2 ship every linear layer but the router, embeddings and LM head: float8_e4m3fn
   ``weight`` and float32 ``weight_scale_inv`` per 128x128 block (edge blocks partial).
+- compressed-tensors ``float-quantized`` FP8 as GLM-4.5 / 4.6 / 4.7 FP8 ship every linear layer but the router,
+  embeddings and LM head: float8_e4m3fn ``weight`` and bf16 ``weight_scale`` ``[out, 1]`` (row amax / 448), dynamic
+  per-token input activations (no input_scale).
+
+- MXFP4 as gpt-oss ships its experts: each layer's stacked ``gate_up_proj`` / ``down_proj`` ([E, in, out] in
+  transformers) as ``*_blocks`` uint8 ``[E, out, in/32, 16]`` (e2m1 codes, low nibble first) and ``*_scales`` uint8
+  ``[E, out, in/32]`` (e8m0, 2^(s - 127), the smallest power of two that brings the group's amax within 6).
 
 Each writer also gives the dense weight the stored one stands for, computed here independently of the engine's
 dequantization, so the transformers reference can run on exactly those weights.
@@ -26,7 +33,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 KIMI_INT4_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]
 KIMI_K25_EXTRA_IGNORE = ["re:vision_tower.*", "re:mm_projector.*"]
 ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
-NOT_FP8 = re.compile(r"(embed_tokens|lm_head|norm|\.mlp\.gate\.|shared_head\.head)")
+NOT_FP8 = re.compile(r"(embed_tokens|lm_head|norm|\.mlp\.gate\.|\.block_sparse_moe\.gate\.|shared_head\.head)")
 
 
 def int4_quantization_config(ignore: list[str]) -> dict:
@@ -59,7 +66,37 @@ def int4_quantization_config(ignore: list[str]) -> dict:
     }
 
 
+def fp8_channel_quantization_config(ignore: list[str]) -> dict:
+    """The quantization_config GLM-4.5-FP8 publishes: FP8 weights per output channel, FP8 activations per token
+    (dynamic)."""
+    def args(strategy: str, dynamic: bool, observer: str | None) -> dict:
+        return {"actorder": None, "block_structure": None, "dynamic": dynamic, "group_size": None, "num_bits": 8,
+                "observer": observer, "observer_kwargs": {}, "strategy": strategy, "symmetric": True, "type": "float"}
+
+    return {
+        "config_groups": {"group_0": {"input_activations": args("token", True, None), "output_activations": None,
+                                      "targets": ["Linear"], "weights": args("channel", False, "minmax")}},
+        "format": "float-quantized",
+        "global_compression_ratio": None,
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+    }
+
+
+def quantize_fp8_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel FP8: float8_e4m3fn weight and bf16 weight_scale [out, 1] (row amax / 448)."""
+    scale = (weight.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12).to(torch.bfloat16)
+    fp8 = (weight.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return fp8.contiguous(), scale
+
+
 FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+# MiniMax-M2's spelling of the same format (its published config.json)
+MINIMAX_FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8",
+                                   "weight_block_size": [128, 128],
+                                   "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,16 +150,47 @@ def fp8_dense(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, i
     return dense
 
 
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+GPT_OSS_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+MXFP4_QUANTIZATION_CONFIG = {
+    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    "quant_method": "mxfp4",
+}
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[E, in, out] (transformers' stacked expert layout) -> blocks uint8 [E, out, in/32, 16], scales uint8
+    [E, out, in/32], and the dense [E, in, out] they stand for (round to the nearest e2m1 magnitude, ties to the
+    smaller)."""
+    rows = weight.transpose(1, 2).float()
+    groups = rows.unflatten(-1, (-1, 32))
+    amax = groups.abs().amax(-1)
+    exponent = torch.where(amax > 0, torch.ceil(torch.log2(amax.clamp_min(1e-30) / 6.0)), torch.full_like(amax, -127))
+    exponent = exponent.clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
+    table = torch.tensor(E2M1_MAGNITUDES)
+    index = (scaled.abs().unsqueeze(-1) - table).abs().argmin(-1)
+    codes = index + 8 * (scaled < 0).long()
+    dense = table[index] * torch.where(scaled < 0, -1.0, 1.0) * torch.exp2(exponent).unsqueeze(-1)
+    codes = codes.flatten(-2)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    blocks = packed.unflatten(-1, (-1, 16))
+    return blocks, (exponent + 127).to(torch.uint8), dense.flatten(-2).transpose(1, 2).contiguous()
+
+
 def quantize_checkpoint(folder: Path, scheme: str, shards: int = 1) -> dict[str, torch.Tensor]:
     """Rewrite the checkpoint in `folder` in place: routed experts to INT4 (`scheme="int4"`) or every linear weight
-    but router / embeddings / LM head to block FP8 (`scheme="fp8"`), with the matching quantization_config (inside
+    but router / embeddings / LM head to block FP8 (`scheme="fp8"`) or per-channel FP8 (`"fp8_channel"`), with the matching quantization_config (inside
     text_config for a Kimi K2.5 wrapper, as published). Returns the dense float32 state it stands for, by stored name."""
     config = json.loads((folder / "config.json").read_text())
     stored: dict[str, torch.Tensor] = {}
     dense: dict[str, torch.Tensor] = {}
     for name, tensor in read_tensors(folder).items():
         base = name[: -len(".weight")]
-        if scheme == "int4" and ROUTED_EXPERT.search(name):
+        if scheme == "mxfp4" and GPT_OSS_EXPERTS.search(name):
+            blocks, scales, dense[name] = quantize_mxfp4(tensor)
+            stored.update({f"{name}_blocks": blocks, f"{name}_scales": scales})
+        elif scheme == "int4" and ROUTED_EXPERT.search(name):
             q, scale = quantize_int4(tensor)
             stored.update({f"{base}.weight_packed": pack_nibbles(q), f"{base}.weight_scale": scale,
                            f"{base}.weight_shape": torch.tensor(list(tensor.shape), dtype=torch.int64)})
@@ -131,11 +199,21 @@ def quantize_checkpoint(folder: Path, scheme: str, shards: int = 1) -> dict[str,
             fp8, scale_inv = quantize_fp8_block(tensor)
             stored.update({name: fp8, f"{base}.weight_scale_inv": scale_inv})
             dense[name] = fp8_dense(fp8, scale_inv)
+        elif scheme == "fp8_channel" and name.endswith(".weight") and tensor.dim() == 2 and not NOT_FP8.search(name):
+            fp8, scale = quantize_fp8_channel(tensor)
+            stored.update({name: fp8, f"{base}.weight_scale": scale})
+            dense[name] = fp8.float() * scale.float()
         else:
             stored[name] = dense[name] = tensor
-    if scheme == "int4":
+    if scheme == "mxfp4":
+        qc = dict(MXFP4_QUANTIZATION_CONFIG)
+    elif scheme == "int4":
         wrapper = "text_config" in config
         qc = int4_quantization_config(KIMI_INT4_IGNORE + (KIMI_K25_EXTRA_IGNORE if wrapper else []))
+    elif scheme == "fp8_channel":
+        qc = fp8_channel_quantization_config(["lm_head"])
+    elif config.get("model_type") == "minimax_m2":
+        qc = dict(MINIMAX_FP8_QUANTIZATION_CONFIG)
     else:
         qc = dict(FP8_QUANTIZATION_CONFIG)
     (config["text_config"] if "text_config" in config else config)["quantization_config"] = qc

@@ -24,7 +24,12 @@ PACKED = {
     # 128 x 128 blocks: gate and up of 160 rows take 2 block rows each; partial edge blocks
     "deepseek_v3_fp8": {"w13": (torch.float8_e4m3fn, (8, 320, 192)), "w13_scale": (torch.float32, (8, 4, 2)),
                         "w2": (torch.float8_e4m3fn, (8, 192, 160)), "w2_scale": (torch.float32, (8, 2, 2))},
+    # GLM-4.5's per-channel FP8 (bf16 scales stored): blocks of one output channel by 128 input channels
+    "glm4_moe_fp8": {"w13": (torch.float8_e4m3fn, (8, 64, 64)), "w13_scale": (torch.float32, (8, 64, 1)),
+                     "w2": (torch.float8_e4m3fn, (8, 64, 32)), "w2_scale": (torch.float32, (8, 64, 1))},
 }
+STORED_PARTS = {"kimi_k2_int4": ("weight_packed", "weight_scale"), "deepseek_v3_fp8": ("weight", "weight_scale_inv"),
+                "glm4_moe_fp8": ("weight", "weight_scale")}
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
@@ -56,14 +61,14 @@ def _moe_layers(llm: object) -> dict[int, Experts]:
 @pytest.mark.parametrize("name", list(PACKED))
 def test_experts_keep_the_stored_quantized_tensors(engines, tiny_checkpoint, name: str) -> None:
     layers = _moe_layers(engines(name, "torch"))
-    assert sorted(layers) == ([1, 2] if name == "kimi_k2_int4" else [1])  # all but the first, dense, layer
+    assert sorted(layers) == ([1] if name == "deepseek_v3_fp8" else [1, 2])  # all but the first, dense, layer
     for experts in layers.values():
         got = {n: (p.dtype, tuple(p.shape)) for n, p in experts.named_parameters()}
         assert got == PACKED[name], got
     # expert 5 of the last MoE layer holds the stored tensors bit for bit: gate rows, then up rows, in w13
     index, experts = max(layers.items())
     stored = read_tensors(tiny_checkpoint(name).path)
-    weight, scale = ("weight_packed", "weight_scale") if name == "kimi_k2_int4" else ("weight", "weight_scale_inv")
+    weight, scale = STORED_PARTS[name]
     prefix = f"model.layers.{index}.mlp.experts.5"
     w13, s13 = experts.w13[5], experts.w13_scale[5]
     parts = {"gate": (w13[: w13.shape[0] // 2], s13[: s13.shape[0] // 2]),
@@ -71,7 +76,7 @@ def test_experts_keep_the_stored_quantized_tensors(engines, tiny_checkpoint, nam
              "down": (experts.w2[5], experts.w2_scale[5])}
     for proj, (values, scales) in parts.items():
         assert torch.equal(values.view(torch.uint8), stored[f"{prefix}.{proj}_proj.{weight}"].view(torch.uint8)), proj
-        assert torch.equal(scales, stored[f"{prefix}.{proj}_proj.{scale}"]), proj
+        assert torch.equal(scales, stored[f"{prefix}.{proj}_proj.{scale}"].to(scales.dtype)), proj  # bf16 -> f32: exact
 
 
 def test_packed_parts_are_never_cast(tiny_checkpoint, tmp_path) -> None:
@@ -145,7 +150,8 @@ def _param_bytes(model: torch.nn.Module, experts_only: bool = False) -> int:
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not experts_only or ".experts." in n)
 
 
-@pytest.mark.parametrize("name, expert_ratio", [("kimi_k2_int4", (0.5 + 2 / 32) / 2), ("deepseek_v3_fp8", 0.5)])
+@pytest.mark.parametrize("name, expert_ratio", [("kimi_k2_int4", (0.5 + 2 / 32) / 2), ("deepseek_v3_fp8", 0.5),
+                                                ("glm4_moe_fp8", 0.5 + 1 / 24)])  # a float32 scale per row of 64 / 32
 def test_packed_experts_take_a_fraction_of_the_dense_bytes(tiny_checkpoint, name: str, expert_ratio: float) -> None:
     """In bf16: INT4 experts take 4 bits plus a bf16 scale per 32 weights (0.28 of bf16); FP8 one byte plus one
     float32 scale per 128x128 block (just over 0.5). The whole model is smaller by the experts' savings."""

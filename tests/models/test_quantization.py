@@ -5,15 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from reasoning_engine.layers.moe import ExpertQuant
 from reasoning_engine.models.quantization import (
     QuantConfig,
     dequantize_fp8_block,
+    dequantize_fp8_channel,
+    expert_quant,
     dequantize_int4_pack,
     parse_quant_config,
 )
 
 from .quant_writer import (
     FP8_QUANTIZATION_CONFIG,
+    fp8_channel_quantization_config,
+    quantize_fp8_channel,
     KIMI_INT4_IGNORE,
     KIMI_K25_EXTRA_IGNORE,
     fp8_dense,
@@ -114,7 +119,8 @@ def test_parse_block_fp8() -> None:
     [
         ({"quant_method": "gptq", "bits": 4}, r"unsupported quantization method 'gptq'.*compressed-tensors, fp8"),
         ({"quant_method": "awq"}, r"'awq'.*supported: compressed-tensors, fp8"),
-        ({**int4_quantization_config([]), "format": "float-quantized"}, r"format 'float-quantized'.*'pack-quantized'"),
+        ({**int4_quantization_config([]), "format": "float-quantized"}, r"compressed-tensors FP8 weights.*'num_bits': 4"),
+        ({**int4_quantization_config([]), "format": "int-quantized"}, r"format 'int-quantized'.*'pack-quantized'"),
         ({**FP8_QUANTIZATION_CONFIG, "weight_block_size": None}, r"weight_block_size"),
         ({**FP8_QUANTIZATION_CONFIG, "activation_scheme": "static"}, r"activation_scheme 'static'"),
     ],
@@ -129,3 +135,50 @@ def test_parse_rejects_asymmetric_int4() -> None:
     qc["config_groups"]["group_0"]["weights"]["symmetric"] = False
     with pytest.raises(ValueError, match="symmetric"):
         parse_quant_config({"quantization_config": qc})
+
+
+def test_fp8_channel_dequantization_is_exact() -> None:
+    weight = torch.randn(48, 80, generator=torch.Generator().manual_seed(2))
+    fp8, scale = quantize_fp8_channel(weight)
+    assert fp8.dtype == torch.float8_e4m3fn and scale.shape == (48, 1) and scale.dtype == torch.bfloat16
+    dense = dequantize_fp8_channel(fp8, scale)
+    assert torch.equal(dense, fp8.float() * scale.float())
+    assert ((dense - weight).abs() <= weight.abs() / 16 + scale.float() * 2**-9).all()
+    assert torch.equal(dequantize_fp8_channel(fp8, torch.tensor([0.5])), fp8.float() * 0.5)  # per-tensor scale
+    with pytest.raises(ValueError, match="one value per output channel"):
+        dequantize_fp8_channel(fp8, scale[:3])
+
+
+def test_parse_glm_fp8_channel() -> None:
+    """GLM-4.5-FP8: compressed-tensors float-quantized, per-channel weights, dynamic per-token activations."""
+    config = parse_quant_config({"quantization_config": fp8_channel_quantization_config(["lm_head"])})
+    assert config == QuantConfig(method="fp8-channel", targets=("Linear",), ignore=("lm_head",))
+    assert config.is_quantized("model.layers.3.mlp.experts.7.up_proj") and not config.is_quantized("lm_head")
+    assert expert_quant(config, 3) is None  # without the sizes: dequantized at load
+    # kept packed as block FP8: one output channel by every input channel (in whole 128s)
+    assert expert_quant(config, 3, hidden_size=5120, intermediate_size=1536) == ExpertQuant("fp8_block", block_shape=(1, 5120))
+    assert expert_quant(config, 3, hidden_size=64, intermediate_size=32).block_shape == (1, 128)
+    qc = fp8_channel_quantization_config([])
+    qc["config_groups"]["group_0"]["weights"]["strategy"] = "block"
+    with pytest.raises(ValueError, match="strategy 'channel' or 'tensor'"):
+        parse_quant_config({"quantization_config": qc})
+
+
+def test_fp8_channel_plan_skips_static_input_scales(tmp_path) -> None:
+    """A static-activation FP8 checkpoint's input_scale is not a model tensor: the layer reads as one dense weight."""
+    from reasoning_engine.models.weights import iter_checkpoint_weights
+
+    from .st_files import write_tensors
+
+    weight = torch.randn(8, 16)
+    fp8, scale = quantize_fp8_channel(weight)
+    write_tensors(tmp_path, {"model.layers.0.mlp.down_proj.weight": fp8, "model.layers.0.mlp.down_proj.weight_scale": scale,
+                             "model.layers.0.mlp.down_proj.input_scale": torch.tensor([0.1]),
+                             "model.norm.weight": torch.ones(8)}, 1)
+    (tmp_path / "config.json").write_text("{}")
+    quant = parse_quant_config({"quantization_config": fp8_channel_quantization_config([])})
+    loaded = dict(iter_checkpoint_weights(tmp_path, quant, torch.float32, progress=False))
+    assert sorted(loaded) == ["model.layers.0.mlp.down_proj.weight", "model.norm.weight"]
+    assert torch.equal(loaded["model.layers.0.mlp.down_proj.weight"], fp8.float() * scale.float())
+    with pytest.raises(ValueError, match="stored in fp8-channel format but config.json has no quantization_config"):
+        list(iter_checkpoint_weights(tmp_path, None, torch.float32, progress=False))

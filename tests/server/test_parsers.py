@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
 from reasoning_engine.server.markers import MarkerSet
-from reasoning_engine.server.parsing import build_output_parser, resolve_reasoning_parser, resolve_tool_parser
+from reasoning_engine.server.parsing import ChatOutputParser, build_output_parser, resolve_reasoning_parser, resolve_tool_parser
 
 KIMI_MARKERS = ["<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
                 "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|im_end|>"]
@@ -38,13 +40,10 @@ class Result:
     pieces: list[str] = field(default_factory=list)  # every reasoning/content piece, for the leak check
 
 
-def run(pieces: list[str], reasoning: str | None, tool: str | None, *, prompt_tail: str = "<think>",
-        thinking: bool | None = None, tools_active: bool = True) -> Result:
-    parser = build_output_parser(reasoning, tool, prompt_tail=prompt_tail, thinking_requested=thinking,
-                                 tools_active=tools_active, drop=["<|im_end|>"])
+def collect(parser: ChatOutputParser, pieces: list[str]) -> Result:
+    """Feed the pieces, finish, and join the deltas; each call's streamed fragments add up to its final arguments."""
     result = Result()
-    deltas = [parser.feed(p) for p in pieces] + [parser.finish()]
-    for delta in deltas:
+    for delta in [parser.feed(p) for p in pieces] + [parser.finish()]:
         result.reasoning += delta.reasoning
         result.content += delta.content
         result.pieces += [delta.reasoning, delta.content]
@@ -60,6 +59,12 @@ def run(pieces: list[str], reasoning: str | None, tool: str | None, *, prompt_ta
     return result
 
 
+def run(pieces: list[str], reasoning: str | None, tool: str | None, *, prompt_tail: str = "<think>",
+        thinking: bool | None = None, tools_active: bool = True, drop: tuple[str, ...] = ("<|im_end|>",)) -> Result:
+    return collect(build_output_parser(reasoning, tool, prompt_tail=prompt_tail, thinking_requested=thinking,
+                                       tools_active=tools_active, drop=drop), pieces)
+
+
 def splittings(text: str, seed: int = 0, n_random: int = 40) -> list[list[str]]:
     """Whole, char by char, every two-piece split, and random multi-piece splits."""
     out = [[text], list(text)]
@@ -71,16 +76,21 @@ def splittings(text: str, seed: int = 0, n_random: int = 40) -> list[list[str]]:
     return out
 
 
-def check_all(text: str, reasoning: str | None, tool: str | None, markers: list[str], **kwargs) -> Result:
+def check_splittings(text: str, run_pieces: Callable[[list[str]], Result], markers: list[str],
+                     n_random: int = 40) -> Result:
     """Every splitting gives the same result as the whole text, and no piece holds a marker."""
-    expected = run([text], reasoning, tool, **kwargs)
-    for pieces in splittings(text):
-        got = run(pieces, reasoning, tool, **kwargs)
+    expected = run_pieces([text])
+    for pieces in splittings(text, n_random=n_random):
+        got = run_pieces(pieces)
         assert (got.reasoning, got.content) == (expected.reasoning, expected.content), pieces
         assert [(c["name"], c["arguments"]) for c in got.calls] == [(c["name"], c["arguments"]) for c in expected.calls]
         for piece in got.pieces:
             assert not any(m in piece for m in markers), (piece, pieces)
     return expected
+
+
+def check_all(text: str, reasoning: str | None, tool: str | None, markers: list[str], **kwargs: Any) -> Result:
+    return check_splittings(text, lambda pieces: run(pieces, reasoning, tool, **kwargs), markers)
 
 
 def test_marker_set_holds_back_partial_markers() -> None:
@@ -248,3 +258,14 @@ def test_random_mixtures_never_leak(seed: int) -> None:
     text = thinking.replace("</thin", "") + "</think>" + answer + kimi_section(*calls)
     r = check_all(text, "kimi_k2", "kimi_k2", KIMI_MARKERS)
     assert len(r.calls) == len(calls)
+
+
+def test_serve_offers_every_registered_parser() -> None:
+    from reasoning_engine.cli import build_parser
+    from reasoning_engine.server.reasoning_parsers import REASONING_FORMATS
+    from reasoning_engine.server.tool_parsers import TOOL_PARSERS
+
+    for name in REASONING_FORMATS:
+        assert build_parser().parse_args(["serve", "--reasoning-parser", name]).reasoning_parser == name
+    for name in TOOL_PARSERS:
+        assert build_parser().parse_args(["serve", "--tool-call-parser", name]).tool_call_parser == name

@@ -13,7 +13,6 @@ import torch
 from reasoning_engine import LLM, SamplingParams
 from reasoning_engine.speculative.decoder import HybridProposer
 from reasoning_engine.speculative.draft import Draft
-from reasoning_engine.tiny import BUNDLED_MODEL_DIR
 from reasoning_engine.tiny.model import TinyConfig, TinyDeepseekV3, rope_cos_sin, save_checkpoint
 from char_models import mixed_prompts
 from test_engine_verification import OracleTree, _two_sample_chi2_pvalue

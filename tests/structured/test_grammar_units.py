@@ -7,7 +7,6 @@ import json
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from reasoning_engine import SamplingParams
 from reasoning_engine.engine.model_runner import ModelRunner

@@ -1,0 +1,95 @@
+"""gpt-oss's harmony format through the parser chain: analysis -> reasoning_content, final -> content, commentary
+with a recipient -> tool_calls, fed every way a stream can split the text (the pattern of test_parsers.py)."""
+
+from __future__ import annotations
+
+import json
+
+from reasoning_engine.server.parsing import resolve_reasoning_parser, resolve_tool_parser
+from reasoning_engine.server.reasoning_parsers import HARMONY_MARKERS
+
+from .test_parsers import check_all, run
+
+TAIL = "<|start|>assistant"
+MARKERS = [*HARMONY_MARKERS, "<|im_end|>"]
+
+
+def final(text: str) -> str:
+    return f"<|start|>assistant<|channel|>final<|message|>{text}<|return|>"
+
+
+def analysis(text: str, first: bool = True) -> str:
+    return ("" if first else "<|start|>assistant") + f"<|channel|>analysis<|message|>{text}<|end|>"
+
+
+def call(name: str, args: dict, recipient_first: bool = False) -> str:
+    if recipient_first:
+        return f"<|start|>assistant to=functions.{name}<|channel|>commentary json<|message|>{json.dumps(args)}<|call|>"
+    return f"<|start|>assistant<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{json.dumps(args)}<|call|>"
+
+
+def test_analysis_is_reasoning_and_final_is_content() -> None:
+    text = analysis("The user asks 2 + 3.\nThat is 5.") + final("The answer is **5**.")
+    r = check_all(text, "gpt_oss", "gpt_oss", MARKERS, prompt_tail=TAIL)
+    assert r.reasoning == "The user asks 2 + 3.\nThat is 5."
+    assert r.content == "The answer is **5**."
+    assert r.calls == []
+
+
+def test_commentary_call_after_analysis() -> None:
+    text = analysis("Need the weather tool.") + call("get_weather", {"city": "Paris", "unit": "c"})
+    r = check_all(text, "gpt_oss", "gpt_oss", MARKERS, prompt_tail=TAIL)
+    assert r.reasoning == "Need the weather tool."
+    assert r.content == ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in r.calls] == [("get_weather", {"city": "Paris", "unit": "c"})]
+    assert r.calls[0]["id"].startswith("call_")
+
+
+def test_recipient_before_channel_preamble_and_two_calls() -> None:
+    """The recipient may sit in the role part of the header; a commentary message without one is a preamble
+    (user-visible content); analysis between the calls stays reasoning."""
+    text = (analysis("Plan: look up both.") + "<|start|>assistant<|channel|>commentary<|message|>Checking two sources."
+            "<|end|>" + call("lookup", {"q": "a<b"}, recipient_first=True) + analysis("Now the second.", first=False)
+            + call("lookup", {"q": "x"}))
+    r = check_all(text, "gpt_oss", "gpt_oss", MARKERS, prompt_tail=TAIL)
+    assert r.reasoning == "Plan: look up both.\n\nNow the second."
+    assert r.content == "Checking two sources."
+    assert [(c["name"], json.loads(c["arguments"])) for c in r.calls] == [("lookup", {"q": "a<b"}), ("lookup", {"q": "x"})]
+
+
+def test_reasoning_parsing_off_drops_analysis() -> None:
+    text = analysis("private thoughts") + final("Hello!")
+    r = check_all(text, None, "gpt_oss", MARKERS, prompt_tail=TAIL)
+    assert (r.reasoning, r.content) == ("", "Hello!")
+
+
+def test_calls_are_content_free_when_tools_are_not_offered() -> None:
+    r = run([analysis("hm") + call("f", {"a": 1})], "gpt_oss", "gpt_oss", prompt_tail=TAIL, tools_active=False)
+    assert (r.reasoning, r.content, r.calls) == ("hm", "", [])
+
+
+def test_cut_off_outputs() -> None:
+    """max_tokens in the analysis keeps it reasoning; in a header drops the header; in arguments keeps what came."""
+    assert run([analysis("still thinking")[:-len("<|end|>")]], "gpt_oss", "gpt_oss", prompt_tail=TAIL).reasoning == "still thinking"
+    r = run([analysis("done") + "<|start|>assistant<|channel|>fin"], "gpt_oss", "gpt_oss", prompt_tail=TAIL)
+    assert (r.reasoning, r.content) == ("done", "")
+    r = run([call("f", {"a": 1})[: -len('1}<|call|>')]], "gpt_oss", "gpt_oss", prompt_tail=TAIL)
+    assert r.calls[0]["arguments"] == '{"a": '
+
+
+def test_text_without_harmony_markers_is_content() -> None:
+    r = check_all("just text, no channels", "gpt_oss", "gpt_oss", MARKERS, prompt_tail=TAIL)
+    assert (r.reasoning, r.content) == ("", "just text, no channels")
+
+
+def test_auto_selects_harmony_for_gpt_oss() -> None:
+    assert resolve_reasoning_parser("auto", "gpt_oss", set()) == "gpt_oss"
+    assert resolve_tool_parser("auto", "gpt_oss", set(), None) == "gpt_oss"
+
+
+def test_output_ending_at_the_stop_token_without_its_text() -> None:
+    """The engine stops at `<|return|>` / `<|call|>` (EOS ids) and may leave their text out."""
+    r = check_all(analysis("x") + final("Done.")[: -len("<|return|>")], "gpt_oss", "gpt_oss", MARKERS, prompt_tail=TAIL)
+    assert (r.reasoning, r.content) == ("x", "Done.")
+    r = check_all(call("f", {"a": [1, 2]})[: -len("<|call|>")], "gpt_oss", "gpt_oss", MARKERS, prompt_tail=TAIL)
+    assert [(c["name"], json.loads(c["arguments"])) for c in r.calls] == [("f", {"a": [1, 2]})]

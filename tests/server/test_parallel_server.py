@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +22,6 @@ import openai
 import pytest
 
 from reasoning_engine.engine.async_engine import AsyncLLM
-from reasoning_engine.engine.distributed import free_port
 from reasoning_engine.server.app import ServerConfig, build_app
 
 from .helpers import LiveServer, stream_chat, wait_for
@@ -57,11 +58,24 @@ def _answers(client: openai.OpenAI) -> list[Any]:
     return out
 
 
+def http_port() -> int:
+    """A free port below Linux's ephemeral range: the server's ranks meet at ports the OS hands out
+    (`engine.distributed.free_port`), which could otherwise take this one before uvicorn binds it."""
+    for port in random.Random(os.getpid()).sample(range(20000, 32000), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
+
+
 class ServeProcess:
     """`reasoning-engine serve` of the bundled model in a child process, its output collected."""
 
     def __init__(self, *args: str) -> None:
-        self.port = free_port()
+        self.port = http_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "reasoning_engine.cli", "serve", "--port", str(self.port), "--device", "cpu",

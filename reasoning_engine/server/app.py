@@ -33,7 +33,13 @@ from reasoning_engine.server.anthropic_messages import (
     is_anthropic_path,
     register_anthropic_routes,
 )
-from reasoning_engine.server.chat_template import check_template_kwargs, render_chat, template_messages
+from reasoning_engine.server.chat_template import (
+    check_template_kwargs,
+    read_chat_template,
+    render_chat,
+    template_messages,
+    with_chat_template,
+)
 from reasoning_engine.server.errors import APIError, bad_request
 from reasoning_engine.server.metrics import ServerMetrics
 from reasoning_engine.server.openapi import install_openapi
@@ -92,6 +98,7 @@ class ServerConfig:
     # stored Responses API responses (previous_response_id, GET): at most this many, each kept this long
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
     stored_response_ttl_s: float = DEFAULT_STORED_RESPONSE_TTL_S
+    chat_template: str | None = None  # a Jinja template, or a file holding one, rendering chats instead of the model's
 
 
 def _error_response(path: str, error: APIError, headers: dict[str, str] | None = None) -> Response:
@@ -201,6 +208,8 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSER_CHOICES)}")
     model_config = engine.model_config
     tokenizer = engine.tokenizer
+    if config.chat_template is not None:
+        tokenizer = with_chat_template(tokenizer, read_chat_template(config.chat_template))
     vocab = set(tokenizer.get_vocab()) if tokenizer is not None else set()
     names = list(config.served_model_names or [default_model_name(model_config)])
     metrics = ServerMetrics(engine.stats, names[0])
@@ -213,7 +222,8 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         media_loader=MediaLoader(
             list(config.allowed_media_domains or []),
             Path(config.allowed_local_media_path).resolve() if config.allowed_local_media_path else None,
-            config.media_max_bytes, config.media_fetch_timeout))
+            config.media_max_bytes, config.media_fetch_timeout),
+        tokenizer=tokenizer)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

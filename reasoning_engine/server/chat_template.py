@@ -7,10 +7,12 @@ internals. We also render with `sanitize_control_tokens=True`: control tokens ty
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from reasoning_engine.server.errors import bad_request
@@ -151,6 +153,27 @@ def _decoded_call(call: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(decoded, dict):
         return call
     return {**call, "function": {**call["function"], "arguments": decoded}}
+
+
+def read_chat_template(value: str) -> str:
+    """`--chat-template`: a file holding a Jinja template, or the template itself (vLLM's flag takes both); for
+    checkpoints that ship none (DeepSeek-V3.2 ships a Python encoder) or a fixed one."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat_template: {value!r} is neither a file nor a Jinja template")
+
+
+def with_chat_template(tokenizer: Any, template: str) -> Any:
+    """A shallow copy of the tokenizer rendering with `template`; the engine's own tokenizer keeps the
+    checkpoint's (other apps on the same engine, offline `LLM.chat`)."""
+    if tokenizer is None:
+        raise ValueError("chat_template: this model has no tokenizer to render it with")
+    copied = copy.copy(tokenizer)
+    copied.chat_template = template
+    return copied
 
 
 def supports_sanitizing(tokenizer: Any) -> bool:

@@ -31,6 +31,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output)")
     serve.add_argument("--reasoning-parser", choices=REASONING_PARSER_CHOICES, default="auto")
     serve.add_argument("--tool-call-parser", choices=TOOL_PARSER_CHOICES, default="auto")
+    serve.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template, or a file holding one, used instead of the model's")
     serve.add_argument("--max-thinking-tokens", type=int, default=None,
                        help="default thinking budget for requests that set none")
     serve.add_argument("--speculative-config", default=None,
@@ -224,8 +226,11 @@ def serve_command(args: argparse.Namespace) -> int:
     elif not Path(args.model).is_dir():
         print(f"error: model folder not found: {args.model}", file=sys.stderr)
         return 2
+    from reasoning_engine.server.chat_template import read_chat_template
+
     try:
         engine_kwargs = _engine_kwargs(args)
+        chat_template = read_chat_template(args.chat_template) if args.chat_template is not None else None
     except (ValueError, json.JSONDecodeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -247,7 +252,7 @@ def serve_command(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser, max_thinking_tokens=args.max_thinking_tokens,
         max_body_bytes=args.max_body_bytes, allowed_media_domains=args.allowed_media_domains,
         allowed_local_media_path=args.allowed_local_media_path, media_max_bytes=args.media_max_bytes,
-        media_fetch_timeout=args.media_fetch_timeout,
+        media_fetch_timeout=args.media_fetch_timeout, chat_template=chat_template,
         **{name: value for name, value in (("max_stored_responses", args.max_stored_responses),
                                            ("stored_response_ttl_s", args.stored_response_ttl)) if value is not None}))
     serving = app.state.serving

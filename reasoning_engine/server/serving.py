@@ -324,11 +324,12 @@ class OpenAIServing:
     """Request handling shared by the HTTP routes; holds what is resolved once per server (parsers, limits)."""
 
     def __init__(self, engine: Any, metrics: ServerMetrics, *, model_names: list[str], reasoning_parser: str | None,
-                 tool_parser: str | None, max_thinking_tokens: int | None, media_loader: MediaLoader) -> None:
+                 tool_parser: str | None, max_thinking_tokens: int | None, media_loader: MediaLoader,
+                 tokenizer: Any) -> None:
         self.engine = engine
         self.metrics = metrics
         self.model_names = model_names
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = tokenizer  # the engine's, or a copy with the server's --chat-template
         self.max_model_len: int = engine.model_config.max_model_len
         self.vocab_size: int = engine.model_config.vocab_size
         self.reasoning_parser = reasoning_parser

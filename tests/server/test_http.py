@@ -617,3 +617,28 @@ def test_shutdown_aborts_streams_past_the_grace_period(kimi_tokenizer: Any) -> N
     assert not server.thread.is_alive()
     assert engine.stats().free_blocks == engine.total_blocks
     assert engine.shut_down
+
+
+def test_chat_template_flag_replaces_the_models_template(fake_server: Any, kimi_tokenizer: Any,
+                                                         tmp_path: Any) -> None:
+    from reasoning_engine.cli import build_parser
+    from reasoning_engine.server.app import ServerConfig, build_app
+    from reasoning_engine.server.chat_template import read_chat_template
+
+    from .fake_engine import FakeEngine
+
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+    file = tmp_path / "template.jinja"
+    file.write_text(template)
+    messages = [{"role": "user", "content": "hi"}]
+    own = httpx.post(f"{fake_server()[1]}/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+    for value in (template, str(file)):
+        engine, url = fake_server(chat_template=value)
+        ids = httpx.post(f"{url}/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+        assert kimi_tokenizer.decode(ids) == "[user] hi\n[assistant] " and ids != own
+        assert engine.tokenizer is kimi_tokenizer and kimi_tokenizer.chat_template != template  # engine keeps its own
+    assert build_parser().parse_args(["serve", "--chat-template", str(file)]).chat_template == str(file)
+    with pytest.raises(ValueError, match="chat_template: .* is neither a file nor a Jinja template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="chat_template"):
+        build_app(FakeEngine(kimi_tokenizer, lambda *_: ""), ServerConfig(chat_template="no-such-file"))

@@ -156,7 +156,7 @@ def build_output_parser(reasoning_name: str | None, tool_name: str | None, *, pr
     fmt = REASONING_FORMATS[reasoning_name] if reasoning_name else None
     content_drop = (*drop, fmt.start, fmt.end) if fmt else tuple(drop)
     tool_cls = TOOL_PARSERS[tool_name] if tool_name else ToolParser
-    schemas = {"schemas": tool_schemas} if getattr(tool_cls, "uses_schemas", False) else {}
+    schemas = {"schemas": tool_schemas} if tool_cls.uses_schemas else {}
     tools = tool_cls(drop=content_drop, **schemas) if tool_name or content_drop else None
     reasoning = None
     if fmt is not None:

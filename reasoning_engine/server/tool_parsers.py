@@ -28,6 +28,7 @@ import json
 import math
 import re
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -68,6 +69,8 @@ class ToolParser:
     start_markers: tuple[str, ...] = ()
     #: Every marker of the format: none of them may reach the content or the thinking.
     markers: tuple[str, ...] = ()
+    #: The format writes arguments untyped: the constructor takes the offered tools' schemas (`schemas=`).
+    uses_schemas: bool = False
 
     def __init__(self, drop: Iterable[str] = ()) -> None:
         self.calls: list[ToolCall] = []
@@ -566,7 +569,7 @@ def _unquote(text: str) -> str:
     return text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'" else text
 
 
-class _InvokeTagsToolParser(ToolParser):
+class _InvokeTagsToolParser(ToolParser, ABC):
     """The state machine shared by the formats that write `BLOCK<invoke name="NAME"><parameter name="KEY">VALUE
     </parameter>...</invoke>...END_BLOCK` with their own tag spellings (MiniMax-M2, DeepSeek-V3.2's DSML). The
     arguments stream as one JSON object; subclasses read an invoke's name, open a parameter from its header (the
@@ -586,17 +589,21 @@ class _InvokeTagsToolParser(ToolParser):
         self._state = "text"
         self._header = ""  # an invoke's or parameter's header as it arrives
 
+    @abstractmethod
     def _invoke_name(self, header: str) -> str:
-        raise NotImplementedError
+        """The tool name in an invoke's header (empty: the invoke is skipped)."""
 
+    @abstractmethod
     def _open_parameter(self, header: str) -> None:
-        raise NotImplementedError
+        """Write the parameter's key from its header and get ready for its value."""
 
+    @abstractmethod
     def _value_text(self, text: str) -> None:
-        raise NotImplementedError
+        """A piece of the current parameter's value."""
 
+    @abstractmethod
     def _end_parameter(self) -> None:
-        raise NotImplementedError
+        """Close the current parameter's value in the arguments."""
 
     def _add_key(self, key: str) -> None:
         self._add_arguments(("{" if not self.calls[-1].arguments else ", ") + json.dumps(key, ensure_ascii=False)

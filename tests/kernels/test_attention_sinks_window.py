@@ -5,41 +5,21 @@ independent float64 per-sequence computation over the paged cache."""
 import pytest
 import torch
 from kernel_asserts import assert_close
-from test_triton_attention import gqa_case, make_batch
+from test_triton_attention import dense_reference, gqa_case, make_batch
 
 from reasoning_engine.kernels import attention, triton_attention
 
 
 def dense_sink_window(q, k_cache, v_cache, batch, block_size, scale, sinks, window):
-    """Float64, one query at a time: key j is visible to the query at position p when j <= p (the tree mask among
-    the step's tokens), and j > p - window; the sink joins the denominator."""
+    """The float64 reference over this cache: key j is visible to the query at position p when j <= p (the tree
+    mask among the step's tokens) and j > p - window; the sink joins the denominator."""
     kv_heads, head_dim = k_cache.shape[2:]
-    out = torch.zeros(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=torch.float64)
-    qsl = batch.query_start_loc.tolist()
-    for b, seq_len in enumerate(batch.seq_lens_cpu):
-        q_len = qsl[b + 1] - qsl[b]
-        ctx = seq_len - q_len
-        pos = torch.arange(seq_len)
-        slots = batch.block_tables[b].long().cpu()[pos // block_size] * block_size + pos % block_size
-        group = q.shape[1] // kv_heads
-        k = k_cache.reshape(-1, kv_heads, head_dim)[slots].double().cpu().repeat_interleave(group, dim=1)
-        v = v_cache.reshape(-1, kv_heads, v_cache.shape[-1])[slots].double().cpu().repeat_interleave(group, dim=1)
-        for i in range(q_len):
-            t = qsl[b] + i
-            visible = pos <= ctx + i
-            if batch.tree_mask is not None:
-                step = torch.zeros(seq_len, dtype=torch.bool)
-                step[ctx:] = batch.tree_mask[t, :q_len].cpu()
-                visible &= (pos < ctx) | step
-            if window is not None:
-                visible &= pos > int(batch.positions[t]) - window
-            s = torch.einsum("hd,lhd->hl", q[t].double().cpu(), k) * scale
-            s[:, ~visible] = float("-inf")
-            if sinks is not None:
-                s = torch.cat([s, sinks.double().cpu().view(-1, 1)], dim=1)
-            p = s.softmax(-1)[:, :seq_len]
-            out[t] = torch.einsum("hl,lhd->hd", p, v)
-    return out
+
+    def rows(slots):
+        return (k_cache.reshape(-1, kv_heads, head_dim)[slots].cpu(),
+                v_cache.reshape(-1, kv_heads, v_cache.shape[-1])[slots].cpu())
+
+    return dense_reference(q, rows, batch, block_size, scale, v_cache.shape[-1], sinks=sinks, window=window)
 
 
 CASES = [

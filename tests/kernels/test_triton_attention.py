@@ -60,9 +60,10 @@ def make_batch(context_lens, query_lens, block_size, device, tree=False, num_blo
     return batch, num_blocks
 
 
-def dense_reference(q, cache_rows, batch, block_size, scale, v_dim):
+def dense_reference(q, cache_rows, batch, block_size, scale, v_dim, sinks=None, window=None):
     """Per-sequence float64 attention over the gathered cache: q [T, H, Dk]; cache_rows(slots) -> (k [L, KVH, Dk],
-    v [L, KVH, Dv]). Visibility: all cached context, and the step's tokens by causal order (and the tree mask)."""
+    v [L, KVH, Dv]). Visibility: all cached context, and the step's tokens by causal order (and the tree mask); with
+    a `window`, only keys above the query's position - window; `sinks` [H] join each softmax's denominator."""
     out = torch.zeros(q.shape[0], q.shape[1], v_dim, dtype=torch.float64)
     qsl = batch.query_start_loc.tolist()
     for b, seq_len in enumerate(batch.seq_lens_cpu):
@@ -81,9 +82,13 @@ def dense_reference(q, cache_rows, batch, block_size, scale, v_dim):
                 step = torch.zeros(seq_len, dtype=torch.bool)
                 step[ctx:] = batch.tree_mask[t, :q_len].cpu()
                 visible &= (pos < ctx) | step
+            if window is not None:
+                visible &= pos > int(batch.positions[t]) - window
             s = torch.einsum("hd,lhd->hl", q[t].double().cpu(), k) * scale
             s[:, ~visible] = float("-inf")
-            out[t] = torch.einsum("hl,lhd->hd", s.softmax(-1), v)
+            if sinks is not None:
+                s = torch.cat([s, sinks.double().cpu().view(-1, 1)], dim=1)
+            out[t] = torch.einsum("hl,lhd->hd", s.softmax(-1)[:, :seq_len], v)
     return out
 
 

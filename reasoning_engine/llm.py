@@ -13,6 +13,7 @@ from tqdm import tqdm
 from reasoning_engine.config import EngineConfig, ParallelConfig, load_model_config, parse_dtype, parse_memory
 from reasoning_engine.engine.engine import LLMEngine, PromptType, default_device
 from reasoning_engine.kernels import triton_available
+from reasoning_engine.models.chat_templates import arguments_as_mappings, iterates_arguments
 from reasoning_engine.multimodal.chat import extract_media
 from reasoning_engine.multimodal.loading import MediaLoader
 from reasoning_engine.outputs import RequestOutput
@@ -147,9 +148,11 @@ class LLM:
             raise ValueError("chat needs a tokenizer with a chat template; this checkpoint has none")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts: list[PromptType] = []
+        walks_arguments = iterates_arguments(str(self.tokenizer.chat_template or ""))
         for conversation in conversations:
             media = extract_media(conversation, self.media_loader.load_image, self.media_loader.load_video)
-            ids = self.tokenizer.apply_chat_template(media.messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            turns = arguments_as_mappings(media.messages) if walks_arguments else media.messages
+            ids = self.tokenizer.apply_chat_template(turns, tools=tools, add_generation_prompt=add_generation_prompt,
                                                      tokenize=True, return_dict=False, **(chat_template_kwargs or {}))
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]

@@ -20,6 +20,7 @@ from reasoning_engine.engine.model_runner import ModelRunner, StepResult
 from reasoning_engine.engine.request import Request, RequestStatus
 from reasoning_engine.engine.scheduler import Scheduler
 from reasoning_engine.engine.tuning import EngineTuner
+from reasoning_engine.models.chat_templates import bundled_chat_template
 from reasoning_engine.multimodal.inputs import MediaItem
 from reasoning_engine.multimodal.processing import MediaProcessor
 from reasoning_engine.outputs import CompletionOutput, RequestOutput
@@ -32,14 +33,18 @@ logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict[str, Any]
 
 
-def load_tokenizer(path: str | Path) -> Any:
-    """The checkpoint's HF tokenizer, or None for a folder without tokenizer files (token-id prompts only)."""
+def load_tokenizer(path: str | Path, model_type: str | None = None) -> Any:
+    """The checkpoint's HF tokenizer, or None for a folder without tokenizer files (token-id prompts only). A
+    tokenizer without a chat template gets ours for its model type where we have one (DeepSeek-V3.2)."""
     folder = Path(path)
     if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = bundled_chat_template(model_type)
+    return tokenizer
 
 
 @dataclass
@@ -64,7 +69,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = config.model
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model.path)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model.path, config.model.model_type)
         self.media_processor = (MediaProcessor.from_model_dir(config.model.path, self.tokenizer)
                                 if self.tokenizer is not None else None)
         spec_config = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config else None

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import copy
 import inspect
-import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from reasoning_engine.models.chat_templates import arguments_as_mappings, iterates_arguments
 from reasoning_engine.server.errors import bad_request
 from reasoning_engine.server.protocol import ChatMessage, ToolDef
 
@@ -103,7 +102,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[T
     if continue_final_message and messages[-1]["role"] != "assistant":
         raise bad_request("continue_final_message needs a final assistant message", param="continue_final_message")
     if iterates_arguments(str(tokenizer.chat_template)):
-        messages = _arguments_as_mappings(messages)
+        messages = arguments_as_mappings(messages)
     try:
         ids = tokenizer.apply_chat_template(
             messages,
@@ -124,40 +123,9 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[T
     return RenderedChat(token_ids=ids, tail=tail, thinking_requested=thinking_switch(template_kwargs))
 
 
-def iterates_arguments(template: str) -> bool:
-    """Whether a template walks a call's arguments as a mapping: `arguments.items()` / `arguments|items`, directly
-    or through a variable set from them (GLM-4.5's and MiniMax-M2's `{% set _args = tc.arguments %}` ...
-    `_args.items()`). Such templates get the arguments as objects; the others keep OpenAI's JSON strings."""
-    names = {"arguments", *re.findall(r"set\s+(\w+)\s*=[^%]*\barguments\b", template)}
-    return any(re.search(rf"\b{re.escape(name)}\s*(?:\.items\(\)|\|\s*items\b)", template) for name in names)
-
-
-def _arguments_as_mappings(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Earlier tool calls with their arguments JSON (an OpenAI string) decoded into objects, for templates that write
-    each argument themselves (as vLLM passes them); arguments that are not a JSON object stay as they are."""
-    out = []
-    for message in messages:
-        calls = message.get("tool_calls")
-        if calls:
-            message = {**message, "tool_calls": [_decoded_call(call) for call in calls]}
-        out.append(message)
-    return out
-
-
-def _decoded_call(call: dict[str, Any]) -> dict[str, Any]:
-    arguments = call.get("function", {}).get("arguments")
-    try:
-        decoded = json.loads(arguments) if isinstance(arguments, str) else None
-    except ValueError:
-        decoded = None
-    if not isinstance(decoded, dict):
-        return call
-    return {**call, "function": {**call["function"], "arguments": decoded}}
-
-
 def read_chat_template(value: str) -> str:
     """`--chat-template`: a file holding a Jinja template, or the template itself (vLLM's flag takes both); for
-    checkpoints that ship none (DeepSeek-V3.2 ships a Python encoder) or a fixed one."""
+    checkpoints whose template is missing or wrong."""
     path = Path(value).expanduser()
     if path.is_file():
         return path.read_text(encoding="utf-8")

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from reasoning_engine.server.chat_template import iterates_arguments, render_chat
+from reasoning_engine.models.chat_templates import iterates_arguments
+from reasoning_engine.server.chat_template import render_chat
 from reasoning_engine.server.parsing import build_output_parser, resolve_reasoning_parser, resolve_tool_parser
 from reasoning_engine.server.reasoning_parsers import REASONING_FORMATS, initial_mode
 from reasoning_engine.server.tool_grammar import CALL_SYNTAXES

@@ -61,11 +61,11 @@ def resolve_tool_parser(name: str, model_type: str, vocab: Container[str], chat_
     if model_type.startswith("minimax") or "<minimax:tool_call>" in vocab:
         return "minimax_m2"
     if model_type.startswith("deepseek"):
-        # V3.1's template (kept by V3.2-Exp) writes NAME<｜tool▁sep｜>{json}; V3's older one `function<｜tool▁sep｜>
-        # NAME` and a json fence, which no parser here reads; V3.2 itself ships no template and writes DSML
+        # V3.1's template (kept by V3.2-Exp) writes NAME<｜tool▁sep｜>{json}; V3-0324's and R1-0528's
+        # `function<｜tool▁sep｜>NAME` and a json fence; V3.2 itself ships no template and writes DSML
         template = chat_template or ""
-        if "<｜tool▁call▁begin｜>" in template and "```json" not in template:
-            return "deepseek_v31"
+        if "<｜tool▁call▁begin｜>" in template:
+            return "deepseek_v3" if "```json" in template else "deepseek_v31"
         if model_type == "deepseek_v32":
             return "deepseek_v32"
     if "<tool_call>" in vocab or "<tool_call>" in (chat_template or ""):

@@ -55,6 +55,8 @@ from reasoning_engine.server.reasoning_parsers import REASONING_FORMATS, initial
 from reasoning_engine.server.token_bytes import TokenBytes
 from reasoning_engine.server.tool_grammar import (
     CALL_SYNTAXES,
+    INLINE_THINKING,
+    answer_tag,
     bad_tool_schema,
     tool_call_tag,
 )
@@ -434,9 +436,14 @@ class OpenAIServing:
                          answer: Constraint | None) -> Constraint | None:
         """tool_choice "required" or named: the answer is calls (an answer format waits for a later turn); under
         "auto", strict tools or an answer format: free text or that answer, with each call held to its tool's
-        schema. None when the tools need no grammar."""
+        schema. None when the tools need no grammar. A model that thinks inside the constrained output (gpt-oss:
+        no `</think>` for the engine to wait for) may think before the calls or the answer."""
+        thinking = INLINE_THINKING.get(self.reasoning_parser or "")
         if not tools_active or not req.tools:
-            return answer
+            if answer is None or thinking is None:
+                return answer
+            return Constraint(_structured_spec({"structural_tag": answer_tag(answer.spec, thinking)}, answer.param),
+                              answer.param)
         choice = req.tool_choice
         named = isinstance(choice, NamedToolChoice)
         required = named or choice == "required"
@@ -451,7 +458,7 @@ class OpenAIServing:
         tools = [req.tools[i].function for i in indices]
         tag = tool_call_tag(self.tool_parser, tools, required=required,
                             parallel=not named and req.parallel_tool_calls is not False,
-                            answer=None if required or answer is None else answer.spec)
+                            answer=None if required or answer is None else answer.spec, thinking=thinking)
         try:
             return Constraint(StructuredOutputsParams(structural_tag=tag), "tools")
         except ValueError as exc:

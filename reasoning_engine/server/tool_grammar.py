@@ -14,9 +14,21 @@ Formats: kimi_k2 (`<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME
 {json}<|tool_call_end|>...<|tool_calls_section_end|>`), hermes (`<tool_call>\\n{"name": "NAME", "arguments":
 {json}}\\n</tool_call>`, calls separated by a newline), glm45 (`<tool_call>NAME<arg_key>K</arg_key>` ...
 `</tool_call>`, the arguments in xgrammar's `glm_xml` rendering of the schema, which takes GLM-4.5's newlines between
-the parts and GLM-4.7's compact form alike) and minimax_m2 (`<minimax:tool_call>\\n<invoke name="NAME">\\n` ...
-`</invoke>\\n</minimax:tool_call>`, the arguments in xgrammar's `minimax_xml` rendering), as in tool_parsers.py.
+the parts and GLM-4.7's compact form alike), minimax_m2 (`<minimax:tool_call>\\n<invoke name="NAME">\\n` ...
+`</invoke>\\n</minimax:tool_call>`, the arguments in xgrammar's `minimax_xml` rendering), deepseek_v3
+(`<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{json}\\n```<｜tool▁call▁end｜>`,
+calls separated by a newline), deepseek_v31
+(`<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`),
+deepseek_v32 (`\\n\\n<｜DSML｜function_calls>\\n<｜DSML｜invoke name="NAME">\\n` ... `</｜DSML｜invoke>\\n
+</｜DSML｜function_calls>`, the arguments in xgrammar's `deepseek_xml` rendering: `<｜DSML｜parameter name="K"
+string="true">raw string</｜DSML｜parameter>` or `string="false">JSON`) and gpt_oss (harmony: `<|channel|>commentary
+to=functions.NAME <|constrain|>json<|message|>{json}`; the `<|call|>` after it is a stop token, so a call ends the
+output and there is at most one), as in tool_parsers.py.
 Markers are matched as text, so they fit whether the tokenizer has them as single tokens or spells them out.
+
+gpt-oss has no `</think>` for the engine to wait for, so its constraint holds the output from the first token and
+lets the thinking through itself (`InlineThinking`): calls or an answer format come after any analysis messages,
+the answer in a final message.
 """
 
 from __future__ import annotations
@@ -28,8 +40,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from reasoning_engine.server.protocol import FunctionDef
-from reasoning_engine.server.reasoning_parsers import KIMI_TOOL_SECTION_BEGINS
+from reasoning_engine.server.reasoning_parsers import (
+    HARMONY_CHANNEL,
+    HARMONY_CONSTRAIN,
+    HARMONY_ENDS,
+    HARMONY_MARKERS,
+    HARMONY_MESSAGE,
+    HARMONY_START,
+    KIMI_TOOL_SECTION_BEGINS,
+)
 from reasoning_engine.server.tool_parsers import (
+    DEEPSEEK_CALL_BEGIN,
+    DEEPSEEK_CALL_END,
+    DEEPSEEK_CALLS_BEGIN,
+    DEEPSEEK_CALLS_END,
+    DEEPSEEK_SEP,
+    DSML_CALLS_BEGIN,
+    DSML_CALLS_END,
+    DSML_INVOKE_BEGIN,
+    DSML_INVOKE_END,
+    DSML_PARAMETER_END,
     GLM_CALL_BEGIN,
     GLM_CALL_END,
     HERMES_CALL_BEGIN,
@@ -42,6 +72,8 @@ from reasoning_engine.server.tool_parsers import (
     MINIMAX_CALLS_END,
     MINIMAX_INVOKE_BEGIN,
     MINIMAX_INVOKE_END,
+    DeepSeekV3ToolParser,
+    DeepSeekV31ToolParser,
 )
 from reasoning_engine.structured.params import StructuredOutputsParams
 
@@ -53,13 +85,20 @@ _KIMI_CALL_INDEX = "0|[1-9][0-9]{0,3}"  # the `:IDX` of a Kimi call id
 @dataclass(frozen=True)
 class CallSyntax(ABC):
     """One tool parser's call format: the calls sit between `open` and `close`, `separator` between two calls; a
-    call is `call_begin(name)`, its content, `call_end`. `trigger` starts the calls inside free text."""
+    call is `call_begin(name)`, its content, `call_end`. `trigger` starts the calls inside free text. `lead` comes
+    before the calls where they are the whole answer (DeepSeek-V3.2 writes its block after a blank line, which in
+    free text is the model's own). `ends_turn`: the call's end marker is a stop token, left out of the grammar, so a
+    call ends the output and there is at most one (gpt-oss). `excludes`: markers the parser acts on inside a call's
+    arguments (ending or dropping them), kept out of the arguments' strings and keys."""
 
     trigger: str
     open: str
     close: str
     separator: str
     call_end: str
+    lead: str = ""
+    ends_turn: bool = False
+    excludes: tuple[str, ...] = ()
 
     @abstractmethod
     def call_begin(self, name: str) -> str:
@@ -105,6 +144,34 @@ class MiniMaxCallSyntax(CallSyntax):
         return {**arguments, "json_schema": _array_items_given(arguments["json_schema"]), "style": "minimax_xml"}
 
 
+class DeepSeekV3CallSyntax(CallSyntax):
+    def call_begin(self, name: str) -> str:
+        """V3-0324's and R1-0528's header: the call's type, the name on its own line, a json fence."""
+        return f"{DEEPSEEK_CALL_BEGIN}function{DEEPSEEK_SEP}{name}\n```json\n"
+
+
+class DeepSeekV31CallSyntax(CallSyntax):
+    def call_begin(self, name: str) -> str:
+        return f"{DEEPSEEK_CALL_BEGIN}{name}{DEEPSEEK_SEP}"
+
+
+class DsmlCallSyntax(CallSyntax):
+    def call_begin(self, name: str) -> str:
+        return f'{DSML_INVOKE_BEGIN}"{name}">\n'
+
+    def call_content(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """The schema's properties as `<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>` lines:
+        strings raw (`true`), other values JSON (`false`); an array without `items` as for MiniMax-M2."""
+        return {**arguments, "json_schema": _array_items_given(arguments["json_schema"]), "style": "deepseek_xml"}
+
+
+class HarmonyCallSyntax(CallSyntax):
+    def call_begin(self, name: str) -> str:
+        """The header gpt-oss writes for a call (the one the harmony guide shows); the recipient-first form
+        ` to=functions.NAME<|channel|>commentary json` is not offered."""
+        return f"{HARMONY_CHANNEL}commentary to=functions.{name} {HARMONY_CONSTRAIN}json{HARMONY_MESSAGE}"
+
+
 def _array_items_given(schema: dict[str, Any]) -> dict[str, Any]:
     properties = schema.get("properties")
     if not isinstance(properties, dict):
@@ -129,12 +196,57 @@ CALL_SYNTAXES: dict[str, CallSyntax] = {
     "glm47": GlmCallSyntax(trigger=GLM_CALL_BEGIN, open="", close="", separator="\n", call_end=GLM_CALL_END),
     "minimax_m2": MiniMaxCallSyntax(trigger=MINIMAX_CALLS_BEGIN, open=f"{MINIMAX_CALLS_BEGIN}\n",
                                     close=MINIMAX_CALLS_END, separator="", call_end=f"{MINIMAX_INVOKE_END}\n"),
+    "deepseek_v3": DeepSeekV3CallSyntax(trigger=DEEPSEEK_CALLS_BEGIN, open=DEEPSEEK_CALLS_BEGIN,
+                                        close=DEEPSEEK_CALLS_END, separator="\n", call_end=f"\n```{DEEPSEEK_CALL_END}",
+                                        excludes=DeepSeekV3ToolParser.markers),
+    "deepseek_v31": DeepSeekV31CallSyntax(trigger=DEEPSEEK_CALLS_BEGIN, open=DEEPSEEK_CALLS_BEGIN,
+                                          close=DEEPSEEK_CALLS_END, separator="", call_end=DEEPSEEK_CALL_END,
+                                          excludes=DeepSeekV31ToolParser.markers),
+    # as DeepSeek-V3.2's encoding writes it: parameters and invokes one a line
+    "deepseek_v32": DsmlCallSyntax(trigger=DSML_CALLS_BEGIN, open=f"{DSML_CALLS_BEGIN}\n",
+                                   close=f"\n{DSML_CALLS_END}", separator="\n", call_end=f"\n{DSML_INVOKE_END}",
+                                   lead="\n\n", excludes=(DSML_PARAMETER_END, DSML_INVOKE_END, DSML_CALLS_END)),
+    "gpt_oss": HarmonyCallSyntax(trigger=f"{HARMONY_CHANNEL}commentary to=functions.", open="", close="",
+                                 separator="", call_end="", ends_turn=True, excludes=HARMONY_MARKERS),
 }
 
 
-def arguments_format(parameters: dict[str, Any] | None) -> dict[str, Any]:
-    return {"type": "json_schema", "json_schema": parameters if parameters is not None else NO_PARAMETERS,
-            "max_whitespace_cnt": MAX_WHITESPACE}
+@dataclass(frozen=True)
+class InlineThinking:
+    """A reasoning format whose end the engine cannot see (no `</think>` token), so a constraint holds the output
+    from its first token and must let the thinking through itself: any number of `message`s (a thinking message and
+    what opens the next one) come first, and `answer_begin` opens an answer format's answer."""
+
+    message: dict[str, Any]
+    answer_begin: str
+
+    def then(self, fmt: dict[str, Any]) -> dict[str, Any]:
+        """`fmt` after the thinking."""
+        return {"type": "sequence", "elements": [{"type": "star", "content": self.message}, fmt]}
+
+    def answer(self, fmt: dict[str, Any]) -> dict[str, Any]:
+        """An answer format's answer in its own message."""
+        return {"type": "sequence", "elements": [{"type": "const_string", "value": self.answer_begin}, fmt]}
+
+
+_HARMONY_END = HARMONY_ENDS[0]  # `<|end|>`: a message that does not end the turn
+# gpt-oss: the prompt ends with `<|start|>assistant`, so each message is its channel header, its body and its end,
+# and `<|start|>assistant` opens the next one; an analysis body holds no other harmony marker
+INLINE_THINKING: dict[str, InlineThinking] = {
+    "gpt_oss": InlineThinking(
+        message={"type": "sequence", "elements": [
+            {"type": "tag", "begin": f"{HARMONY_CHANNEL}analysis{HARMONY_MESSAGE}",
+             "content": {"type": "any_text", "excludes": [m for m in HARMONY_MARKERS if m != _HARMONY_END]},
+             "end": _HARMONY_END},
+            {"type": "const_string", "value": f"{HARMONY_START}assistant"}]},
+        answer_begin=f"{HARMONY_CHANNEL}final{HARMONY_MESSAGE}"),
+}
+
+
+def arguments_format(parameters: dict[str, Any] | None, excludes: Sequence[str] = ()) -> dict[str, Any]:
+    fmt = {"type": "json_schema", "json_schema": parameters if parameters is not None else NO_PARAMETERS,
+           "max_whitespace_cnt": MAX_WHITESPACE}
+    return {**fmt, "excludes": list(excludes)} if excludes else fmt
 
 
 def answer_format(spec: StructuredOutputsParams) -> dict[str, Any]:
@@ -153,14 +265,23 @@ def answer_format(spec: StructuredOutputsParams) -> dict[str, Any]:
     return json.loads(spec.structural_tag_json())["format"]
 
 
+def answer_tag(answer: StructuredOutputsParams, thinking: InlineThinking) -> dict[str, Any]:
+    """The structural tag of an answer format for a model that thinks inside the constrained output."""
+    return {"type": "structural_tag", "format": thinking.then(thinking.answer(answer_format(answer)))}
+
+
 def tool_call_tag(parser: str, tools: Sequence[FunctionDef], *, required: bool, parallel: bool,
-                  answer: StructuredOutputsParams | None = None) -> dict[str, Any]:
+                  answer: StructuredOutputsParams | None = None,
+                  thinking: InlineThinking | None = None) -> dict[str, Any]:
     """The structural tag for `tools` in `parser`'s format. `required`: the output is calls only (pass just the
     named function for a named tool_choice, with `parallel` false); otherwise the calls are optional: the output is
-    `answer` or calls when `answer` is given, else free text with constrained calls."""
+    `answer` or calls when `answer` is given, else free text with constrained calls. `thinking`: the model's
+    thinking is part of the constrained output, before the calls or the answer (free text holds it anyway)."""
     syntax = CALL_SYNTAXES[parser]
+    parallel = parallel and not syntax.ends_turn
     tags = [{"type": "tag", "begin": syntax.call_begin(tool.name),
-             "content": syntax.call_content(arguments_format(tool.parameters)), "end": syntax.call_end}
+             "content": syntax.call_content(arguments_format(tool.parameters, syntax.excludes)),
+             "end": syntax.call_end}
             for tool in tools]
     calls = {"type": "tags_with_separator", "tags": tags, "separator": syntax.separator, "at_least_one": True,
              "stop_after_first": not parallel}
@@ -168,15 +289,20 @@ def tool_call_tag(parser: str, tools: Sequence[FunctionDef], *, required: bool, 
         block: dict[str, Any] = {"type": "tag", "begin": syntax.open, "content": calls, "end": syntax.close}
     else:
         block = calls
+    whole = block if not syntax.lead else {"type": "sequence", "elements": [
+        {"type": "const_string", "value": syntax.lead}, block]}
     if required:
-        fmt = block
+        fmt = whole
     elif answer is not None:
-        fmt = {"type": "or", "elements": [answer_format(answer), block]}
+        answered = answer_format(answer)
+        fmt = {"type": "or", "elements": [answered if thinking is None else thinking.answer(answered), whole]}
     elif syntax.open:
         fmt = {"type": "triggered_tags", "triggers": [syntax.trigger], "tags": [block]}
     else:
         fmt = {"type": "triggered_tags", "triggers": [syntax.trigger], "tags": tags,
                "stop_after_first": not parallel}
+    if thinking is not None and (required or answer is not None):
+        fmt = thinking.then(fmt)
     return {"type": "structural_tag", "format": fmt}
 
 

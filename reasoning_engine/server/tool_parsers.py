@@ -10,6 +10,8 @@ Formats:
   </arg_value>...</tool_call>`, values typed by the tool's schema (see `Glm45ToolParser`).
 - minimax_m2 (MiniMax-M2): `<minimax:tool_call><invoke name="NAME"><parameter name="K">V</parameter>...</invoke>
   </minimax:tool_call>`, values typed by the tool's schema (see `MiniMaxM2ToolParser`).
+- deepseek_v3 (DeepSeek-V3-0324, R1-0528): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+  \n```json\n{json}\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`.
 - deepseek_v31 (DeepSeek-V3.1, V3.2-Exp): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}
   <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`.
 - deepseek_v32 (DeepSeek-V3.2's DSML): `<｜DSML｜function_calls><｜DSML｜invoke name="NAME"><｜DSML｜parameter
@@ -764,15 +766,19 @@ class DeepSeekV31ToolParser(ToolParser):
     def _run(self) -> None:
         while True:
             before, marker, self._buf = self._markers.split(self._buf)
-            if self._state == "text":
-                self._content.append(before)
-            elif self._state == "name":
-                self._name += before
-            elif self._state == "args":
-                self._add_arguments(before.lstrip() if not self.calls[-1].arguments else before)
+            self._on_text(before)
             if marker is None:
                 return
             self._on_marker(marker)
+
+    def _on_text(self, text: str) -> None:
+        """Text between markers, by state."""
+        if self._state == "text":
+            self._content.append(text)
+        elif self._state == "name":
+            self._name += text
+        elif self._state == "args":
+            self._add_arguments(text.lstrip() if not self.calls[-1].arguments else text)
 
     def _on_marker(self, marker: str) -> None:
         if marker == DEEPSEEK_CALLS_BEGIN and self._state == "text":
@@ -781,15 +787,19 @@ class DeepSeekV31ToolParser(ToolParser):
             self._end_call()
             self._state, self._name = "name", ""
         elif marker == DEEPSEEK_SEP and self._state == "name":
-            name = self._name.strip()
-            if name:
-                self._open_call(f"call_{uuid.uuid4().hex[:24]}", name)
-            self._state = "args" if name else "skip"
+            self._after_separator()
         elif marker == DEEPSEEK_CALL_END:
             self._end_call()
         elif marker == DEEPSEEK_CALLS_END:
             self._end_call()
             self._state = "text"
+
+    def _after_separator(self) -> None:
+        """The text before the separator was the name: open the call; its arguments follow."""
+        name = self._name.strip()
+        if name:
+            self._open_call(f"call_{uuid.uuid4().hex[:24]}", name)
+        self._state = "args" if name else "skip"
 
     def _end_call(self) -> None:
         """Close the call in progress (if any) and go between calls."""
@@ -810,6 +820,78 @@ DSML_CALLS_BEGIN, DSML_CALLS_END = "<｜DSML｜function_calls>", "</｜DSML｜fu
 DSML_INVOKE_BEGIN, DSML_INVOKE_END = "<｜DSML｜invoke name=", "</｜DSML｜invoke>"
 DSML_PARAMETER_BEGIN, DSML_PARAMETER_END = "<｜DSML｜parameter name=", "</｜DSML｜parameter>"
 _DSML_HEADER = re.compile(r'\s*"(?P<name>[^"]*)"(?:\s+string="(?P<string>true|false)")?\s*')
+
+
+class DeepSeekV3ToolParser(DeepSeekV31ToolParser):
+    """DeepSeek-V3 and R1 (V3-0324's and R1-0528's templates): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function
+    <｜tool▁sep｜>NAME\n```json\n{json}\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`: the call's type before the
+    separator, its name on a line after it, the arguments in a json fence. The fence is stripped while the arguments
+    stream, so their last few characters wait for the next piece (they may be the closing fence).
+
+    States: text -> calls -> name (here the type) -> head (the name line) -> args -> calls -> text; `skip` drops a
+    nameless call."""
+
+    _FENCE_OPEN, _FENCE_CLOSE, _HELD_BACK = "```json\n", "```", 8
+
+    def __init__(self, drop: Iterable[str] = ()) -> None:
+        super().__init__(drop)
+        self._head = ""
+        self._body = ""
+        self._sent = 0
+
+    def _on_text(self, text: str) -> None:
+        if self._state == "text":
+            self._content.append(text)
+        elif self._state == "head":
+            self._head += text
+            self._name_line_done()
+        elif self._state == "args":
+            self._body += text
+            self._stream_arguments(final=False)
+
+    def _after_separator(self) -> None:
+        """The text before the separator was the call's type; its name comes next, on a line of its own."""
+        self._state, self._head = "head", ""
+
+    def _name_line_done(self) -> None:
+        """Open the call once its name line is complete; what follows the line is the (fenced) arguments."""
+        if "\n" not in self._head:
+            return
+        name, self._body = self._head.split("\n", 1)
+        self._sent = 0
+        if not name.strip():
+            self._state = "skip"
+            return
+        self._open_call(f"call_{uuid.uuid4().hex[:24]}", name.strip())
+        self._state = "args"
+        self._stream_arguments(final=False)
+
+    def _stream_arguments(self, final: bool) -> None:
+        body = self._body.lstrip()
+        if body.startswith(self._FENCE_OPEN):
+            body = body[len(self._FENCE_OPEN):]
+        elif self._FENCE_OPEN.startswith(body) and not final:
+            return  # the opening fence may still be arriving
+        if final:
+            body = body.rstrip().removesuffix(self._FENCE_CLOSE).rstrip()
+        end = len(body) if final else len(body) - self._HELD_BACK
+        if end > self._sent:
+            self._add_arguments(body[self._sent:end])
+            self._sent = end
+
+    def _end_call(self) -> None:
+        if self._state == "head":
+            self._head += "\n"  # a call ended on its name line: no arguments
+            self._name_line_done()
+        if self._state == "args":
+            self._stream_arguments(final=True)
+        super()._end_call()
+
+    def _flush(self) -> None:
+        if self._state == "args":
+            self._body, self._buf = self._body + self._buf, ""
+            self._stream_arguments(final=True)
+        super()._flush()
 
 
 class DeepSeekV32ToolParser(_InvokeTagsToolParser):
@@ -916,6 +998,7 @@ class HarmonyToolParser(ToolParser):
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"kimi_k2": KimiK2ToolParser, "hermes": HermesToolParser,
                                             "glm45": Glm45ToolParser, "glm47": Glm45ToolParser,
                                             "minimax_m2": MiniMaxM2ToolParser,
-                                            "deepseek_v31": DeepSeekV31ToolParser, "deepseek_v32": DeepSeekV32ToolParser,
+                                            "deepseek_v3": DeepSeekV3ToolParser, "deepseek_v31": DeepSeekV31ToolParser,
+                                            "deepseek_v32": DeepSeekV32ToolParser,
                                             "gpt_oss": HarmonyToolParser}
 TOOL_PARSER_CHOICES = (*TOOL_PARSERS, "auto", "none")

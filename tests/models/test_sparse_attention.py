@@ -152,3 +152,25 @@ def test_mtp_drafts_match_plain_greedy(tiny_checkpoint: Callable[[str], TinyChec
     assert llm.engine.stats().spec_decode["draft_tokens"] > 0
     drafter = llm.engine.runner.worker.drafters["mtp"].model
     assert all(attn.indexer is not None for attn in drafter.attention_layers())
+
+
+def test_indexer_head_weights_in_the_dtype_transformers_uses(tiny_checkpoint: Callable[[str], TinyCheckpoint]) -> None:
+    """In a bfloat16 model transformers runs `indexer.weights_proj` in bfloat16 (its `_keep_in_fp32_modules` apply
+    to float16 only), and so do we: same dtype, same values, and the engine runs with them."""
+    dtype = torch.bfloat16
+    from transformers import AutoModelForCausalLM
+
+    from reasoning_engine import LLM, SamplingParams
+    from reasoning_engine.layers.indexer import Indexer
+
+    ckpt = tiny_checkpoint("deepseek_v32")
+    llm = LLM(str(ckpt.path), dtype=str(dtype).removeprefix("torch."), device="cpu")
+    ours = [m.weights_proj.weight for m in llm.engine.model.modules() if isinstance(m, Indexer)]
+    ref = AutoModelForCausalLM.from_pretrained(str(ckpt.path), dtype=dtype)
+    theirs = [m.weights_proj.weight for name, m in ref.named_modules() if name.endswith("indexer")]
+    assert ours and len(ours) == len(theirs)
+    for got, want in zip(ours, theirs):
+        assert got.dtype == want.dtype == dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    out = llm.generate([prompts(ckpt.vocab_size)[-1]], SamplingParams(temperature=0.0, max_tokens=4))
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from reasoning_engine.server.parsing import resolve_reasoning_parser, resolve_tool_parser
 
 from . import test_parsers as parsers
@@ -16,6 +18,13 @@ V31_MARKERS = ["<think>", "</think>", "<｜tool▁calls▁begin｜>", "<｜tool�
                "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", EOS]
 DSML_MARKERS = ["<think>", "</think>", "<｜DSML｜function_calls>", "</｜DSML｜function_calls>", "<｜DSML｜invoke",
                 "</｜DSML｜invoke>", "<｜DSML｜parameter", "</｜DSML｜parameter>", EOS]
+
+
+def v3_calls(*calls: tuple[str, str]) -> str:
+    """DeepSeek-V3-0324 / R1-0528's calls as their templates write them: arguments text in a json fence."""
+    body = "\n".join(f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{args}\n```<｜tool▁call▁end｜>"
+                     for name, args in calls)
+    return f"<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>{EOS}"
 
 
 def v31_calls(*calls: tuple[str, dict]) -> str:
@@ -104,6 +113,82 @@ def test_auto_selection() -> None:
     assert resolve_tool_parser("auto", "deepseek_v3", vocab, v31_template) == "deepseek_v31"
     assert resolve_tool_parser("auto", "deepseek_v32", vocab, v31_template) == "deepseek_v31"  # V3.2-Exp
     assert resolve_tool_parser("auto", "deepseek_v32", vocab, None) == "deepseek_v32"
-    assert resolve_tool_parser("auto", "deepseek_v3", vocab, v3_template) is None
+    assert resolve_tool_parser("auto", "deepseek_v3", vocab, v3_template) == "deepseek_v3"
     assert resolve_reasoning_parser("auto", "glm_moe_dsa", {"</think>"}) == "glm45"
     assert resolve_tool_parser("auto", "glm_moe_dsa", set(), None) == "glm45"
+
+
+def test_v3_fenced_calls_stream_without_their_fences() -> None:
+    """R1-0528 thinks, then calls with a json fence around each call's arguments; every split of the stream gives
+    the same calls, and no fence reaches the arguments (the last characters wait in case they are the fence)."""
+    text = ("Two lookups.</think>Checking." +
+            v3_calls(("get_weather", '{"city": "Paris ```", "days": 2}'), ("get_time", ""), ("calc", "{}")))
+    r = check_all(text, "deepseek_r1", "deepseek_v3", V31_MARKERS, prompt_tail="<｜Assistant｜><think>\n")
+    assert (r.reasoning, r.content) == ("Two lookups.", "Checking.")
+    assert [(c["name"], json.loads(c["arguments"])) for c in r.calls] == [
+        ("get_weather", {"city": "Paris ```", "days": 2}), ("get_time", {}), ("calc", {})]
+    cut = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>search\n```json\n{\"q\": \"dee"
+    r = run([cut], "deepseek_r1", "deepseek_v3", prompt_tail="</think>")
+    assert r.calls[0]["name"] == "search" and r.calls[0]["arguments"] == '{"q": "dee'
+
+
+PARAMETERS = {"get_weather": {"type": "object", "required": ["city", "days"], "properties": {
+    "city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}},
+    "search": {"type": "object", "required": ["query"], "properties": {"query": {"type": "string"}}}}
+
+
+def written(fmt: str, *calls: tuple[str, dict]) -> str:
+    """The calls as the format's encoding writes them (no end-of-sentence token: a stop token, outside the grammar);
+    DSML parameters one a line, strings raw."""
+    if fmt == "deepseek_v3":
+        return v3_calls(*((name, json.dumps(args, ensure_ascii=False)) for name, args in calls)).removesuffix(EOS)
+    if fmt == "deepseek_v31":
+        return v31_calls(*calls).removesuffix(EOS)
+    invokes = (dsml_invoke(name, **{key: (value, True) if isinstance(value, str) else (json.dumps(value), False)
+                                    for key, value in args.items()}) for name, args in calls)
+    return dsml_block(*invokes).removesuffix(EOS)
+
+
+@pytest.mark.parametrize("fmt", ["deepseek_v3", "deepseek_v31", "deepseek_v32"])
+def test_tool_grammar_holds_what_the_parser_reads(fmt: str) -> None:
+    """tool_choice required / named and strict tools: the grammar accepts two calls as the encoding writes them
+    (which the parser reads back, the arguments valid), one call when parallel_tool_calls is false, the calls after
+    free text under auto, and refuses arguments off the schema and a text answer."""
+    import jsonschema
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from reasoning_engine.server.protocol import FunctionDef
+    from reasoning_engine.server.tool_grammar import tool_call_tag
+    from reasoning_engine.structured.params import StructuredOutputsParams
+
+    tools = [FunctionDef(name=name, parameters=schema) for name, schema in PARAMETERS.items()]
+
+    def accepts(tag: dict[str, Any], text: str) -> bool:
+        StructuredOutputsParams(structural_tag=tag)  # the server's own check passes
+        return _is_grammar_accept_string(Grammar.from_structural_tag(json.dumps(tag)), text)
+
+    required = tool_call_tag(fmt, tools, required=True, parallel=True)
+    single = tool_call_tag(fmt, tools, required=True, parallel=False)
+    named = tool_call_tag(fmt, tools[1:], required=True, parallel=False)
+    auto = tool_call_tag(fmt, tools, required=False, parallel=True)
+    weather = ("get_weather", {"city": "Oslo", "days": 2})
+    search = ("search", {"query": 'fjords <b> & "lakes"\nand </b> more'})
+    good = written(fmt, weather, search)
+    r = run([good], "deepseek_v3", fmt, prompt_tail="<｜Assistant｜></think>")
+    assert r.content == "" and [(c["name"], json.loads(c["arguments"])) for c in r.calls] == [weather, search]
+    for call in r.calls:
+        jsonschema.validate(json.loads(call["arguments"]), PARAMETERS[call["name"]])
+    assert accepts(required, good) and accepts(auto, "Let me check." + good)
+    assert not accepts(single, good) and accepts(single, written(fmt, weather))  # parallel_tool_calls false
+    assert accepts(named, written(fmt, search)) and not accepts(named, written(fmt, weather))
+    for bad in ({"city": "Rome", "days": 2}, {"city": "Oslo", "days": 9}, {"city": "Oslo"}):
+        assert not accepts(required, written(fmt, ("get_weather", bad)))
+        assert not accepts(auto, "Let me check." + written(fmt, ("get_weather", bad)))
+    assert not accepts(required, "The weather is fine.")
+    # a marker the parser would end the call at stays out of a string
+    marker = "</｜DSML｜invoke>" if fmt == "deepseek_v32" else "<｜tool▁call▁end｜>"
+    assert not accepts(required, written(fmt, ("search", {"query": f"a{marker}b"})))
+    if fmt == "deepseek_v32":
+        assert not accepts(required, good.removeprefix("\n\n"))  # the encoding's blank line opens the answer
+        assert not accepts(required, good.replace('string="true">Oslo', 'string="false">"Oslo"'))

@@ -4,6 +4,7 @@ with a recipient -> tool_calls, fed every way a stream can split the text (the p
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from reasoning_engine.server.parsing import resolve_reasoning_parser, resolve_tool_parser
 from reasoning_engine.server.reasoning_parsers import HARMONY_MARKERS
@@ -93,3 +94,73 @@ def test_output_ending_at_the_stop_token_without_its_text() -> None:
     assert (r.reasoning, r.content) == ("x", "Done.")
     r = check_all(call("f", {"a": [1, 2]})[: -len("<|call|>")], "gpt_oss", "gpt_oss", MARKERS, prompt_tail=TAIL)
     assert [(c["name"], json.loads(c["arguments"])) for c in r.calls] == [("f", {"a": [1, 2]})]
+
+
+PARAMETERS = {"get_weather": {"type": "object", "required": ["city", "days"], "properties": {
+    "city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}},
+    "search": {"type": "object", "required": ["query"], "properties": {"query": {"type": "string"}}}}
+
+
+def constrained(*messages: str) -> str:
+    """Messages as the constrained output holds them: after the prompt's `<|start|>assistant` (so the first one
+    without it), up to the stop token that ends the turn."""
+    return "".join(messages).removeprefix(TAIL).removesuffix("<|call|>").removesuffix("<|return|>")
+
+
+def test_tool_grammar_lets_the_analysis_through_and_holds_the_call() -> None:
+    """gpt-oss's constraint starts at the first output token. required / named: analysis messages, then one call
+    (a call ends the turn); auto with strict tools: free harmony, a call held to its schema; an answer format: the
+    analysis, then the answer in a final message (or, tools under auto, a call). What the grammar accepts, the
+    parsers read back."""
+    import jsonschema
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from reasoning_engine.server.protocol import FunctionDef
+    from reasoning_engine.server.tool_grammar import (
+        INLINE_THINKING,
+        answer_tag,
+        tool_call_tag,
+    )
+    from reasoning_engine.structured.params import StructuredOutputsParams
+
+    def accepts(tag: dict[str, Any], text: str) -> bool:
+        StructuredOutputsParams(structural_tag=tag)  # the server's own check passes
+        return _is_grammar_accept_string(Grammar.from_structural_tag(json.dumps(tag)), text)
+
+    tools = [FunctionDef(name=name, parameters=schema) for name, schema in PARAMETERS.items()]
+    thinking = INLINE_THINKING["gpt_oss"]
+    required = tool_call_tag("gpt_oss", tools, required=True, parallel=True, thinking=thinking)
+    named = tool_call_tag("gpt_oss", tools[1:], required=True, parallel=False, thinking=thinking)
+    auto = tool_call_tag("gpt_oss", tools, required=False, parallel=True, thinking=thinking)
+    weather = ("get_weather", {"city": "Oslo", "days": 2})
+    search = ("search", {"query": 'fjords <b> & "lakes"\nmore'})
+    good = constrained(analysis("Need the weather.\n<b>?"), analysis("Oslo it is.", first=False), call(*weather))
+    r = run([good], "gpt_oss", "gpt_oss", prompt_tail=TAIL)
+    assert (r.reasoning, r.content) == ("Need the weather.\n<b>?\n\nOslo it is.", "")
+    assert [(c["name"], json.loads(c["arguments"])) for c in r.calls] == [weather]
+    jsonschema.validate(json.loads(r.calls[0]["arguments"]), PARAMETERS["get_weather"])
+    assert accepts(required, good) and accepts(required, constrained(call(*weather)))
+    assert not accepts(required, constrained(call(*weather), call(*search)))  # parallel or not: one call
+    assert accepts(named, constrained(analysis("x"), call(*search))) and not accepts(named, constrained(call(*weather)))
+    assert not accepts(required, constrained(analysis("x"), final("It is sunny.")))
+    assert not accepts(required, "It is sunny.")
+    for bad in ({"city": "Rome", "days": 2}, {"city": "Oslo", "days": 9}, {"city": "Oslo"}):
+        assert not accepts(required, constrained(call("get_weather", bad)))
+        assert not accepts(auto, constrained(analysis("x"), call("get_weather", bad)))
+    assert not accepts(required, constrained(call("search", {"query": "a<|call|>b"})))  # a marker ends the call
+    preamble = "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
+    assert accepts(auto, constrained(analysis("hm"), final("Hi!"))) and accepts(auto, constrained(final("Hi!")))
+    assert accepts(auto, constrained(analysis("hm"), preamble, call(*search)))
+    assert not accepts(auto, constrained(analysis("hm"), call(*search)) + "<|end|>")  # the stop token ends it
+
+    spec = StructuredOutputsParams(json={"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}})
+    answer = answer_tag(spec, thinking)
+    answered = constrained(analysis("Give JSON."), final('{"a": 1}'))
+    r = run([answered], "gpt_oss", "gpt_oss", prompt_tail=TAIL)
+    assert (r.reasoning, r.content, r.calls) == ("Give JSON.", '{"a": 1}', [])
+    assert accepts(answer, answered) and accepts(answer, constrained(final('{"a": 1}')))
+    assert not accepts(answer, '{"a": 1}') and not accepts(answer, constrained(analysis("x"), final('{"a": "1"}')))
+    either = tool_call_tag("gpt_oss", tools, required=False, parallel=True, answer=spec, thinking=thinking)
+    assert accepts(either, answered) and accepts(either, good)
+    assert not accepts(either, constrained(analysis("x"), final("Hi!")))

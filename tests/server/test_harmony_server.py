@@ -1,7 +1,7 @@
 """gpt-oss over HTTP with the fake engine: a harmony tokenizer (one token per character plus the harmony special
 tokens) and a harmony-shaped template; the parsers are chosen automatically from model_type, the analysis channel
-comes back as reasoning_content, the final one as content, a commentary call as tool_calls, streamed or not, and
-`reasoning_effort` reaches the template."""
+comes back as reasoning_content, the final one as content, a commentary call as tool_calls, streamed or not,
+`reasoning_effort` reaches the template, and tool_choice / response_format grammars let the analysis through."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from reasoning_engine.sampling_params import SamplingParams
 from reasoning_engine.server.app import ServerConfig, build_app
 from reasoning_engine.server.reasoning_parsers import HARMONY_MARKERS
 
@@ -32,6 +33,8 @@ ANSWER = ("<|channel|>analysis<|message|>The user greets me.<|end|>"
           "<|start|>assistant<|channel|>final<|message|>Hello there!<|return|>")
 CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
         'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
+JSON_ANSWER = ("<|channel|>analysis<|message|>They want JSON.<|end|>"
+               '<|start|>assistant<|channel|>final<|message|>{"a": 1}<|return|>')
 
 
 def _harmony_tokenizer(folder: Path) -> Any:
@@ -51,9 +54,12 @@ def _harmony_tokenizer(folder: Path) -> Any:
 
 @pytest.fixture
 def harmony_server(tmp_path: Path) -> Iterator[tuple[FakeEngine, str]]:
-    engine = FakeEngine(_harmony_tokenizer(tmp_path / "tok"),
-                        lambda prompt, params, i: CALL if params.structured_outputs is None and "weather" in
-                        engine.tokenizer.decode(prompt) else ANSWER)
+    def script(prompt: list[int], params: SamplingParams, i: int) -> str:
+        if "weather" in engine.tokenizer.decode(prompt):
+            return CALL
+        return ANSWER if params.structured_outputs is None else JSON_ANSWER
+
+    engine = FakeEngine(_harmony_tokenizer(tmp_path / "tok"), script)
     engine.model_config.model_type = "gpt_oss"
     with LiveServer(build_app(engine, ServerConfig())) as server:
         yield engine, server.url
@@ -111,3 +117,46 @@ def test_earlier_analysis_reaches_the_template(harmony_server: tuple[FakeEngine,
     client(url).chat.completions.create(model="fake-model", messages=messages)
     prompt = engine.tokenizer.decode(engine.calls[-1][0], skip_special_tokens=False)
     assert "<|channel|>analysis<|message|>They greet me.<|end|><|start|>assistant<|message|>Hello there!" in prompt
+
+
+def _accepts_through_the_stop_token(engine: FakeEngine, output: str) -> bool:
+    """The last request's constraint takes the scripted output whole, its closing `<|call|>` / `<|return|>` (the
+    engine's EOS ids, outside the grammar) included, and is then finished."""
+    from reasoning_engine.structured.compiler import GrammarCompiler
+
+    tokenizer = engine.tokenizer
+    spec = engine.calls[-1][1].structured_outputs
+    assert spec is not None and spec.kind == "structural_tag"
+    stops = tokenizer.convert_tokens_to_ids(["<|call|>", "<|return|>"])
+    matcher = GrammarCompiler(tokenizer, len(tokenizer), stops).matcher(spec)
+    ids = tokenizer.encode(output, add_special_tokens=False)
+    return matcher.accept_prefix(ids) == len(ids) and matcher.is_terminated
+
+
+def test_required_and_named_tool_choice_hold_the_call_after_the_analysis(
+        harmony_server: tuple[FakeEngine, str]) -> None:
+    """gpt-oss's harmony calls can be constrained: the grammar (applied from the first output token, as gpt-oss has
+    no `</think>`) lets the analysis message through, then holds one call."""
+    engine, url = harmony_server
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        result = client(url).chat.completions.create(model="fake-model", messages=messages, tools=TOOLS,
+                                                     tool_choice=choice)
+        message = result.choices[0].message
+        assert result.choices[0].finish_reason == "tool_calls" and message.reasoning_content == "Need the weather."
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+            ("get_weather", {"city": "Paris"})]
+        assert _accepts_through_the_stop_token(engine, CALL)
+
+
+def test_response_format_lets_the_analysis_come_first(harmony_server: tuple[FakeEngine, str]) -> None:
+    """An answer format on gpt-oss holds the final message, not the first token: the analysis comes first."""
+    engine, url = harmony_server
+    schema = {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}}
+    result = client(url).chat.completions.create(
+        model="fake-model", messages=[{"role": "user", "content": "json please"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    message = result.choices[0].message
+    assert (message.reasoning_content, message.content) == ("They want JSON.", '{"a": 1}')
+    assert _accepts_through_the_stop_token(engine, JSON_ANSWER)
+    assert not _accepts_through_the_stop_token(engine, '{"a": 1}<|return|>')  # no longer the first token

@@ -118,6 +118,36 @@ class ToolParser:
             self.calls[-1].arguments += text
             self._deltas.append(ToolCallDelta(index=len(self.calls) - 1, arguments=text))
 
+    def _add_argument_text(self, text: str) -> None:
+        """A piece of a call's arguments as the model writes them; whitespace before the first is not part of them."""
+        self._add_arguments(text if self.calls[-1].arguments else text.lstrip())
+
+
+class _MarkerStateParser(ToolParser, ABC):
+    """A format read as a state machine over its markers: the text between two markers goes to `_on_text` (what it
+    means depends on the state), each marker to `_on_marker`. Starts in state "text"."""
+
+    def __init__(self, drop: Iterable[str] = ()) -> None:
+        super().__init__(drop)
+        self._markers = MarkerSet([*self.markers, *self._drop])
+        self._state = "text"
+
+    def _run(self) -> None:
+        while True:
+            before, marker, self._buf = self._markers.split(self._buf)
+            self._on_text(before)
+            if marker is None:
+                return
+            self._on_marker(marker)
+
+    @abstractmethod
+    def _on_text(self, text: str) -> None:
+        """Text between markers, by state."""
+
+    @abstractmethod
+    def _on_marker(self, marker: str) -> None:
+        """A marker: the state it moves to."""
+
 
 KIMI_SECTION_ENDS = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
 KIMI_CALL_BEGIN = "<|tool_call_begin|>"
@@ -126,7 +156,7 @@ KIMI_CALL_END = "<|tool_call_end|>"
 _KIMI_HEADER = re.compile(r"(?:functions\.)?(.+):(\d+)")
 
 
-class KimiK2ToolParser(ToolParser):
+class KimiK2ToolParser(_MarkerStateParser):
     """States: text -> section (between calls) -> header (`functions.NAME:IDX`) -> args -> section -> text."""
 
     start_markers = (*KIMI_TOOL_SECTION_BEGINS, KIMI_CALL_BEGIN)
@@ -134,23 +164,16 @@ class KimiK2ToolParser(ToolParser):
 
     def __init__(self, drop: Iterable[str] = ()) -> None:
         super().__init__(drop)
-        self._markers = MarkerSet([*self.markers, *self._drop])
-        self._state = "text"
         self._header = ""
 
-    def _run(self) -> None:
-        while True:
-            before, marker, self._buf = self._markers.split(self._buf)
-            if self._state == "text":
-                self._content.append(before)
-            elif self._state == "header":
-                self._header += before
-            elif self._state == "args":
-                self._add_arguments(before.lstrip() if not self.calls[-1].arguments else before)
-            # in "section", text between calls is dropped
-            if marker is None:
-                return
-            self._on_marker(marker)
+    def _on_text(self, text: str) -> None:
+        if self._state == "text":
+            self._content.append(text)
+        elif self._state == "header":
+            self._header += text
+        elif self._state == "args":
+            self._add_argument_text(text)
+        # in "section", text between calls is dropped
 
     def _on_marker(self, marker: str) -> None:
         if marker in KIMI_TOOL_SECTION_BEGINS:
@@ -398,7 +421,7 @@ def _decoded(value: str, keep_strings: bool) -> object:
     return value if keep_strings and isinstance(decoded, str) else decoded
 
 
-class Glm45ToolParser(ToolParser):
+class Glm45ToolParser(_MarkerStateParser):
     """GLM-4.5 / 4.6 / 4.7: `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>` (4.5 and
     4.6 put newlines between the parts). The template writes a string value as is and anything else as JSON, so a
     value is JSON-decoded unless the tool's schema says the argument is a string (without a schema for it: when it
@@ -416,28 +439,21 @@ class Glm45ToolParser(ToolParser):
     def __init__(self, drop: Iterable[str] = (), schemas: dict[str, dict] | None = None) -> None:
         """`schemas`: each offered tool's `parameters` JSON schema, by tool name."""
         super().__init__(drop)
-        self._markers = MarkerSet([*self.markers, *self._drop])
         self._schemas = schemas or {}
-        self._state = "text"
         self._name = ""
         self._key = ""
         self._value = ""
         self._quoted = False  # a string value is streaming: its opening quote is out
 
-    def _run(self) -> None:
-        while True:
-            before, marker, self._buf = self._markers.split(self._buf)
-            if self._state == "text":
-                self._content.append(before)
-            elif self._state == "name":
-                self._name += before
-            elif self._state == "key":
-                self._key += before
-            elif self._state == "value":
-                self._value_text(before)
-            if marker is None:
-                return
-            self._on_marker(marker)
+    def _on_text(self, text: str) -> None:
+        if self._state == "text":
+            self._content.append(text)
+        elif self._state == "name":
+            self._name += text
+        elif self._state == "key":
+            self._key += text
+        elif self._state == "value":
+            self._value_text(text)
 
     def _on_marker(self, marker: str) -> None:
         if marker == GLM_CALL_BEGIN:
@@ -747,7 +763,7 @@ DEEPSEEK_CALL_BEGIN, DEEPSEEK_CALL_END = "<｜tool▁call▁begin｜>", "<｜too
 DEEPSEEK_SEP = "<｜tool▁sep｜>"
 
 
-class DeepSeekV31ToolParser(ToolParser):
+class DeepSeekV31ToolParser(_MarkerStateParser):
     """DeepSeek-V3.1 (and V3.2-Exp, whose template keeps it): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME
     <｜tool▁sep｜>{json}<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`. The JSON arguments stream as written (a call
     without any is given `{}`); text between calls is dropped.
@@ -759,26 +775,15 @@ class DeepSeekV31ToolParser(ToolParser):
 
     def __init__(self, drop: Iterable[str] = ()) -> None:
         super().__init__(drop)
-        self._markers = MarkerSet([*self.markers, *self._drop])
-        self._state = "text"
         self._name = ""
 
-    def _run(self) -> None:
-        while True:
-            before, marker, self._buf = self._markers.split(self._buf)
-            self._on_text(before)
-            if marker is None:
-                return
-            self._on_marker(marker)
-
     def _on_text(self, text: str) -> None:
-        """Text between markers, by state."""
         if self._state == "text":
             self._content.append(text)
         elif self._state == "name":
             self._name += text
         elif self._state == "args":
-            self._add_arguments(text.lstrip() if not self.calls[-1].arguments else text)
+            self._add_argument_text(text)
 
     def _on_marker(self, marker: str) -> None:
         if marker == DEEPSEEK_CALLS_BEGIN and self._state == "text":
@@ -813,7 +818,7 @@ class DeepSeekV31ToolParser(ToolParser):
         if self._state == "text":
             self._content.append(rest)
         elif self._state == "args":
-            self._add_arguments(rest.lstrip() if not self.calls[-1].arguments else rest)
+            self._add_argument_text(rest)
 
 
 DSML_CALLS_BEGIN, DSML_CALLS_END = "<｜DSML｜function_calls>", "</｜DSML｜function_calls>"
@@ -836,8 +841,8 @@ class DeepSeekV3ToolParser(DeepSeekV31ToolParser):
     def __init__(self, drop: Iterable[str] = ()) -> None:
         super().__init__(drop)
         self._head = ""
-        self._body = ""
-        self._sent = 0
+        self._pending = ""  # arguments text not yet sent: the fence not yet resolved, or the held-back tail
+        self._fence_resolved = False
 
     def _on_text(self, text: str) -> None:
         if self._state == "text":
@@ -846,8 +851,7 @@ class DeepSeekV3ToolParser(DeepSeekV31ToolParser):
             self._head += text
             self._name_line_done()
         elif self._state == "args":
-            self._body += text
-            self._stream_arguments(final=False)
+            self._stream_arguments(text, final=False)
 
     def _after_separator(self) -> None:
         """The text before the separator was the call's type; its name comes next, on a line of its own."""
@@ -857,40 +861,42 @@ class DeepSeekV3ToolParser(DeepSeekV31ToolParser):
         """Open the call once its name line is complete; what follows the line is the (fenced) arguments."""
         if "\n" not in self._head:
             return
-        name, self._body = self._head.split("\n", 1)
-        self._sent = 0
+        name, rest = self._head.split("\n", 1)
         if not name.strip():
             self._state = "skip"
             return
         self._open_call(f"call_{uuid.uuid4().hex[:24]}", name.strip())
-        self._state = "args"
-        self._stream_arguments(final=False)
+        self._state, self._pending, self._fence_resolved = "args", "", False
+        self._stream_arguments(rest, final=False)
 
-    def _stream_arguments(self, final: bool) -> None:
-        body = self._body.lstrip()
-        if body.startswith(self._FENCE_OPEN):
-            body = body[len(self._FENCE_OPEN):]
-        elif self._FENCE_OPEN.startswith(body) and not final:
-            return  # the opening fence may still be arriving
+    def _stream_arguments(self, text: str, final: bool) -> None:
+        """Send what is certain to be arguments: after the opening fence (once it is known whether one comes), and
+        but for the last few characters until the call ends (then without the closing fence)."""
+        self._pending += text
+        if not self._fence_resolved:
+            head = self._pending.lstrip()
+            if self._FENCE_OPEN.startswith(head) and not final:
+                return  # the opening fence may still be arriving
+            self._pending, self._fence_resolved = head.removeprefix(self._FENCE_OPEN), True
         if final:
-            body = body.rstrip().removesuffix(self._FENCE_CLOSE).rstrip()
-        end = len(body) if final else len(body) - self._HELD_BACK
-        if end > self._sent:
-            self._add_arguments(body[self._sent:end])
-            self._sent = end
+            ready, self._pending = self._pending.rstrip().removesuffix(self._FENCE_CLOSE).rstrip(), ""
+        else:
+            cut = max(len(self._pending) - self._HELD_BACK, 0)
+            ready, self._pending = self._pending[:cut], self._pending[cut:]
+        self._add_arguments(ready)
 
     def _end_call(self) -> None:
         if self._state == "head":
             self._head += "\n"  # a call ended on its name line: no arguments
             self._name_line_done()
         if self._state == "args":
-            self._stream_arguments(final=True)
+            self._stream_arguments("", final=True)
         super()._end_call()
 
     def _flush(self) -> None:
         if self._state == "args":
-            self._body, self._buf = self._body + self._buf, ""
-            self._stream_arguments(final=True)
+            rest, self._buf = self._buf, ""
+            self._stream_arguments(rest, final=True)
         super()._flush()
 
 
@@ -943,7 +949,7 @@ class DeepSeekV32ToolParser(_InvokeTagsToolParser):
 _HARMONY_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 
 
-class HarmonyToolParser(ToolParser):
+class HarmonyToolParser(_MarkerStateParser):
     """gpt-oss's harmony messages (see `reasoning_parsers.HarmonyReasoningParser`, which hands over every message but
     the analysis ones whole): a message with a recipient (`to=functions.NAME`, in the header before or after the
     channel) is a call whose body is its JSON arguments, streamed as they come; the final channel and commentary
@@ -954,23 +960,16 @@ class HarmonyToolParser(ToolParser):
 
     def __init__(self, drop: Iterable[str] = ()) -> None:
         super().__init__(drop)
-        self._markers = MarkerSet([*self.markers, *self._drop])
-        self._state = "text"
         self._header = ""
 
-    def _run(self) -> None:
-        while True:
-            before, marker, self._buf = self._markers.split(self._buf)
-            if self._state == "text":
-                self._content.append(before)
-            elif self._state == "header":
-                self._header += before
-            elif self._state == "call":
-                self._add_arguments(before.lstrip() if not self.calls[-1].arguments else before)
-            # in "skip" (an analysis body) the text is dropped
-            if marker is None:
-                return
-            self._on_marker(marker)
+    def _on_text(self, text: str) -> None:
+        if self._state == "text":
+            self._content.append(text)
+        elif self._state == "header":
+            self._header += text
+        elif self._state == "call":
+            self._add_argument_text(text)
+        # in "skip" (an analysis body) the text is dropped
 
     def _on_marker(self, marker: str) -> None:
         if marker == HARMONY_START or (marker == HARMONY_CHANNEL and self._state == "text"):

@@ -15,11 +15,15 @@ from reasoning_engine import LLM, SamplingParams
 @pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_moe", "llama", "minimax_m2", "minimax_m2_as_saved", "glm4_moe",
                                   "glm4_moe_as_saved", "gpt_oss", "gpt_oss_mxfp4"])
 def test_triton_backend_matches_torch_greedy(name: str, tiny_checkpoint, device: str) -> None:
-    path = tiny_checkpoint(name).path
-    prompts = [{"prompt_token_ids": [3, 17, 9, 42, 5, 8, 11]}, {"prompt_token_ids": [7, 1, 30]}]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = greedy_by_backend(tiny_checkpoint(name).path, device, [[3, 17, 9, 42, 5, 8, 11], [7, 1, 30]], 6)
+    assert outs["triton"] == outs["torch"]
+
+
+def greedy_by_backend(path: str, device: str, prompts: list[list[int]], max_tokens: int) -> dict[str, list]:
+    """Each prompt's greedy tokens with the torch and with the Triton kernels (block size 4, so blocks are crossed)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs = {}
     for backend in ("torch", "triton"):
         llm = LLM(path, dtype="float32", device=device, kernel_backend=backend, block_size=4)
-        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert outs["triton"] == outs["torch"]
+        outs[backend] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    return outs

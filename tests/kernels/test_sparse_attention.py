@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 from kernel_asserts import assert_close
+from test_engine_backends import greedy_by_backend
 from test_triton_attention import make_batch
 
 from reasoning_engine.kernels import (
@@ -137,15 +138,8 @@ def test_triton_sparse_mla_matches_reference(context_lens, query_lens, dtype, de
 def test_triton_backend_matches_torch_greedy(name: str, tiny_checkpoint, device: str) -> None:
     """End to end with index_topk 8: prompts past it, so the prefill and every decode step attend sparsely through
     the Triton indexer and sparse MLA kernels (and GLM-5's shared layer reuses a selection)."""
-    from reasoning_engine import LLM, SamplingParams
-
-    path = tiny_checkpoint(name).path
-    prompts = [{"prompt_token_ids": [3, 17, 9, 42, 5, 8, 11, 60, 70, 12, 90, 4]}, {"prompt_token_ids": [7, 1, 30]}]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    outs = {}
-    for backend in ("torch", "triton"):
-        llm = LLM(path, dtype="float32", device=device, kernel_backend=backend, block_size=4)
-        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    outs = greedy_by_backend(tiny_checkpoint(name).path, device, [[3, 17, 9, 42, 5, 8, 11, 60, 70, 12, 90, 4],
+                                                                 [7, 1, 30]], 8)
     assert outs["triton"] == outs["torch"]
 
 

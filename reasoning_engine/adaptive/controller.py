@@ -19,15 +19,17 @@ from typing import Any
 from reasoning_engine.adaptive.acceptance import AcceptanceModel
 from reasoning_engine.adaptive.batching import LatencyTargets, token_budget
 from reasoning_engine.adaptive.cost_model import StepCostModel, StepShape, chunk_pairs
-from reasoning_engine.adaptive.goodput import DraftCandidate, choose_draft_lengths
+from reasoning_engine.adaptive.goodput import DraftCandidate, choose_draft_lengths, predicted_step_seconds
 from reasoning_engine.adaptive.retention import SessionRetention
 from reasoning_engine.adaptive.state import load_state, save_state
 
 logger = logging.getLogger(__name__)
 
 SAVE_EVERY_S = 30.0
-PROBE_EVERY = 8  # a request without a draft for this many steps gets a short one, to keep measuring acceptance
+PROBE_EVERY = 8  # a request without a draft for this many steps is due a short one, to keep measuring acceptance
 PROBE_LENGTH = 2
+PROBE_SHARE = 0.05  # probes spend at most this share of the predicted step time, on average
+PROBE_CREDIT_STEPS = 4.0  # the probe credit saved up is at most this many steps' predicted time
 
 
 @dataclass
@@ -58,6 +60,8 @@ class AdaptiveController:
         self._saved_at = time.monotonic()
         self.last_lengths: list[int] = []
         self._undrafted: dict[str, int] = {}  # steps since each request's last draft
+        self._probe_credit = 0.0  # seconds of predicted step time probes may still spend
+        self.probes = 0  # requests given a probe draft
         self.last_budget: int | None = None
         self.retention_protected = 0  # turns whose blocks were protected
         self.snapshot_data: dict[str, Any] = {}
@@ -98,7 +102,8 @@ class AdaptiveController:
     # ---- measurements ----
     def calibrate(self, run: Callable[[StepShape], float], max_seqs: int, max_tokens: int, block_size: int) -> None:
         """Warm the cost model with steps of known shape (`run` times one and returns seconds): decodes of 1, 4
-        and max_seqs sequences at short and long contexts, prefill chunks, a verification step."""
+        and max_seqs sequences at short and long contexts, prefill chunks, verification steps where every sequence
+        drafts and where one does."""
         shapes = []
         for seqs in sorted({1, min(4, max_seqs), max_seqs}):
             for context in (block_size, 16 * block_size):
@@ -106,9 +111,12 @@ class AdaptiveController:
         for chunk in sorted({min(64, max_tokens), min(512, max_tokens)}):
             shapes.append(StepShape(chunk, 1, chunk, attention_pairs=chunk_pairs(chunk, 0)))
         if self.max_draft_tokens:
+            k = self.max_draft_tokens
             for seqs in sorted({1, max_seqs}):
-                k = self.max_draft_tokens
                 shapes.append(StepShape(seqs * (1 + k), seqs, seqs * (1 + k), seqs * k, draft_sequences=seqs))
+            if max_seqs > 1:  # one draft among decodes: what leaving the decode path costs the whole step
+                for draft in sorted({min(2, k), k}):
+                    shapes.append(StepShape(max_seqs + draft, max_seqs, max_seqs * (1 + k), draft, draft_sequences=1))
         for _ in range(2):
             for shape in shapes:
                 self.cost.observe(shape, run(shape))
@@ -127,25 +135,61 @@ class AdaptiveController:
 
     # ---- decisions ----
     def draft_lengths(self, asks: list[DraftAsk], step: StepShape) -> list[int]:
-        """Per ask, its draft length by goodput (all zero until the cost model is ready). A request left without a
-        draft for PROBE_EVERY steps gets a short probe: acceptance that was low may have risen (a repetitive stretch
-        of an agent's output), and only drafting measures it."""
+        """Per ask, its draft length by goodput (all zero until the cost model is ready), plus probes (`_probe`)."""
         if not self.cost.ready or self.method is None:
             return [0] * len(asks)
         candidates = [DraftCandidate(self.acceptance.rates(a.seq_id, self.method, a.workload,
                                                            min(a.limit, self.max_draft_tokens)),
                                      max(0, min(a.limit, self.max_draft_tokens)), a.context) for a in asks]
         lengths = choose_draft_lengths(candidates, step, self.cost)
+        due = []
         for i, ask in enumerate(asks):
-            if lengths[i]:
-                self._undrafted[ask.seq_id] = 0
-                continue
-            waited = self._undrafted.get(ask.seq_id, 0) + 1
-            if waited >= PROBE_EVERY:
-                lengths[i], waited = min(PROBE_LENGTH, candidates[i].max_length), 0
+            waited = 0 if lengths[i] else self._undrafted.get(ask.seq_id, 0) + 1
             self._undrafted[ask.seq_id] = waited
+            if waited >= PROBE_EVERY and candidates[i].max_length:
+                due.append(i)
+        if due:
+            lengths = self._probe(asks, candidates, lengths, due, step)
         self.last_lengths = lengths
         return lengths
+
+    def _probe(self, asks: list[DraftAsk], candidates: list[DraftCandidate], lengths: list[int], due: list[int],
+               step: StepShape) -> list[int]:
+        """Give requests left without a draft for PROBE_EVERY steps a short one: acceptance that was low may have
+        risen (a repetitive stretch of an agent's output), and only drafting measures it. Probes are exploration paid
+        out of a credit that grows by PROBE_SHARE of the predicted time of each step where one is due, spent by the
+        cost model's predicted extra time: all due requests probe together once the credit covers them (at a large
+        batch the step's switch to verification is the dear part, so probes are bunched into few steps), or, when the
+        credit is full and still falls short, the longest-waiting as many as it covers."""
+        base = predicted_step_seconds(self.cost, step, candidates, lengths)
+        self._probe_credit = min(self._probe_credit + PROBE_SHARE * base, PROBE_CREDIT_STEPS * base)
+        due.sort(key=lambda i: -self._undrafted[asks[i].seq_id])
+
+        def probing(count: int) -> tuple[list[int], float]:
+            probed = list(lengths)
+            for i in due[:count]:
+                probed[i] = min(PROBE_LENGTH, candidates[i].max_length)
+            return probed, predicted_step_seconds(self.cost, step, candidates, probed) - base
+
+        low, high = 0, len(due)
+        if probing(high)[1] <= self._probe_credit:
+            low = high
+        elif self._probe_credit < PROBE_CREDIT_STEPS * base:
+            return lengths  # save up: probes bunched into one step share its switch to verification
+        while low < high:  # the credit is full: as many as it covers (the extra time grows with the count)
+            middle = (low + high + 1) // 2
+            if probing(middle)[1] <= self._probe_credit:
+                low = middle
+            else:
+                high = middle - 1
+        if not low:
+            return lengths
+        probed, extra = probing(low)
+        self._probe_credit -= max(extra, 0.0)
+        for i in due[:low]:
+            self._undrafted[asks[i].seq_id] = 0
+        self.probes += low
+        return probed
 
     def token_budget(self, decodes: StepShape, max_tokens: int, oldest_wait_s: float, waiting_tokens: int,
                      prefill_context: int) -> int:
@@ -176,6 +220,7 @@ class AdaptiveController:
                             "last_draft_lengths": {"requests": len(lengths),
                                                    "mean": sum(lengths) / len(lengths) if lengths else 0.0,
                                                    "max": max(lengths, default=0)},
+                            "probes": self.probes,
                             "acceptance_by_class": self.acceptance.summary(self.max_draft_tokens)},
             "batching": {"target_itl_ms": self.targets.itl_ms, "target_ttft_ms": self.targets.ttft_ms,
                          "last_token_budget": self.last_budget},

@@ -3,12 +3,15 @@
 A step's time is, to first order, a fixed cost (launches, scheduling, sampling) plus terms proportional to the tokens
 it computes, the sequences it carries (per-sequence attention and bookkeeping), the context tokens its attention reads,
 the query-key pairs its attention scores (a prefill chunk's attention grows with its length times its context), the
-draft tokens it verifies, and the sequences that verify a draft (a verifying sequence leaves the decode fast path and
-is checked one by one: a cost per sequence, whatever its draft's length). The weights differ by model and device, and by how
+draft tokens it verifies, the sequences that verify a draft (each is checked one by one: a cost per sequence, whatever
+its draft's length), and whether the step verifies any draft at all (such a step leaves the decode fast path as a
+whole: no CUDA graph or compiled decode graph, attention split into a decode part and a draft part, so the first draft
+in a batch costs far more than the next: on the bundled model on 2 CPU cores, 32 decodes took 4.9 ms, with one
+2-token draft among them 5.9 ms, with 32 such drafts 8.6 ms). The weights differ by model and device, and by how
 loaded the machine is, so they are fitted from measurements: a short calibration at start warms the model up, then
 every step refines it. Old observations fade (exponential forgetting), so the model follows a drifting machine.
 
-Fit: weighted least squares with non-negative weights (an active-set loop over five features) on decayed sufficient
+Fit: weighted least squares with non-negative weights (an active-set loop over the features) on decayed sufficient
 statistics, so each observation costs O(features^2) and a fit O(features^3).
 """
 
@@ -19,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-FEATURES = ("step", "query_tokens", "sequences", "context_tokens", "attention_pairs", "draft_tokens", "draft_sequences")
+FEATURES = ("step", "query_tokens", "sequences", "context_tokens", "attention_pairs", "draft_tokens", "draft_sequences",
+            "verify_step")
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class StepShape:
 
     def features(self) -> np.ndarray:
         return np.array([1.0, self.query_tokens, self.sequences, self.context_tokens, self.pairs, self.draft_tokens,
-                         self.verifying])
+                         self.verifying, 1.0 if self.verifying else 0.0])
 
 
 def chunk_pairs(tokens: int, context: int) -> int:

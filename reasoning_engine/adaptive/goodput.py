@@ -36,11 +36,11 @@ def choose_draft_lengths(candidates: list[DraftCandidate], step: StepShape, cost
     other work in it)."""
     survival = [_survival(c) for c in candidates]
     best_lengths = [0] * len(candidates)
-    best = len(candidates) / _predict(cost, step, candidates, best_lengths)
+    best = len(candidates) / predicted_step_seconds(cost, step, candidates, best_lengths)
     for threshold in THRESHOLDS:
         lengths = [sum(1 for s in alive if s >= threshold) for alive in survival]
         tokens = len(candidates) + sum(sum(alive[:n]) for alive, n in zip(survival, lengths))
-        rate = tokens / _predict(cost, step, candidates, lengths)
+        rate = tokens / predicted_step_seconds(cost, step, candidates, lengths)
         if rate > best:
             best, best_lengths = rate, lengths
     return best_lengths
@@ -55,7 +55,9 @@ def _survival(candidate: DraftCandidate) -> list[float]:
     return out
 
 
-def _predict(cost: StepCostModel, step: StepShape, candidates: list[DraftCandidate], lengths: list[int]) -> float:
+def predicted_step_seconds(cost: StepCostModel, step: StepShape, candidates: list[DraftCandidate],
+                           lengths: list[int]) -> float:
+    """The cost model's time for `step` with each candidate verifying a draft of its length."""
     drafts = sum(lengths)
     shape = replace(step, query_tokens=step.query_tokens + drafts, draft_tokens=step.draft_tokens + drafts,
                     draft_sequences=max(step.draft_sequences, 0) + sum(1 for n in lengths if n),

@@ -184,17 +184,25 @@ class EngineTuner:
 
 
 def _synthetic_step(shape: StepShape, padding_block: int, block_size: int, max_model_len: int) -> StepInput:
-    """A step of `shape` whose every token is written to the padding block and whose context reads it repeatedly."""
-    per_seq = max(1, shape.query_tokens // shape.sequences)
-    context = min(max(per_seq, shape.context_tokens // shape.sequences), max_model_len - 1)
-    per_seq = min(per_seq, context)
-    tokens, positions, slots, rows = [], [], [], []
-    for _ in range(shape.sequences):
-        span = range(context - per_seq, context)
-        tokens += [0] * per_seq
+    """A step of `shape` whose every token is written to the padding block and whose context reads it repeatedly.
+    Its draft tokens are spread over its first `shape.verifying` sequences, each a chain whose every row is verified
+    (logits), as a verification step's drafts; the rest run their share of the other tokens."""
+    drafting = shape.verifying
+    per_draft = shape.draft_tokens // drafting if drafting else 0
+    per_seq = max(1, (shape.query_tokens - shape.draft_tokens) // shape.sequences)
+    context = min(max(per_seq + per_draft, shape.context_tokens // shape.sequences), max_model_len - 1)
+    tokens, positions, slots, query_lens, rows, trees = [], [], [], [], [], []
+    for s in range(shape.sequences):
+        drafted = s < drafting
+        count = min(per_seq + (per_draft if drafted else 0), context)
+        span = range(context - count, context)
+        first = len(tokens)
+        tokens += [0] * count
         positions += list(span)
         slots += [padding_block * block_size + p % block_size for p in span]
-        rows.append(len(tokens) - 1)
+        query_lens.append(count)
+        rows += list(range(first, len(tokens))) if drafted else [len(tokens) - 1]
+        trees.append(torch.ones(count, count, dtype=torch.bool).tril())
     table = [padding_block] * -(-context // block_size)
-    return StepInput(tokens, positions, slots, [per_seq] * shape.sequences, [context] * shape.sequences,
-                     [table] * shape.sequences, rows)
+    return StepInput(tokens, positions, slots, query_lens, [context] * shape.sequences, [table] * shape.sequences, rows,
+                     trees if drafting else None)

@@ -6,8 +6,12 @@ built once per step (`prepare_attention`) and reused by every layer. Grouped hea
 axis, so K/V are never repeated per head, and MLA's single latent head is the same problem with one KV head.
 
 A step that mixes a long prefill chunk with decoding sequences would pad every decode to the chunk's length (B x
-Qmax x L work instead of Qmax x L): such a step is split into parts, each long chunk alone and the short queries
-together (`MixedAttentionMetadata`), and the parts' outputs are scattered back into the step's token order.
+Qmax x L work instead of Qmax x L): such a step is split into parts, each long chunk alone, the decoding sequences
+(one query each) together as a decode step, and the other short queries (draft trees being verified, short chunks)
+together (`MixedAttentionMetadata`); the parts' outputs are scattered back into the step's token order. A
+verification step where a few of 32 sequences draft 8 tokens thus costs about what 32 decodes do, not what 32
+sequences of 9 queries do (on the bundled model, 2 CPU cores: 6.8 ms instead of 17.3 ms, against 4.9 ms for the
+decodes alone).
 
 `decode_attention` is the same computation for decode steps written for Inductor to fuse; the metadata's
 `fused_decode` makes `paged_attention` and `paged_latent_attention` call it instead of gathering, which
@@ -108,8 +112,9 @@ def prepare_attention(batch: ForwardBatch, block_size: int) -> TorchAttentionMet
     if batch.max_query_len == 1 and batch.tree_mask is None:
         return _prepare_decode(batch, block_size)
     lens = batch.query_lens_cpu
-    short = [b for b, n in enumerate(lens) if n <= LONG_QUERY]
-    groups = [[b] for b, n in enumerate(lens) if n > LONG_QUERY] + ([short] if short else [])
+    decoding = [b for b, n in enumerate(lens) if n == 1]
+    drafted = [b for b, n in enumerate(lens) if 1 < n <= LONG_QUERY]
+    groups = [[b] for b, n in enumerate(lens) if n > LONG_QUERY] + [g for g in (decoding, drafted) if g]
     if len(groups) == 1 or min(lens) == max(lens):
         return _prepare_ragged(batch, block_size)
     starts = batch.query_start_loc.tolist()
@@ -132,7 +137,7 @@ def _sub_batch(batch: ForwardBatch, seqs: list[int]) -> ForwardBatch:
     if batch.tree_mask is not None:
         first = batch.query_start_loc.tolist()
         rows = torch.cat([torch.arange(first[b], first[b + 1]) for b in seqs]).to(batch.tree_mask.device)
-        tree = batch.tree_mask[rows, : max(lens)]
+        tree = batch.tree_mask[rows, : max(lens)] if max(lens) > 1 else None  # one query: nothing to order
     seq_lens = [batch.seq_lens_cpu[b] for b in seqs]
     return ForwardBatch(  # positions: a draft tree's query positions set its sliding windows (`_query_positions`)
         input_ids=batch.input_ids[:0], positions=batch.positions[:0] if tree is None else batch.positions[rows],

@@ -13,20 +13,21 @@ import pytest
 
 from reasoning_engine.adaptive.acceptance import AcceptanceModel, PositionCounts, expected_tokens
 from reasoning_engine.adaptive.batching import LatencyTargets, token_budget
-from reasoning_engine.adaptive.controller import AdaptiveController, choose_graph_batch_sizes
-from reasoning_engine.adaptive.cost_model import StepCostModel, StepShape, chunk_pairs
-from reasoning_engine.adaptive.goodput import DraftCandidate, choose_draft_lengths
+from reasoning_engine.adaptive.controller import (PROBE_EVERY, PROBE_LENGTH, PROBE_SHARE, AdaptiveController, DraftAsk,
+                                                  choose_graph_batch_sizes)
+from reasoning_engine.adaptive.cost_model import FEATURES, StepCostModel, StepShape, chunk_pairs
+from reasoning_engine.adaptive.goodput import DraftCandidate, choose_draft_lengths, predicted_step_seconds
 from reasoning_engine.adaptive.retention import DEFAULT_HOLD_S, SessionRetention
 from reasoning_engine.adaptive.state import STATE_FILE
 
 TRUE = {"step": 2e-3, "query_tokens": 5e-5, "sequences": 1e-5, "context_tokens": 1e-7, "attention_pairs": 2e-9,
-        "draft_tokens": 3e-5}
+        "draft_tokens": 3e-5, "verify_step": 1e-3}
 
 
 def _true_time(shape: StepShape) -> float:
     return (TRUE["step"] + TRUE["query_tokens"] * shape.query_tokens + TRUE["sequences"] * shape.sequences
             + TRUE["context_tokens"] * shape.context_tokens + TRUE["attention_pairs"] * shape.pairs
-            + TRUE["draft_tokens"] * shape.draft_tokens)
+            + TRUE["draft_tokens"] * shape.draft_tokens + TRUE["verify_step"] * (shape.verifying > 0))
 
 
 def _random_shapes(rng: random.Random, count: int) -> list[StepShape]:
@@ -35,10 +36,11 @@ def _random_shapes(rng: random.Random, count: int) -> list[StepShape]:
     for _ in range(count):
         seqs = rng.randint(1, 64)
         drafts = rng.choice([0, 0, rng.randint(1, 4 * seqs)])
+        verifying = rng.randint(1, min(drafts, seqs)) if drafts else 0
         contexts = seqs * rng.randint(16, 4096)
         chunk, cached = rng.choice([(0, 0), (0, 0), (rng.randint(16, 2048), rng.randint(0, 8192))])
         shapes.append(StepShape(seqs + drafts + chunk, seqs + (chunk > 0), contexts + cached + chunk, drafts,
-                                contexts + chunk_pairs(chunk, cached)))
+                                contexts + chunk_pairs(chunk, cached), verifying))
     return shapes
 
 
@@ -63,6 +65,22 @@ def test_cost_model_follows_a_slower_machine_and_stays_non_negative() -> None:
     shape = StepShape(32, 32, 32 * 1000)
     assert model.predict(shape) == pytest.approx(2 * _true_time(shape), rel=0.1)
     assert all(value >= 0 for value in model.coefficients().values())
+
+
+def test_cost_model_tells_a_steps_switch_to_verification_from_its_drafts() -> None:
+    """The first draft in a batch costs the whole step's switch off the decode path; the next ones cost little."""
+    rng = random.Random(5)
+    model = StepCostModel()
+    for shape in _random_shapes(rng, 400):
+        model.observe(shape, _true_time(shape))
+    decode = StepShape(32, 32, 32 * 300, draft_sequences=0)
+    one = StepShape(34, 32, 32 * 300, 2, draft_sequences=1)
+    every = StepShape(96, 32, 32 * 300, 64, draft_sequences=32)
+    for shape in (decode, one, every):
+        assert model.predict(shape) == pytest.approx(_true_time(shape), rel=0.02)
+    first = model.predict(one) - model.predict(decode)
+    next_ones = (model.predict(every) - model.predict(one)) / 31
+    assert first > 4 * next_ones
 
 
 def test_acceptance_counts_per_position_and_prior_from_the_class() -> None:
@@ -141,8 +159,58 @@ def test_graph_buckets_follow_the_observed_batch_sizes() -> None:
     assert choose_graph_batch_sizes(Counter(), 64, 4) == []
 
 
-def _controller(state_dir: Path, model: str = "m") -> AdaptiveController:
-    return AdaptiveController({"model": model, "device": "cpu"}, "suffix", 8, str(state_dir), LatencyTargets())
+def _controller(state_dir: Path | None, model: str = "m") -> AdaptiveController:
+    return AdaptiveController({"model": model, "device": "cpu"}, "suffix", 8, str(state_dir) if state_dir else None,
+                              LatencyTargets())
+
+
+def _probe_run(controller: AdaptiveController, batch: int, steps: int) -> tuple[list[list[int]], float]:
+    """`steps` decode steps of `batch` requests whose drafts are never accepted: each step's lengths, and the predicted
+    time the probes added over those steps (as a share of the predicted time without them)."""
+    asks = [DraftAsk(f"r{i}", "agent", 8, 300) for i in range(batch)]
+    step = StepShape(batch, batch, batch * 301, draft_sequences=0)
+    chosen, plain, extra = [], 0.0, 0.0
+    for _ in range(steps):
+        lengths = controller.draft_lengths(asks, step)
+        candidates = [DraftCandidate([0.0] * 8, 8, 300)] * batch
+        base = predicted_step_seconds(controller.cost, step, candidates, [0] * batch)
+        plain += base
+        extra += predicted_step_seconds(controller.cost, step, candidates, lengths) - base
+        for ask, n in zip(asks, lengths):
+            if n:
+                controller.record_draft(ask.seq_id, ask.workload, n, 0)
+        chosen.append(lengths)
+    return chosen, extra / plain
+
+
+def test_probes_stay_within_their_share_and_bunch_where_the_switch_is_dear() -> None:
+    """Requests whose drafts fail still get probed now and then (acceptance may rise), but exploration costs at most
+    PROBE_SHARE of the time: at batch 32, where a step's switch to verification is dear, the probes of many requests
+    share few steps; at batch 1, where a probe costs almost nothing, every request is probed every PROBE_EVERY steps."""
+    dear_switch = {"step": 4e-3, "sequences": 3e-5, "draft_tokens": 3e-5, "verify_step": 1e-3}
+    controller = _controller(None)
+    for shape in _random_shapes(random.Random(6), 300):
+        controller.observe_step(shape, sum(dear_switch.get(name, 0.0) * value
+                                           for name, value in zip(FEATURES, shape.features())), shape.sequences)
+    for i in range(32):
+        for _ in range(20):
+            controller.record_draft(f"r{i}", "agent", 2, 0)
+    chosen, share = _probe_run(controller, 32, 400)
+    probe_steps = [lengths for lengths in chosen if any(lengths)]
+    assert all(n in (0, PROBE_LENGTH) for lengths in chosen for n in lengths)  # nothing but probes
+    assert 0 < share <= PROBE_SHARE * 1.05
+    assert sum(map(sum, probe_steps)) / len(probe_steps) >= 16 * PROBE_LENGTH  # many requests per probe step
+    for i in range(32):  # nobody is starved of probes
+        assert sum(1 for lengths in chosen if lengths[i]) >= 3
+
+    cheap = _controller(None)
+    cheap.cost = _cost(fixed=10e-3, per_token=1e-6)
+    for _ in range(20):
+        cheap.record_draft("r0", "agent", 2, 0)
+    chosen, share = _probe_run(cheap, 1, 80)
+    probed_at = [t for t, lengths in enumerate(chosen) if lengths[0]]
+    assert probed_at and all(b - a == PROBE_EVERY for a, b in zip(probed_at, probed_at[1:]))
+    assert share <= PROBE_SHARE
 
 
 def test_state_round_trips(tmp_path: Path) -> None:

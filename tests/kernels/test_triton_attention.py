@@ -295,6 +295,33 @@ def test_latent_attention_matches_dense_float64_with_tree(device):
     assert_close(out.cpu(), dense_reference(q, rows, batch, 2, 0.2, 24).float())
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_verification_step_attends_its_decodes_apart_from_its_drafts(device, window):
+    """A step where a few sequences verify draft trees among many that decode (and one long chunk): the decodes are
+    attended as a decode step (not padded to the drafts' length), the drafts under their trees, the chunk alone;
+    the torch reference through those parts matches the dense computation, GQA with sinks and a window and MLA."""
+    lens = ([7, 12, 0, 30, 3, 9, 20], [1, 4, 1, 40, 1, 3, 1])
+    batch, q, k_cache, v_cache = gqa_case(*lens, 4, 4, 2, 8, torch.float32, device, tree=True)
+    meta = attention.prepare_attention(batch, 4)
+    assert isinstance(meta, attention.MixedAttentionMetadata)
+    parts = {tuple(part.query_lens_cpu): part_meta for _, part, part_meta in meta.parts}
+    assert set(parts) == {(40,), (1, 1, 1, 1), (4, 3)}
+    assert parts[(1, 1, 1, 1)].mask.shape[1] == 1 and not parts[(1, 1, 1, 1)].padded  # one query row per sequence
+    sinks = torch.randn(4, device=device)
+    out = attention.paged_attention(q, k_cache, v_cache, batch, meta, 0.3, sinks, window)
+    rows = lambda slots: (k_cache.view(-1, 2, 8)[slots.to(device)].cpu(), v_cache.view(-1, 2, 8)[slots.to(device)].cpu())
+    assert_close(out.cpu(), dense_reference(q, rows, batch, 4, 0.3, 8, sinks, window).float())
+
+    batch, q, kv_cache = mla_case(*lens, 4, 3, 24, 8, torch.float32, device, tree=True)
+    out = attention.paged_latent_attention(q, kv_cache, 24, batch, attention.prepare_attention(batch, 4), 0.2)
+
+    def latent_rows(slots):
+        kv = kv_cache.view(-1, 32)[slots.to(device)].cpu().unsqueeze(1)
+        return kv, kv[..., :24]
+
+    assert_close(out.cpu(), dense_reference(q, latent_rows, batch, 4, 0.2, 24).float())
+
+
 # decode steps as compile_decode's graphs see them: one sequence (no mask), several with lengths spread across blocks
 FUSED_DECODE_CASES = [([37], [1]), ([4, 0, 37], [1, 1, 1]), ([150, 2, 9, 31, 64], [1] * 5)]
 

@@ -17,13 +17,17 @@ Reported per configuration and level: output tok/s per request (p50 of each requ
 tok/s, TTFT p50 / p99, inter-token latency p99 and prefix-cache hit rate; ratios are taken within this one run.
 
     python benchmarks/adaptive.py [--model DIR] [--concurrency 1,4,16,32] [--sessions 2] [--max-turns 4]
-                                  [--output-tokens 64] [--turn-gap 1.0] [--no-grid] [--out PREFIX]
+                                  [--output-tokens 64] [--turn-gap 1.0] [--no-grid] [--repeats 1] [--out PREFIX]
+
+This machine is shared and noisy: at 16 and 32 requests one run of a configuration varies by 15-30% from the next,
+so `--repeats N` runs the whole matrix N times, configurations interleaved, and reports medians.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
@@ -79,6 +83,11 @@ class Server:
     def model_name(self) -> str:
         return httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"]
 
+    def decided(self) -> dict[str, int]:
+        """The adaptive controller's running counts: steps it chose draft lengths for, those with any draft, draft
+        tokens, probes."""
+        return httpx.get(f"{self.url}/v1/engine/adaptive", timeout=10).json()["speculation"]["decided"]
+
     def close(self) -> None:
         self.proc.terminate()
         try:
@@ -108,33 +117,69 @@ def replay(server: Server, workload: Any, counter: TokenCounter, args: argparse.
 
 
 def matrix(args: argparse.Namespace, counter: TokenCounter, dataset: str, grid: bool) -> dict[str, Any]:
-    """Every configuration over every level of one workload."""
+    """Every configuration over every level of one workload, `args.repeats` rounds with the configurations
+    interleaved (each round's adaptive cold run starts from a fresh state directory, its warm run from what that
+    learned); per configuration and level, each figure is the median over the rounds and `total_tps_runs` lists
+    every round's total tok/s."""
     levels = [int(c) for c in args.concurrency.split(",")]
     workload = from_dataset(dataset, counter, [c * args.sessions for c in levels], 0, default_workloads_dir(),
                             args.max_prompt_tokens)
-    state = tempfile.mkdtemp(prefix="adaptive_state_")
     spec = ["--speculative-config", SUFFIX.format(k=8)]
-    configs: dict[str, list[str]] = {
-        "adaptive cold": ["--state-dir", state, *spec],
-        "adaptive warm": ["--state-dir", state, *spec],
-        "static default": ["--no-adaptive", *spec],
-    }
-    if grid:
-        configs.update({f"static k={k} budget={b}": static(k, b) for k in (0, 2, 4, 8, 16) for b in (256, 2048)})
-    results: dict[str, Any] = {}
-    for name, flags in configs.items():
-        server = Server(args.model, flags, args.max_model_len)
-        try:
-            runs = replay(server, workload, counter, args, levels)
-        finally:
-            server.close()
-        results[name] = {str(run.concurrency): summarize(run, workload.multi_turn) for run in runs}
-        if name.startswith("adaptive"):
-            results[name + " (first minute)"] = {str(run.concurrency): summarize(run, workload.multi_turn, True)
-                                                 for run in runs}
-        print(f"{dataset} {name}: " + ", ".join(f"c{c} {r['total_tps']:.1f} tok/s" for c, r in results[name].items()),
-              flush=True)
-    return results
+    rounds: dict[str, list[dict[str, Any]]] = {}
+    for round_ in range(args.repeats):
+        state = tempfile.mkdtemp(prefix="adaptive_state_")
+        configs: dict[str, list[str]] = {
+            "adaptive cold": ["--state-dir", state, *spec],
+            "adaptive warm": ["--state-dir", state, *spec],
+            "static default": ["--no-adaptive", *spec],
+        }
+        if grid:
+            configs.update({f"static k={k} budget={b}": static(k, b) for k in (0, 2, 4, 8, 16) for b in (256, 2048)})
+        for name, flags in configs.items():
+            for key, figures in run_config(args, counter, workload, levels, flags, name.startswith("adaptive")).items():
+                rounds.setdefault(name + key, []).append(figures)
+            print(f"{dataset} round {round_ + 1} {name}: " + ", ".join(
+                f"c{c} {r['total_tps']:.1f} tok/s" for c, r in rounds[name][-1].items()), flush=True)
+    return {name: {level: median_figures([r[level] for r in runs]) for level in runs[0]}
+            for name, runs in rounds.items()}
+
+
+def run_config(args: argparse.Namespace, counter: TokenCounter, workload: Any, levels: list[int], flags: list[str],
+               adaptive: bool) -> dict[str, dict[str, Any]]:
+    """One server through every level: its figures per level ("" key), and for adaptive ones also those of each
+    level's first minute (" (first minute)") and what the controller chose at each level."""
+    server = Server(args.model, flags, args.max_model_len)
+    runs, decisions = [], {}
+    try:
+        for level, sessions in zip(levels, workload.levels):
+            before = server.decided() if adaptive else None
+            runs += replay(server, dataclasses.replace(workload, levels=[sessions]), counter, args, [level])
+            if before is not None:
+                after = server.decided()
+                decisions[str(level)] = {key: after[key] - before[key] for key in after}
+    finally:
+        server.close()
+    out = {"": {str(run.concurrency): summarize(run, workload.multi_turn) for run in runs}}
+    if adaptive:
+        out[" (first minute)"] = {str(run.concurrency): summarize(run, workload.multi_turn, True) for run in runs}
+        for level, counts in decisions.items():
+            out[""][level]["decided"] = counts
+    return out
+
+
+def median_figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the rounds (counts summed), with every round's total tok/s."""
+    out: dict[str, Any] = {}
+    for key, value in runs[0].items():
+        if isinstance(value, dict):
+            out[key] = {k: sum(r[key][k] for r in runs) for k in value}
+        elif key in ("requests", "errors"):
+            out[key] = sum(r[key] for r in runs)
+        else:
+            values = [r[key] for r in runs if r[key] is not None]
+            out[key] = statistics.median(values) if values else None
+    out["total_tps_runs"] = [r["total_tps"] for r in runs]
+    return out
 
 
 def kv_pressure(args: argparse.Namespace, counter: TokenCounter) -> dict[str, Any]:
@@ -246,11 +291,14 @@ def report(data: dict[str, Any], args: argparse.Namespace) -> str:
              f"(EOS ignored), tool gaps exponential with mean {args.turn_gap:g} s, session ids as prompt_cache_key.",
              ""]
     for dataset, results in data["matrix"].items():
-        lines += [f"## {dataset}", "", "| config | concurrency | output tok/s per request | total tok/s | TTFT p50 / p99 (s) "
+        lines += [f"## {dataset}", "", f"Medians over {args.repeats} interleaved round(s); total tok/s with its range over the "
+                  "rounds.", "", "| config | concurrency | output tok/s per request | total tok/s | TTFT p50 / p99 (s) "
                   "| ITL p99 (ms) | prefix hit rate |", "|---|---|---|---|---|---|---|"]
         for name, levels in results.items():
             for level, r in levels.items():
-                lines.append(f"| {name} | {level} | {r['per_request_tps'] or 0:.1f} | {r['total_tps'] or 0:.1f} | "
+                spread = r.get("total_tps_runs") or []
+                total = f"{r['total_tps'] or 0:.1f}" + (f" ({min(spread):.0f}-{max(spread):.0f})" if len(spread) > 1 else "")
+                lines.append(f"| {name} | {level} | {r['per_request_tps'] or 0:.1f} | {total} | "
                              f"{r['ttft_p50'] or 0:.2f} / {r['ttft_p99'] or 0:.2f} | {1e3 * (r['itl_p99'] or 0):.0f} | "
                              f"{100 * (r['hit_rate'] or 0):.0f}% |")
         lines += ["", "| concurrency | adaptive (warm) / best static | best static | adaptive / static default | "
@@ -262,6 +310,14 @@ def report(data: dict[str, Any], args: argparse.Namespace) -> str:
             first = (results["adaptive warm (first minute)"][level]["total_tps"] or 0) / max(
                 results["adaptive cold (first minute)"][level]["total_tps"] or 1e-9, 1e-9)
             lines.append(f"| {level} | {warm / best:.2f}x | {best_name} | {warm / default:.2f}x | {first:.2f}x |")
+        lines += ["", "What adaptive (warm) chose at each level: the share of steps verifying any draft, draft tokens per "
+                  "step, probe drafts.", "", "| concurrency | steps | verifying | draft tokens / step | probes |",
+                  "|---|---|---|---|---|"]
+        for level, r in results["adaptive warm"].items():
+            d = r.get("decided") or {}
+            steps = max(d.get("steps", 0), 1)
+            lines.append(f"| {level} | {d.get('steps', 0)} | {100 * d.get('verifying_steps', 0) / steps:.0f}% | "
+                         f"{d.get('draft_tokens', 0) / steps:.2f} | {d.get('probes', 0)} |")
         lines.append("")
     if data.get("kv_pressure"):
         p = data["kv_pressure"]
@@ -320,6 +376,8 @@ def main() -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=256, help="cap on each trace message")
     parser.add_argument("--workloads", default="agentic,reasoning")
     parser.add_argument("--no-grid", action="store_true")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds of the configuration matrix, interleaved; figures are medians over rounds")
     parser.add_argument("--pressure-blocks", type=int, default=160)
     parser.add_argument("--pressure-agents", type=int, default=3)
     parser.add_argument("--pressure-streams", type=int, default=6, help="one-off request streams beside the agents")

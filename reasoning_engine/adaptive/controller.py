@@ -19,7 +19,8 @@ from typing import Any
 from reasoning_engine.adaptive.acceptance import AcceptanceModel
 from reasoning_engine.adaptive.batching import LatencyTargets, token_budget
 from reasoning_engine.adaptive.cost_model import StepCostModel, StepShape, chunk_pairs
-from reasoning_engine.adaptive.goodput import DraftCandidate, choose_draft_lengths, predicted_step_seconds
+from reasoning_engine.adaptive.goodput import (DraftCandidate, choose_draft_lengths, expected_accepted,
+                                               predicted_step_seconds)
 from reasoning_engine.adaptive.retention import SessionRetention
 from reasoning_engine.adaptive.state import load_state, save_state
 
@@ -30,6 +31,8 @@ PROBE_EVERY = 8  # a request without a draft for this many steps is due a short 
 PROBE_LENGTH = 2
 PROBE_SHARE = 0.05  # probes spend at most this share of the predicted step time, on average
 PROBE_CREDIT_STEPS = 4.0  # the probe credit saved up is at most this many steps' predicted time
+REALISM_DECAY = 0.99  # weight of the older drafts in the realised / expected acceptance ratio (a memory of ~100)
+REALISM_BOUNDS = (0.2, 1.0)
 
 
 @dataclass
@@ -61,7 +64,11 @@ class AdaptiveController:
         self.last_lengths: list[int] = []
         self._undrafted: dict[str, int] = {}  # steps since each request's last draft
         self._probe_credit = 0.0  # seconds of predicted step time probes may still spend
+        self._expected: dict[str, float] = {}  # accepted tokens expected of each request's pending draft
+        self._realised_sum = 0.0  # decayed sums over verified drafts: accepted, and what was expected of them
+        self._expected_sum = 0.0
         self.probes = 0  # requests given a probe draft
+        self.decided: Counter[str] = Counter()  # over the steps decided: "steps", "verifying" (with any draft), "draft_tokens"
         self.last_budget: int | None = None
         self.retention_protected = 0  # turns whose blocks were protected
         self.snapshot_data: dict[str, Any] = {}
@@ -128,19 +135,58 @@ class AdaptiveController:
 
     def record_draft(self, seq_id: str, workload: str, draft_len: int, accepted: int) -> None:
         self.acceptance.record(seq_id, self.method or "none", workload, draft_len, accepted)
+        expected = self._expected.pop(seq_id, None)
+        if expected is not None:
+            self._realised_sum = REALISM_DECAY * self._realised_sum + accepted
+            self._expected_sum = REALISM_DECAY * self._expected_sum + expected
+
+    @property
+    def realism(self) -> float:
+        """Accepted tokens per token the chooser expected, over recent drafts. The chooser drafts for the requests
+        whose estimated acceptance is highest, and the highest estimates are the likeliest to be too high (the
+        winner's curse): on the benchmark's agent traces at 32 requests the drafts chosen delivered fewer tokens
+        than expected. Expectations are scaled by this, never up."""
+        if self._expected_sum < 8.0:  # too few drafts to tell
+            return 1.0
+        low, high = REALISM_BOUNDS
+        return min(max(self._realised_sum / self._expected_sum, low), high)
 
     def forget(self, seq_id: str) -> None:
         self.acceptance.forget(seq_id)
         self._undrafted.pop(seq_id, None)
+        self._expected.pop(seq_id, None)
 
     # ---- decisions ----
+    def _candidates(self, asks: list[DraftAsk]) -> list[DraftCandidate]:
+        """Each ask's candidate, its acceptance rates scaled by `realism` (the first position's scales every
+        prefix's probability)."""
+        assert self.method is not None
+        realism = self.realism
+        candidates = []
+        for a in asks:
+            rates = self.acceptance.rates(a.seq_id, self.method, a.workload, min(a.limit, self.max_draft_tokens))
+            if rates:
+                rates[0] *= realism
+            candidates.append(DraftCandidate(rates, max(0, min(a.limit, self.max_draft_tokens)), a.context))
+        return candidates
+
+    def draft_caps(self, asks: list[DraftAsk], step: StepShape) -> list[int]:
+        """Per ask, the longest draft worth proposing (for proposers that draft first and are asked afterwards how
+        much of each draft to verify): its goodput length were every request to draft its longest (real drafts
+        come shorter, and `draft_lengths` then chooses within them), or a probe's length where one is due. Changes
+        nothing."""
+        if not self.cost.ready or self.method is None:
+            return [0] * len(asks)
+        candidates = self._candidates(asks)
+        lengths = choose_draft_lengths(candidates, step, self.cost)
+        return [max(n, min(PROBE_LENGTH, c.max_length)) if self._undrafted.get(a.seq_id, 0) + 1 >= PROBE_EVERY else n
+                for a, c, n in zip(asks, candidates, lengths)]
+
     def draft_lengths(self, asks: list[DraftAsk], step: StepShape) -> list[int]:
         """Per ask, its draft length by goodput (all zero until the cost model is ready), plus probes (`_probe`)."""
         if not self.cost.ready or self.method is None:
             return [0] * len(asks)
-        candidates = [DraftCandidate(self.acceptance.rates(a.seq_id, self.method, a.workload,
-                                                           min(a.limit, self.max_draft_tokens)),
-                                     max(0, min(a.limit, self.max_draft_tokens)), a.context) for a in asks]
+        candidates = self._candidates(asks)
         lengths = choose_draft_lengths(candidates, step, self.cost)
         due = []
         for i, ask in enumerate(asks):
@@ -150,7 +196,11 @@ class AdaptiveController:
                 due.append(i)
         if due:
             lengths = self._probe(asks, candidates, lengths, due, step)
+        for ask, candidate, n in zip(asks, candidates, lengths):
+            if n:
+                self._expected[ask.seq_id] = expected_accepted(candidate, n)
         self.last_lengths = lengths
+        self.decided.update(steps=1, verifying=int(any(lengths)), draft_tokens=sum(lengths))
         return lengths
 
     def _probe(self, asks: list[DraftAsk], candidates: list[DraftCandidate], lengths: list[int], due: list[int],
@@ -215,12 +265,14 @@ class AdaptiveController:
             "warm_start": self.warm,
             "state_dir": self.state_dir,
             "cost_model": {"ready": self.cost.ready, "observations": self.cost.observations,
-                           "seconds_per": self.cost.coefficients()},
+                           "seconds_per": self.cost.coefficients(), "corrections": dict(self.cost.corrections)},
             "speculation": {"method": self.method, "max_draft_tokens": self.max_draft_tokens,
                             "last_draft_lengths": {"requests": len(lengths),
                                                    "mean": sum(lengths) / len(lengths) if lengths else 0.0,
                                                    "max": max(lengths, default=0)},
-                            "probes": self.probes,
+                            "decided": {"steps": self.decided["steps"], "verifying_steps": self.decided["verifying"],
+                                        "draft_tokens": self.decided["draft_tokens"], "probes": self.probes},
+                            "realism": self.realism,
                             "acceptance_by_class": self.acceptance.summary(self.max_draft_tokens)},
             "batching": {"target_itl_ms": self.targets.itl_ms, "target_ttft_ms": self.targets.ttft_ms,
                          "last_token_budget": self.last_budget},

@@ -13,6 +13,13 @@ every step refines it. Old observations fade (exponential forgetting), so the mo
 
 Fit: weighted least squares with non-negative weights (an active-set loop over the features) on decayed sufficient
 statistics, so each observation costs O(features^2) and a fit O(features^3).
+
+A linear model fitted to noisy steps (a loaded server's step times vary by a fifth or more) is biased differently for
+different kinds of step: on the bundled model behind the benchmark's server at 32 requests it predicted verification
+steps 11% short and decode steps 5% long, which is enough to tip the draft-or-not choice. So each prediction is
+scaled by a correction per kind of step (verifying or not, with a prefill chunk or not, batch size by power of two):
+a running mean of measured / predicted time over that kind's recent steps, which removed the bias by kind in a
+replay of that run's steps.
 """
 
 from __future__ import annotations
@@ -50,6 +57,16 @@ class StepShape:
                          self.verifying, 1.0 if self.verifying else 0.0])
 
 
+CORRECTION_RATE = 0.05  # weight of each new step in its kind's correction (a memory of ~20 steps)
+CORRECTION_BOUND = 5.0  # a single step moves its kind's correction as if it were at most 5x off
+
+
+def _kind(shape: StepShape) -> str:
+    """Which correction a step gets: verifying or not, with a prefill chunk or not, its batch size by power of two."""
+    prefill = shape.query_tokens - shape.draft_tokens > shape.sequences
+    return f"v{int(shape.verifying > 0)}p{int(prefill)}b{shape.sequences.bit_length()}"
+
+
 def chunk_pairs(tokens: int, context: int) -> int:
     """Query-key pairs of a causal chunk of `tokens` after `context` cached tokens."""
     return tokens * context + tokens * (tokens + 1) // 2
@@ -66,6 +83,7 @@ class StepCostModel:
         self._xty = np.zeros(n)
         self.observations = 0
         self.weights = np.zeros(n)
+        self.corrections: dict[str, float] = {}  # per kind of step, measured / linear prediction (running mean)
 
     @property
     def ready(self) -> bool:
@@ -77,7 +95,13 @@ class StepCostModel:
         if seconds <= 0:
             return
         x = shape.features()
-        surprise = abs(float(x @ self.weights) - seconds) > 0.25 * seconds  # a kind of step it predicts badly
+        linear = float(x @ self.weights)
+        surprise = abs(linear - seconds) > 0.25 * seconds  # a kind of step it predicts badly
+        if self.ready and linear > 0:
+            kind = _kind(shape)
+            ratio = min(max(seconds / linear, 1 / CORRECTION_BOUND), CORRECTION_BOUND)
+            correction = self.corrections.get(kind, 1.0)
+            self.corrections[kind] = correction + CORRECTION_RATE * (ratio - correction)
         scale = 1.0 / seconds
         self._xtx = self.decay * self._xtx + scale * scale * np.outer(x, x)
         self._xty = self.decay * self._xty + scale * scale * x * seconds
@@ -105,14 +129,15 @@ class StepCostModel:
         return weights
 
     def predict(self, shape: StepShape) -> float:
-        return float(shape.features() @ self.weights)
+        return float(shape.features() @ self.weights) * self.corrections.get(_kind(shape), 1.0)
 
     def coefficients(self) -> dict[str, float]:
         """Seconds per unit of each feature ("step": the fixed cost)."""
         return dict(zip(FEATURES, (float(w) for w in self.weights)))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"xtx": self._xtx.tolist(), "xty": self._xty.tolist(), "observations": self.observations}
+        return {"xtx": self._xtx.tolist(), "xty": self._xty.tolist(), "observations": self.observations,
+                "corrections": self.corrections}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepCostModel:
@@ -122,5 +147,9 @@ class StepCostModel:
         if xtx.shape != (n, n) or xty.shape != (n,) or not np.isfinite(xtx).all() or not np.isfinite(xty).all():
             raise ValueError("cost model statistics have the wrong shape or are not finite")
         model._xtx, model._xty, model.observations = xtx, xty, int(data["observations"])
+        corrections = {str(k): float(v) for k, v in data.get("corrections", {}).items()}
+        if not all(1 / CORRECTION_BOUND <= v <= CORRECTION_BOUND for v in corrections.values()):
+            raise ValueError("cost model corrections out of range")
+        model.corrections = corrections
         model.weights = model._solve()
         return model

@@ -46,6 +46,11 @@ def choose_draft_lengths(candidates: list[DraftCandidate], step: StepShape, cost
     return best_lengths
 
 
+def expected_accepted(candidate: DraftCandidate, length: int) -> float:
+    """Draft tokens a draft of `length` is expected to get accepted (the sum of its prefixes' probabilities)."""
+    return sum(_survival(candidate)[:length])
+
+
 def _survival(candidate: DraftCandidate) -> list[float]:
     """Probability that draft positions 1..i are all accepted, for each i up to the candidate's longest draft."""
     alive, out = 1.0, []

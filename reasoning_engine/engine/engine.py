@@ -388,9 +388,12 @@ class LLMEngine:
             seeded = [r.params.seed is not None and not r.params.greedy for r in asking]
             static = [min(self.spec.draft_len.get(r.seq_id, 1), n) for r, n in zip(asking, limits)]
             if self.spec.config.method in TEXT_METHODS:
-                # text proposers draft for almost nothing and say how far they are confident: draft in full, then
-                # verify the goodput-optimal part of each draft
-                limits = [s if seed else n for s, n, seed in zip(static, limits, seeded)]
+                # text proposers say how far they are confident, so each request drafts up to the longest that could
+                # pay (its cap), then the goodput-optimal part of each real draft is verified; the cap spares the
+                # proposer's work where no draft would be verified (a suffix tree growing 8-token drafts for 32
+                # requests took ~18 ms of a ~125 ms step on the bundled model)
+                caps = self.tuner.draft_caps(asking, limits)
+                limits = [s if seed else min(n, c) for s, n, c, seed in zip(static, limits, caps, seeded)]
 
                 def keep(drafts: list) -> list[int]:
                     chosen = self.tuner.draft_lengths(asking, [len(d) for d in drafts])

@@ -124,9 +124,16 @@ class EngineTuner:
     # ---- speculation ----
     def draft_lengths(self, requests: list[Request], limits: list[int]) -> list[int]:
         """Per decoding request, its draft length by goodput within its limit."""
+        return self.controller.draft_lengths(*self._asks(requests, limits))
+
+    def draft_caps(self, requests: list[Request], limits: list[int]) -> list[int]:
+        """Per decoding request, the longest draft worth proposing within its limit."""
+        return self.controller.draft_caps(*self._asks(requests, limits))
+
+    @staticmethod
+    def _asks(requests: list[Request], limits: list[int]) -> tuple[list[DraftAsk], StepShape]:
         asks = [DraftAsk(r.seq_id, r.workload, limit, r.num_tokens) for r, limit in zip(requests, limits)]
-        step = StepShape(len(requests), len(requests), sum(r.num_tokens + 1 for r in requests), draft_sequences=0)
-        return self.controller.draft_lengths(asks, step)
+        return asks, StepShape(len(requests), len(requests), sum(r.num_tokens + 1 for r in requests), draft_sequences=0)
 
     def record_draft(self, request: Request, draft_len: int, accepted: int) -> None:
         self.controller.record_draft(request.seq_id, request.workload, draft_len, accepted)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import statistics
 from collections import Counter
 from pathlib import Path
 
@@ -81,6 +82,44 @@ def test_cost_model_tells_a_steps_switch_to_verification_from_its_drafts() -> No
     first = model.predict(one) - model.predict(decode)
     next_ones = (model.predict(every) - model.predict(one)) / 31
     assert first > 4 * next_ones
+
+
+def _serving_steps(rng: random.Random, count: int) -> list[StepShape]:
+    """A busy server's steps: 16-31 decoding requests, half the steps verifying drafts of 1-8 of them."""
+    shapes = []
+    for _ in range(count):
+        seqs = rng.randint(16, 31)
+        context = seqs * rng.randint(300, 600)
+        if rng.random() < 0.5:
+            shapes.append(StepShape(seqs, seqs, context, draft_sequences=0))
+        else:
+            verifying = rng.randint(1, 8)
+            drafts = sum(rng.randint(2, 8) for _ in range(verifying))
+            shapes.append(StepShape(seqs + drafts, seqs, context + drafts, drafts, draft_sequences=verifying))
+    return shapes
+
+
+def test_cost_model_corrects_its_bias_by_kind_of_step() -> None:
+    """Step times the linear features cannot express (a verification step 1.6x its decode work), measured with 30%
+    noise: the relative-error fit predicts both kinds of step low; the per-kind corrections remove that bias."""
+
+    def measured(shape: StepShape) -> float:
+        work = 10e-3 + 0.5e-3 * shape.sequences + 2e-6 * shape.context_tokens
+        return 1.6 * (work + 0.3e-3 * shape.draft_tokens) if shape.verifying else work
+
+    rng = random.Random(8)
+    model = StepCostModel()
+    for shape in _serving_steps(rng, 600):
+        model.observe(shape, measured(shape) * rng.uniform(0.7, 1.3))
+    fresh = _serving_steps(random.Random(9), 400)
+    for verifying in (False, True):
+        kind = [shape for shape in fresh if bool(shape.verifying) == verifying]
+        corrected = statistics.fmean(model.predict(shape) / measured(shape) for shape in kind)
+        linear = statistics.fmean(float(shape.features() @ model.weights) / measured(shape) for shape in kind)
+        assert corrected == pytest.approx(1.0, abs=0.03) and abs(linear - 1.0) > 0.04, (verifying, corrected, linear)
+    restored = StepCostModel.from_dict(json.loads(json.dumps(model.to_dict())))
+    assert restored.corrections == model.corrections
+    assert restored.predict(fresh[0]) == pytest.approx(model.predict(fresh[0]), rel=0.01)  # weights refitted on load
 
 
 def test_acceptance_counts_per_position_and_prior_from_the_class() -> None:
@@ -251,3 +290,50 @@ def test_bad_state_starts_cold_with_a_warning(tmp_path: Path, caplog: pytest.Log
         second = _controller(tmp_path, model="another" if damage == "foreign" else "m")
     assert not second.warm and second.cost.observations == 0
     assert "starting cold" in caplog.text
+
+
+def test_drafts_that_deliver_less_than_expected_shrink_the_next_ones() -> None:
+    """The chooser drafts where estimated acceptance is highest, and those estimates run high (the winner's curse):
+    when verified drafts deliver fewer tokens than expected, expectations are scaled down (never up) and drafts get
+    shorter or vanish."""
+    controller = _controller(None)
+    controller.cost = _cost(fixed=10e-3, per_token=0.5e-3)
+    asks = [DraftAsk(f"r{i}", "agent", 8, 300) for i in range(4)]
+    step = StepShape(4, 4, 4 * 301, draft_sequences=0)
+    for i in range(4):
+        for _ in range(10):
+            controller.record_draft(f"r{i}", "agent", 8, 6)
+    first = controller.draft_lengths(asks, step)
+    assert sum(first) > 0 and controller.realism == 1.0
+    for _ in range(30):  # every verified draft delivers a quarter of what was expected
+        lengths = controller.draft_lengths(asks, step)
+        for ask, n in zip(asks, lengths):
+            if n:
+                expected = controller._expected[ask.seq_id]
+                controller.record_draft(ask.seq_id, ask.workload, n, int(expected / 4))
+    assert controller.realism < 0.5
+    assert sum(controller.draft_lengths(asks, step)) < sum(first)
+    for _ in range(50):  # better than expected: the scale comes back to 1, not above
+        lengths = controller.draft_lengths(asks, step)
+        for ask, n in zip(asks, lengths):
+            if n:
+                controller.record_draft(ask.seq_id, ask.workload, n, n)
+    assert controller.realism == 1.0
+
+
+def test_draft_caps_spare_the_proposer_where_no_draft_would_pay() -> None:
+    """A text proposer is asked only for what could be verified: nothing for a request whose drafts would not pay,
+    a probe's length once one is due, and asking changes no state."""
+    controller = _controller(None)
+    controller.cost = _cost(fixed=10e-3, per_token=1e-3)
+    asks = [DraftAsk("likely", "agent", 8, 300), DraftAsk("unlikely", "chat", 8, 300)]
+    for _ in range(20):
+        controller.record_draft("likely", "agent", 8, 8)
+        controller.record_draft("unlikely", "chat", 8, 0)
+    step = StepShape(2, 2, 602, draft_sequences=0)
+    caps = controller.draft_caps(asks, step)
+    assert caps[0] > 0 and caps[1] == 0
+    assert controller.draft_caps(asks, step) == caps  # no side effects
+    for _ in range(PROBE_EVERY - 1):
+        controller.draft_lengths([asks[1]], StepShape(1, 1, 301, draft_sequences=0))
+    assert controller.draft_caps(asks, step)[1] == PROBE_LENGTH

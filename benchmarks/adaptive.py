@@ -86,7 +86,8 @@ class Server:
     def decided(self) -> dict[str, int]:
         """The adaptive controller's running counts: steps it chose draft lengths for, those with any draft, draft
         tokens, probes."""
-        return httpx.get(f"{self.url}/v1/engine/adaptive", timeout=10).json()["speculation"]["decided"]
+        snapshot = httpx.get(f"{self.url}/v1/engine/adaptive", timeout=10).json()
+        return snapshot.get("speculation", {}).get("decided", {})  # nothing before the engine's first refresh
 
     def close(self) -> None:
         self.proc.terminate()
@@ -156,7 +157,7 @@ def run_config(args: argparse.Namespace, counter: TokenCounter, workload: Any, l
             runs += replay(server, dataclasses.replace(workload, levels=[sessions]), counter, args, [level])
             if before is not None:
                 after = server.decided()
-                decisions[str(level)] = {key: after[key] - before[key] for key in after}
+                decisions[str(level)] = {key: after[key] - before.get(key, 0) for key in after}
     finally:
         server.close()
     out = {"": {str(run.concurrency): summarize(run, workload.multi_turn) for run in runs}}

@@ -14,12 +14,11 @@ every step refines it. Old observations fade (exponential forgetting), so the mo
 Fit: weighted least squares with non-negative weights (an active-set loop over the features) on decayed sufficient
 statistics, so each observation costs O(features^2) and a fit O(features^3).
 
-A linear model fitted to noisy steps (a loaded server's step times vary by a fifth or more) is biased differently for
-different kinds of step: on the bundled model behind the benchmark's server at 32 requests it predicted verification
-steps 11% short and decode steps 5% long, which is enough to tip the draft-or-not choice. So each prediction is
-scaled by a correction per kind of step (verifying or not, with a prefill chunk or not, batch size by power of two):
-a running mean of measured / predicted time over that kind's recent steps, which removed the bias by kind in a
-replay of that run's steps.
+A linear model fitted to noisy steps (a loaded server's step times vary by a fifth or more) with relative weighting is
+biased, differently for different kinds of step (on the bundled model behind the benchmark's server it predicted
+small decode batches at half their time). So each prediction is scaled by a correction per kind of step (with a
+prefill chunk or not, batch size by power of two): a running mean of measured / predicted time over that kind's
+recent steps. Verifying and plain steps share a correction (see `_kind`).
 """
 
 from __future__ import annotations
@@ -62,9 +61,12 @@ CORRECTION_BOUND = 5.0  # a single step moves its kind's correction as if it wer
 
 
 def _kind(shape: StepShape) -> str:
-    """Which correction a step gets: verifying or not, with a prefill chunk or not, its batch size by power of two."""
+    """Which correction a step gets: with a prefill chunk or not, its batch size by power of two. Not whether it
+    verifies drafts: the chooser compares a step with drafts against the same step without, and separate corrections
+    for the two fed on themselves (once drafting was chosen in most steps, the rare plain steps' correction rose to
+    1.4-1.8 against 0.9-1.4 for verification, so not drafting looked dearer than drafting)."""
     prefill = shape.query_tokens - shape.draft_tokens > shape.sequences
-    return f"v{int(shape.verifying > 0)}p{int(prefill)}b{shape.sequences.bit_length()}"
+    return f"p{int(prefill)}b{shape.sequences.bit_length()}"
 
 
 def chunk_pairs(tokens: int, context: int) -> int:

@@ -16,10 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from reasoning_engine.adaptive.cost_model import StepShape  # noqa: E402
+from reasoning_engine.engine.tuning import synthetic_step  # noqa: E402
 from reasoning_engine.engine.worker import StepInput  # noqa: E402
 from reasoning_engine.llm import LLM  # noqa: E402
 
@@ -30,20 +30,9 @@ CASES = [(8, 0, 0), (8, 1, 2), (16, 0, 0), (16, 1, 2), (32, 0, 0), (32, 1, 2), (
 
 def step(padding_block: int, block_size: int, context: int, sequences: int, drafting: int, draft: int) -> StepInput:
     """`sequences` decoding sequences of `context` tokens, the first `drafting` verifying a chain of `draft` tokens."""
-    tokens, positions, slots, query_lens, rows, trees = [], [], [], [], [], []
-    for i in range(sequences):
-        count = 1 + (draft if i < drafting else 0)
-        span = range(context - count, context)
-        first = len(tokens)
-        tokens += [5] * count
-        positions += list(span)
-        slots += [padding_block * block_size + p % block_size for p in span]
-        query_lens.append(count)
-        rows += list(range(first, len(tokens)))
-        trees.append(torch.ones(count, count, dtype=torch.bool).tril())
-    table = [padding_block] * -(-context // block_size)
-    return StepInput(tokens, positions, slots, query_lens, [context] * sequences, [table] * sequences, rows,
-                     trees if drafting else None)
+    shape = StepShape(sequences + drafting * draft, sequences, sequences * context, drafting * draft,
+                      draft_sequences=drafting)
+    return synthetic_step(shape, padding_block, block_size, context + 1)
 
 
 def main() -> None:

@@ -67,8 +67,8 @@ class AdaptiveController:
         self._expected: dict[str, float] = {}  # accepted tokens expected of each request's pending draft
         self._realised_sum = 0.0  # decayed sums over verified drafts: accepted, and what was expected of them
         self._expected_sum = 0.0
-        self.probes = 0  # requests given a probe draft
-        self.decided: Counter[str] = Counter()  # over the steps decided: "steps", "verifying" (with any draft), "draft_tokens"
+        # over the steps decided: "steps", "verifying" (with any draft), "draft_tokens", "probes" (requests probed)
+        self.decided: Counter[str] = Counter()
         self.last_budget: int | None = None
         self.retention_protected = 0  # turns whose blocks were protected
         self.snapshot_data: dict[str, Any] = {}
@@ -238,7 +238,7 @@ class AdaptiveController:
         self._probe_credit -= max(extra, 0.0)
         for i in due[:low]:
             self._undrafted[asks[i].seq_id] = 0
-        self.probes += low
+        self.decided["probes"] += low
         return probed
 
     def token_budget(self, decodes: StepShape, max_tokens: int, oldest_wait_s: float, waiting_tokens: int,
@@ -271,7 +271,7 @@ class AdaptiveController:
                                                    "mean": sum(lengths) / len(lengths) if lengths else 0.0,
                                                    "max": max(lengths, default=0)},
                             "decided": {"steps": self.decided["steps"], "verifying_steps": self.decided["verifying"],
-                                        "draft_tokens": self.decided["draft_tokens"], "probes": self.probes},
+                                        "draft_tokens": self.decided["draft_tokens"], "probes": self.decided["probes"]},
                             "realism": self.realism,
                             "acceptance_by_class": self.acceptance.summary(self.max_draft_tokens)},
             "batching": {"target_itl_ms": self.targets.itl_ms, "target_ttft_ms": self.targets.ttft_ms,

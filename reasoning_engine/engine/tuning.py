@@ -76,7 +76,7 @@ class EngineTuner:
         replicas = self.config.parallel.data_parallel_size
 
         def run(shape: StepShape) -> float:
-            step = _synthetic_step(shape, runner.num_blocks, self.config.block_size, self.config.max_model_len)
+            step = synthetic_step(shape, runner.num_blocks, self.config.block_size, self.config.max_model_len)
             begin = time.perf_counter()
             runner.executor.execute_model([step] * replicas)
             return time.perf_counter() - begin
@@ -190,7 +190,7 @@ class EngineTuner:
         self.controller.save()
 
 
-def _synthetic_step(shape: StepShape, padding_block: int, block_size: int, max_model_len: int) -> StepInput:
+def synthetic_step(shape: StepShape, padding_block: int, block_size: int, max_model_len: int) -> StepInput:
     """A step of `shape` whose every token is written to the padding block and whose context reads it repeatedly.
     Its draft tokens are spread over its first `shape.verifying` sequences, each a chain whose every row is verified
     (logits), as a verification step's drafts; the rest run their share of the other tokens."""

@@ -43,6 +43,7 @@ class DraftAsk:
     workload: str
     limit: int  # the longest draft its budget allows (context, max_tokens, thinking budget)
     context: int = 0  # its length: what each of its draft tokens' attention reads
+    probs: list[float] | None = None  # its draft's node probabilities, where the proposer has drafted and has them
 
 
 class AdaptiveController:
@@ -64,9 +65,10 @@ class AdaptiveController:
         self.last_lengths: list[int] = []
         self._undrafted: dict[str, int] = {}  # steps since each request's last draft
         self._probe_credit = 0.0  # seconds of predicted step time probes may still spend
-        self._expected: dict[str, float] = {}  # accepted tokens expected of each request's pending draft
-        self._realised_sum = 0.0  # decayed sums over verified drafts: accepted, and what was expected of them
-        self._expected_sum = 0.0
+        # accepted tokens expected of each request's pending draft, and by which estimate ("proposer" or "history")
+        self._expected: dict[str, tuple[str, float]] = {}
+        # per estimate, decayed sums over verified drafts: [accepted, expected of them before any realism scaling]
+        self._realised: dict[str, list[float]] = {"proposer": [0.0, 0.0], "history": [0.0, 0.0]}
         # over the steps decided: "steps", "verifying" (with any draft), "draft_tokens", "probes" (requests probed)
         self.decided: Counter[str] = Counter()
         self.last_budget: int | None = None
@@ -135,21 +137,25 @@ class AdaptiveController:
 
     def record_draft(self, seq_id: str, workload: str, draft_len: int, accepted: int) -> None:
         self.acceptance.record(seq_id, self.method or "none", workload, draft_len, accepted)
-        expected = self._expected.pop(seq_id, None)
-        if expected is not None:
-            self._realised_sum = REALISM_DECAY * self._realised_sum + accepted
-            self._expected_sum = REALISM_DECAY * self._expected_sum + expected
+        pending = self._expected.pop(seq_id, None)
+        if pending is not None:
+            estimate, expected = pending
+            sums = self._realised[estimate]
+            sums[0] = REALISM_DECAY * sums[0] + accepted
+            sums[1] = REALISM_DECAY * sums[1] + expected
 
-    @property
-    def realism(self) -> float:
-        """Accepted tokens per token the chooser expected, over recent drafts. The chooser drafts for the requests
+    def realism(self, estimate: str) -> float:
+        """Accepted tokens per token an estimate ("proposer": the drafts' own node probabilities; "history": the
+        request's and its class's past acceptance) expected, over recent drafts. The chooser drafts for the requests
         whose estimated acceptance is highest, and the highest estimates are the likeliest to be too high (the
         winner's curse): on the benchmark's agent traces at 32 requests the drafts chosen delivered fewer tokens
-        than expected. Expectations are scaled by this, never up."""
-        if self._expected_sum < 8.0:  # too few drafts to tell
+        than expected. Expectations are scaled by this, never up; it is measured against the unscaled expectation
+        (measured against the scaled one it would settle at the square root of the true ratio)."""
+        realised, expected = self._realised[estimate]
+        if expected < 8.0:  # too few drafts to tell
             return 1.0
         low, high = REALISM_BOUNDS
-        return min(max(self._realised_sum / self._expected_sum, low), high)
+        return min(max(realised / expected, low), high)
 
     def forget(self, seq_id: str) -> None:
         self.acceptance.forget(seq_id)
@@ -157,18 +163,36 @@ class AdaptiveController:
         self._expected.pop(seq_id, None)
 
     # ---- decisions ----
-    def _candidates(self, asks: list[DraftAsk]) -> list[DraftCandidate]:
-        """Each ask's candidate, its acceptance rates scaled by `realism` (the first position's scales every
-        prefix's probability)."""
+    def _candidate(self, ask: DraftAsk) -> tuple[DraftCandidate, str]:
+        """An ask's candidate (unscaled) and which estimate its acceptance rates come from: its draft's node
+        probabilities where the proposer gave them (a suffix tree knows how often this continuation followed this
+        context, which the request's past drafts cannot tell), else the request's and its class's history."""
         assert self.method is not None
-        realism = self.realism
-        candidates = []
-        for a in asks:
-            rates = self.acceptance.rates(a.seq_id, self.method, a.workload, min(a.limit, self.max_draft_tokens))
+        limit = max(0, min(ask.limit, self.max_draft_tokens))
+        if ask.probs is None:
+            return DraftCandidate(self.acceptance.rates(ask.seq_id, self.method, ask.workload, limit), limit,
+                                  ask.context), "history"
+        rates, alive = [], 1.0
+        for prob in ask.probs[:limit]:  # conditional rates whose running products are the node probabilities
+            prob = min(max(prob, 0.0), alive)
+            rates.append(prob / alive if alive > 0 else 0.0)
+            alive = prob
+        return DraftCandidate(rates, len(rates), ask.context), "proposer"
+
+    def _candidates(self, asks: list[DraftAsk]) -> tuple[list[DraftCandidate], list[DraftCandidate], list[str]]:
+        """Each ask's candidate as estimated, the same scaled by its estimate's `realism` (the first position's rate
+        scales every prefix's probability), and the estimate's name."""
+        raw, scaled, estimates = [], [], []
+        realism = {name: self.realism(name) for name in self._realised}
+        for ask in asks:
+            candidate, estimate = self._candidate(ask)
+            rates = list(candidate.rates)
             if rates:
-                rates[0] *= realism
-            candidates.append(DraftCandidate(rates, max(0, min(a.limit, self.max_draft_tokens)), a.context))
-        return candidates
+                rates[0] *= realism[estimate]
+            raw.append(candidate)
+            scaled.append(DraftCandidate(rates, candidate.max_length, candidate.context))
+            estimates.append(estimate)
+        return raw, scaled, estimates
 
     def draft_caps(self, asks: list[DraftAsk], step: StepShape) -> list[int]:
         """Per ask, the longest draft worth proposing (for proposers that draft first and are asked afterwards how
@@ -177,7 +201,7 @@ class AdaptiveController:
         nothing."""
         if not self.cost.ready or self.method is None:
             return [0] * len(asks)
-        candidates = self._candidates(asks)
+        candidates = self._candidates(asks)[1]
         lengths = choose_draft_lengths(candidates, step, self.cost)
         return [max(n, min(PROBE_LENGTH, c.max_length)) if self._undrafted.get(a.seq_id, 0) + 1 >= PROBE_EVERY else n
                 for a, c, n in zip(asks, candidates, lengths)]
@@ -186,7 +210,7 @@ class AdaptiveController:
         """Per ask, its draft length by goodput (all zero until the cost model is ready), plus probes (`_probe`)."""
         if not self.cost.ready or self.method is None:
             return [0] * len(asks)
-        candidates = self._candidates(asks)
+        raw, candidates, estimates = self._candidates(asks)
         lengths = choose_draft_lengths(candidates, step, self.cost)
         due = []
         for i, ask in enumerate(asks):
@@ -196,9 +220,9 @@ class AdaptiveController:
                 due.append(i)
         if due:
             lengths = self._probe(asks, candidates, lengths, due, step)
-        for ask, candidate, n in zip(asks, candidates, lengths):
+        for ask, candidate, estimate, n in zip(asks, raw, estimates, lengths):
             if n:
-                self._expected[ask.seq_id] = expected_accepted(candidate, n)
+                self._expected[ask.seq_id] = (estimate, expected_accepted(candidate, n))
         self.last_lengths = lengths
         self.decided.update(steps=1, verifying=int(any(lengths)), draft_tokens=sum(lengths))
         return lengths
@@ -272,7 +296,7 @@ class AdaptiveController:
                                                    "max": max(lengths, default=0)},
                             "decided": {"steps": self.decided["steps"], "verifying_steps": self.decided["verifying"],
                                         "draft_tokens": self.decided["draft_tokens"], "probes": self.decided["probes"]},
-                            "realism": self.realism,
+                            "realism": {name: self.realism(name) for name in self._realised},
                             "acceptance_by_class": self.acceptance.summary(self.max_draft_tokens)},
             "batching": {"target_itl_ms": self.targets.itl_ms, "target_ttft_ms": self.targets.ttft_ms,
                          "last_token_budget": self.last_budget},

@@ -346,13 +346,16 @@ class LLMEngine:
                     request.metrics.first_scheduled_time = now
                 self._postprocess(request, item.num_tokens, result)
                 touched[request.group_id] = None
+        proposing = 0.0
         if self.spec is not None:
+            started = time.perf_counter()
             self._propose_drafts()
+            proposing = time.perf_counter() - started
         if tuner is not None:
             for scheduler in self.schedulers:
                 tuner.returned(scheduler)
             tuner.expire(self.schedulers)
-            tuner.end_step(plans, shape)
+            tuner.end_step(plans, shape, proposing)
             tuner.refresh(self.schedulers, force=not self.has_unfinished_requests())
         return [self._output(group_id) for group_id in touched if group_id in self.groups]
 
@@ -396,7 +399,7 @@ class LLMEngine:
                 limits = [s if seed else min(n, c) for s, n, c, seed in zip(static, limits, caps, seeded)]
 
                 def keep(drafts: list) -> list[int]:
-                    chosen = self.tuner.draft_lengths(asking, [len(d) for d in drafts])
+                    chosen = self.tuner.draft_lengths(asking, [len(d) for d in drafts], [d.probs for d in drafts])
                     return [len(d) if seed else c for d, c, seed in zip(drafts, chosen, seeded)]
             else:  # a draft model pays per drafted position: choose the lengths first
                 chosen = self.tuner.draft_lengths(asking, limits)

@@ -52,6 +52,7 @@ class EngineTuner:
             spec.num_speculative_tokens if spec is not None else 0, config.state_dir,
             LatencyTargets(config.target_itl_ms, config.target_ttft_ms))
         self._step_start = 0.0
+        self._proposing = 0.0  # seconds the last step spent proposing (and choosing) the next step's drafts
         self._refreshed = 0.0
 
     @property
@@ -105,11 +106,16 @@ class EngineTuner:
     def begin_step(self) -> None:
         self._step_start = time.perf_counter()
 
-    def end_step(self, plans: list[SchedulerOutput], shape: StepShape) -> None:
-        """After postprocessing: the step's measured time into the cost model."""
+    def end_step(self, plans: list[SchedulerOutput], shape: StepShape, proposing: float) -> None:
+        """After postprocessing: the step's measured time into the cost model. A step proposes the next step's drafts
+        (`proposing` seconds), and that time belongs to the step that verifies them: counted where it was spent, a
+        plain step among drafted ones carried the drafting it did not verify, so plain steps looked dearer the more
+        the chooser drafted (it fed on itself)."""
         decode_batch = max((sum(1 for s in plan.scheduled if s.num_tokens - s.num_draft_tokens == 1) for plan in plans),
                            default=0)
-        self.controller.observe_step(shape, time.perf_counter() - self._step_start, decode_batch)
+        seconds = time.perf_counter() - self._step_start - proposing + self._proposing
+        self._proposing = proposing
+        self.controller.observe_step(shape, seconds, decode_batch)
 
     @staticmethod
     def shape(plans: list[SchedulerOutput]) -> StepShape:
@@ -122,9 +128,15 @@ class EngineTuner:
                          sum(1 for s in items if s.num_draft_tokens))
 
     # ---- speculation ----
-    def draft_lengths(self, requests: list[Request], limits: list[int]) -> list[int]:
-        """Per decoding request, its draft length by goodput within its limit."""
-        return self.controller.draft_lengths(*self._asks(requests, limits))
+    def draft_lengths(self, requests: list[Request], limits: list[int],
+                      probs: list[list[float] | None] | None = None) -> list[int]:
+        """Per decoding request, its draft length by goodput within its limit; `probs`: each request's drafted
+        nodes' probabilities, where its proposer has them (then they, not its history, say what will be accepted)."""
+        asks, step = self._asks(requests, limits)
+        if probs is not None:
+            for ask, node_probs in zip(asks, probs):
+                ask.probs = node_probs
+        return self.controller.draft_lengths(asks, step)
 
     def draft_caps(self, requests: list[Request], limits: list[int]) -> list[int]:
         """Per decoding request, the longest draft worth proposing within its limit."""

@@ -19,12 +19,15 @@ class Draft:
     """Nodes in topological order: `parents[i] < i`, and -1 means the node hangs directly below the root.
 
     `score` is the proposer's own estimate of how many of these tokens the target will accept (0 when it has none);
-    a hybrid proposer compares it across methods.
+    a hybrid proposer compares it across methods. `probs`, where the proposer has them, are each node's probability
+    that the target accepts the path down to it (their sum is the score); the adaptive engine chooses how much of a
+    draft to verify from them.
     """
 
     token_ids: list[int]
     parents: list[int]
     score: float = 0.0
+    probs: list[float] | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.parents):
@@ -32,6 +35,8 @@ class Draft:
         for i, parent in enumerate(self.parents):
             if not -1 <= parent < i:
                 raise ValueError(f"node {i} has parent {parent}; parents must be -1 or an earlier node")
+        if self.probs is not None and len(self.probs) != len(self.token_ids):
+            raise ValueError(f"probs and token_ids differ in length: {len(self.probs)} != {len(self.token_ids)}")
 
     @classmethod
     def path(cls, token_ids: Sequence[int], score: float = 0.0) -> Draft:
@@ -49,7 +54,8 @@ class Draft:
         """The first `length` nodes: still a tree, since every node's parent comes before it."""
         if length >= len(self.token_ids):
             return self
-        return Draft(self.token_ids[:length], self.parents[:length], min(self.score, float(length)))
+        probs = self.probs[:length] if self.probs is not None else None
+        return Draft(self.token_ids[:length], self.parents[:length], min(self.score, float(length)), probs)
 
     def subset(self, keep: Sequence[bool]) -> Draft:
         """The nodes marked in `keep` whose ancestors are all kept too (still a tree), renumbered."""
@@ -64,7 +70,8 @@ class Draft:
                 parents.append(index[parent] if parent >= 0 else -1)
         if len(tokens) == len(self.token_ids):
             return self
-        return Draft(tokens, parents, min(self.score, float(len(tokens))))
+        probs = [self.probs[node] for node in index] if self.probs is not None else None
+        return Draft(tokens, parents, min(self.score, float(len(tokens))), probs)
 
     def is_path(self) -> bool:
         return all(parent == i - 1 for i, parent in enumerate(self.parents))

@@ -263,8 +263,8 @@ class SuffixProposer:
         tokens: list[int] = []
         parents: list[int] = []
         meta: list[tuple[int, float]] = []
+        probs: list[float] = []
         nodes: dict[tuple[int, int], int] = {}
-        score = 0.0
         heap: list[tuple[float, int, int, int, dict[int, list[int]], list[int], int, int, int, int, float]] = []
         tie = itertools.count()  # equal probabilities: the earlier-found candidate first
 
@@ -307,7 +307,7 @@ class SuffixProposer:
                 tokens.append(token)
                 parents.append(parent)
                 meta.append((cell, ratio))
-                score -= neg_prob
+                probs.append(-neg_prob)
             prob = -neg_prob
             # A lone occurrence has one child; while that child beats every queued candidate it would be popped next,
             # so take it here and skip the heap round trip (same draft, fewer operations on long chains).
@@ -332,10 +332,10 @@ class SuffixProposer:
                     tokens.append(token)
                     parents.append(parent)
                     meta.append((cell, 1.0))
-                    score += prob
+                    probs.append(prob)
             if len(tokens) < budget:
                 expand(node, store, segments, group, depth, order, prob)
-        return Draft(tokens, parents, score), meta
+        return Draft(tokens, parents, sum(probs), probs), meta
 
     # -- persistence -------------------------------------------------------------------------------------------------
 

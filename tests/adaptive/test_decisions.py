@@ -304,21 +304,43 @@ def test_drafts_that_deliver_less_than_expected_shrink_the_next_ones() -> None:
         for _ in range(10):
             controller.record_draft(f"r{i}", "agent", 8, 6)
     first = controller.draft_lengths(asks, step)
-    assert sum(first) > 0 and controller.realism == 1.0
+    assert sum(first) > 0 and controller.realism("history") == 1.0
     for _ in range(30):  # every verified draft delivers a quarter of what was expected
         lengths = controller.draft_lengths(asks, step)
         for ask, n in zip(asks, lengths):
             if n:
-                expected = controller._expected[ask.seq_id]
+                expected = controller._expected[ask.seq_id][1]
                 controller.record_draft(ask.seq_id, ask.workload, n, int(expected / 4))
-    assert controller.realism < 0.5
+    assert controller.realism("history") < 0.5
     assert sum(controller.draft_lengths(asks, step)) < sum(first)
     for _ in range(50):  # better than expected: the scale comes back to 1, not above
         lengths = controller.draft_lengths(asks, step)
         for ask, n in zip(asks, lengths):
             if n:
                 controller.record_draft(ask.seq_id, ask.workload, n, n)
-    assert controller.realism == 1.0
+    assert controller.realism("history") == 1.0
+
+
+def test_drafts_own_probabilities_decide_over_the_requests_history() -> None:
+    """Where the proposer says how likely each drafted node is (a suffix tree: how often the continuation followed
+    this context), that, not the request's past acceptance, decides: a likely draft is verified for a request with a
+    poor record, an unlikely one is not for a request with a good record, and only as far as its nodes stay likely.
+    Its expectations have their own realism, measured against what they said before any scaling."""
+    controller = _controller(None)
+    controller.cost = _cost(fixed=10e-3, per_token=1e-3)
+    for _ in range(20):
+        controller.record_draft("poor", "agent", 8, 0)
+        controller.record_draft("good", "agent", 8, 8)
+    asks = [DraftAsk("poor", "agent", 8, 300, [0.97, 0.95, 0.93, 0.9, 0.5, 0.2, 0.05, 0.01]),
+            DraftAsk("good", "agent", 8, 300, [0.05, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01])]
+    lengths = controller.draft_lengths(asks, StepShape(2, 2, 602, draft_sequences=0))
+    assert 4 <= lengths[0] < 8 and lengths[1] == 0
+    assert controller._expected["poor"] == ("proposer", pytest.approx(sum(asks[0].probs[:lengths[0]])))
+    for _ in range(40):  # the proposer's drafts deliver half of what it said
+        controller._expected["poor"] = ("proposer", 4.0)
+        controller.record_draft("poor", "agent", 4, 2)
+    assert controller.realism("proposer") == pytest.approx(0.5, abs=0.01)
+    assert controller.realism("history") == 1.0
 
 
 def test_draft_caps_spare_the_proposer_where_no_draft_would_pay() -> None:

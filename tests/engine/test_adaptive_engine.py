@@ -128,3 +128,34 @@ def test_learned_state_survives_a_restart(llama_dir: Path, tmp_path: Path) -> No
     assert controller.warm and controller.cost.observations == steps  # no calibration over a warm model
     cold = LLM(llama_dir, dtype="float32", device="cpu", speculative_config=spec, adaptive=False)
     assert cold.engine.tuner is None and cold.engine.adaptive_snapshot() == {"enabled": False}
+
+
+def test_drafting_time_counts_in_the_step_that_verifies_the_drafts(llama_dir: Path) -> None:
+    """A step proposes the next step's drafts; the cost model sees that time in the step that verifies them, so a
+    plain step among drafted ones does not look dear for drafting it never verified."""
+    llm = LLM(llama_dir, dtype="float32", device="cpu", speculative_config={"method": "suffix",
+                                                                            "num_speculative_tokens": 4})
+    engine = llm.engine
+    controller = engine.tuner.controller
+    seen: list[float] = []
+    observe, propose = controller.observe_step, engine._propose_drafts
+
+    def observe_step(shape, seconds: float, decode_batch: int) -> None:
+        seen.append(seconds)
+        observe(shape, seconds, decode_batch)
+
+    proposals: list[None] = []
+
+    def slow_proposals() -> None:
+        proposals.append(None)
+        if len(proposals) == 3:
+            time.sleep(0.3)
+        propose()
+
+    controller.observe_step, engine._propose_drafts = observe_step, slow_proposals
+    engine.add_request(None, {"prompt_token_ids": mixed_prompts(1, seed=25, low=10, high=11)[0]}, GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(seen) > 4
+    assert seen[2] < 0.3 <= seen[3]
+    assert max(seen[:3] + seen[4:]) < 0.3

@@ -61,3 +61,13 @@ def test_invalid_parents_rejected():
         Draft([1, 2], [-1])
     with pytest.raises(ValueError):
         Draft([1], [-2])
+
+
+def test_node_probabilities_follow_truncation_and_subsets():
+    draft = Draft([10, 11, 12, 13, 14], [-1, 0, -1, 1, 0], 2.0, [0.8, 0.5, 0.3, 0.2, 0.2])
+    assert draft.truncated(3).probs == [0.8, 0.5, 0.3]
+    kept = draft.subset([True, False, True, True, True])  # node 3 loses its parent 1
+    assert kept.token_ids == [10, 12, 14] and kept.probs == [0.8, 0.3, 0.2]
+    assert Draft.path([1, 2]).truncated(1).probs is None
+    with pytest.raises(ValueError):
+        Draft([1, 2], [-1, 0], 1.0, [0.5])

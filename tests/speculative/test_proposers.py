@@ -109,6 +109,29 @@ def test_suffix_drafts_respect_the_budget(tree):
         proposer.finish_request(str(i))
 
 
+@pytest.mark.parametrize("tree", [True, False])
+def test_suffix_drafts_carry_each_nodes_path_probability(tree):
+    """Each node's probability that the target accepts the path down to it: at most its parent's, never increasing
+    in the draft's order (best first, so any prefix of the draft is its most probable part), summing to the score."""
+    proposer = SuffixProposer(SuffixConfig(tree=tree, min_token_prob=0.0))
+    for sequence in _random_workload(0, 30):
+        proposer.learn(sequence)
+    drafted = 0
+    for sequence in _random_workload(1, 10):
+        draft = propose_once(proposer, sequence[:8], 8)
+        if not len(draft):
+            continue
+        drafted += 1
+        probs = draft.probs
+        assert probs is not None and len(probs) == len(draft)
+        assert all(0.0 < p <= 1.0 for p in probs)
+        assert all(a >= b for a, b in zip(probs, probs[1:]))
+        assert all(parent < 0 or probs[parent] >= probs[i] for i, parent in enumerate(draft.parents))
+        assert draft.score == pytest.approx(sum(probs))
+        assert draft.truncated(2).probs == probs[:2]
+    assert drafted >= 5
+
+
 def test_suffix_tree_uses_the_budget_for_alternatives():
     proposer = SuffixProposer(SuffixConfig(min_token_prob=0.0))
     for sequence in _random_workload(2, 40):

@@ -395,14 +395,15 @@ class LLMEngine:
                 # pay (its cap), then the goodput-optimal part of each real draft is verified; the cap spares the
                 # proposer's work where no draft would be verified (a suffix tree growing 8-token drafts for 32
                 # requests took ~18 ms of a ~125 ms step on the bundled model)
-                caps = self.tuner.draft_caps(asking, limits)
+                caps = self.tuner.draft_caps(asking, limits, self.schedulers)
                 limits = [s if seed else min(n, c) for s, n, c, seed in zip(static, limits, caps, seeded)]
 
                 def keep(drafts: list) -> list[int]:
-                    chosen = self.tuner.draft_lengths(asking, [len(d) for d in drafts], [d.probs for d in drafts])
+                    chosen = self.tuner.draft_lengths(asking, [len(d) for d in drafts], self.schedulers,
+                                                      [d.probs for d in drafts])
                     return [len(d) if seed else c for d, c, seed in zip(drafts, chosen, seeded)]
             else:  # a draft model pays per drafted position: choose the lengths first
-                chosen = self.tuner.draft_lengths(asking, limits)
+                chosen = self.tuner.draft_lengths(asking, limits, self.schedulers)
                 limits = [s if seed else c for s, c, seed in zip(static, chosen, seeded)]
         drafts = self.spec.propose_batch([(r.seq_id, r.all_token_ids, n) for r, n in zip(asking, limits)], keep)
         for request, draft in zip(asking, drafts):

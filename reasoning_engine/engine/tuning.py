@@ -128,24 +128,46 @@ class EngineTuner:
                          sum(1 for s in items if s.num_draft_tokens))
 
     # ---- speculation ----
-    def draft_lengths(self, requests: list[Request], limits: list[int],
+    def draft_lengths(self, requests: list[Request], limits: list[int], schedulers: list[Scheduler],
                       probs: list[list[float] | None] | None = None) -> list[int]:
         """Per decoding request, its draft length by goodput within its limit; `probs`: each request's drafted
         nodes' probabilities, where its proposer has them (then they, not its history, say what will be accepted)."""
-        asks, step = self._asks(requests, limits)
+        asks, step = self._asks(requests, limits, schedulers)
         if probs is not None:
             for ask, node_probs in zip(asks, probs):
                 ask.probs = node_probs
         return self.controller.draft_lengths(asks, step)
 
-    def draft_caps(self, requests: list[Request], limits: list[int]) -> list[int]:
+    def draft_caps(self, requests: list[Request], limits: list[int], schedulers: list[Scheduler]) -> list[int]:
         """Per decoding request, the longest draft worth proposing within its limit."""
-        return self.controller.draft_caps(*self._asks(requests, limits))
+        return self.controller.draft_caps(*self._asks(requests, limits, schedulers))
 
-    @staticmethod
-    def _asks(requests: list[Request], limits: list[int]) -> tuple[list[DraftAsk], StepShape]:
+    def _asks(self, requests: list[Request], limits: list[int],
+              schedulers: list[Scheduler]) -> tuple[list[DraftAsk], StepShape]:
         asks = [DraftAsk(r.seq_id, r.workload, limit, r.num_tokens) for r, limit in zip(requests, limits)]
-        return asks, StepShape(len(requests), len(requests), sum(r.num_tokens + 1 for r in requests), draft_sequences=0)
+        return asks, self.expected_step(requests, schedulers)
+
+    def expected_step(self, requests: list[Request], schedulers: list[Scheduler]) -> StepShape:
+        """The next step as expected before its drafts are chosen: the decoding requests' one token each and the
+        prefill chunks the schedulers will likely add (on the bundled model at 32 requests, a quarter of the steps
+        carried one, and drafts beside a chunk cost differently from drafts beside decodes alone)."""
+        chunks = [chunk for chunk in (self._next_chunk(s) for s in schedulers) if chunk is not None]
+        decode_context = sum(r.num_tokens + 1 for r in requests)
+        return StepShape(len(requests) + sum(n for n, _ in chunks), len(requests) + len(chunks),
+                         decode_context + sum(n + c for n, c in chunks),
+                         attention_pairs=decode_context + sum(chunk_pairs(n, c) for n, c in chunks), draft_sequences=0)
+
+    def _next_chunk(self, scheduler: Scheduler) -> tuple[int, int] | None:
+        """(tokens, cached context) of the prefill chunk the scheduler's next step likely carries: a running prompt's
+        next chunk, else the oldest waiting prompt's first if there is room for it."""
+        prefill = next((r for r in scheduler.running if r.is_prefilling), None)
+        if prefill is None and scheduler.waiting and len(scheduler.running) < self.config.max_num_seqs:
+            prefill = scheduler.waiting[0]
+        if prefill is None:
+            return None
+        decodes = sum(1 for r in scheduler.running if not r.is_prefilling)
+        tokens = min(prefill.num_tokens - prefill.num_computed_tokens, self.config.max_num_batched_tokens - decodes)
+        return (tokens, prefill.num_computed_tokens) if tokens > 0 else None
 
     def record_draft(self, request: Request, draft_len: int, accepted: int) -> None:
         self.controller.record_draft(request.seq_id, request.workload, draft_len, accepted)

@@ -159,3 +159,22 @@ def test_drafting_time_counts_in_the_step_that_verifies_the_drafts(llama_dir: Pa
     assert len(seen) > 4
     assert seen[2] < 0.3 <= seen[3]
     assert max(seen[:3] + seen[4:]) < 0.3
+
+
+def test_draft_decisions_expect_the_next_steps_prefill_chunk(llama_dir: Path) -> None:
+    """Drafts are chosen for a step the scheduler has not built yet; a prompt waiting (or mid-prefill) will add its
+    chunk beside the decodes, and the step the chooser prices includes it."""
+    llm = LLM(llama_dir, dtype="float32", device="cpu", max_num_batched_tokens=32,
+              speculative_config={"method": "suffix", "num_speculative_tokens": 4})
+    engine = llm.engine
+    first, second = mixed_prompts(2, seed=26, low=50, high=51)
+    engine.add_request(None, {"prompt_token_ids": first}, GREEDY)
+    while not engine.schedulers[0].running or engine.schedulers[0].running[0].is_prefilling:
+        engine.step()
+    decoding = list(engine.schedulers[0].running)
+    alone = engine.tuner.expected_step(decoding, engine.schedulers)
+    assert (alone.query_tokens, alone.sequences) == (1, 1)
+    engine.add_request(None, {"prompt_token_ids": second}, GREEDY)
+    with_prompt = engine.tuner.expected_step(decoding, engine.schedulers)
+    assert (with_prompt.query_tokens, with_prompt.sequences) == (1 + 31, 2)  # the budget less the decode
+    assert with_prompt.pairs == alone.pairs + 31 * 32 // 2

@@ -95,9 +95,7 @@ class EngineTuner:
         decodes = [r for r in scheduler.running if not r.is_prefilling]
         shape = StepShape(sum(1 + (len(r.draft) if r.draft is not None else 0) for r in decodes), len(decodes),
                           sum(r.num_tokens for r in decodes))
-        # the next prefill: a running one's next chunk, else the oldest waiting prompt
-        prefill = next((r for r in scheduler.running if r.is_prefilling), None)
-        prefill = prefill or (scheduler.waiting[0] if scheduler.waiting else None)
+        prefill = _next_prefill(scheduler)
         wait = time.monotonic() - prefill.arrival_time if prefill is not None else 0.0
         left = prefill.num_tokens - prefill.num_computed_tokens if prefill is not None else 0
         context = prefill.num_computed_tokens if prefill is not None else 0
@@ -132,19 +130,16 @@ class EngineTuner:
                       probs: list[list[float] | None] | None = None) -> list[int]:
         """Per decoding request, its draft length by goodput within its limit; `probs`: each request's drafted
         nodes' probabilities, where its proposer has them (then they, not its history, say what will be accepted)."""
-        asks, step = self._asks(requests, limits, schedulers)
-        if probs is not None:
-            for ask, node_probs in zip(asks, probs):
-                ask.probs = node_probs
-        return self.controller.draft_lengths(asks, step)
+        return self.controller.draft_lengths(*self._asks(requests, limits, schedulers, probs))
 
     def draft_caps(self, requests: list[Request], limits: list[int], schedulers: list[Scheduler]) -> list[int]:
         """Per decoding request, the longest draft worth proposing within its limit."""
         return self.controller.draft_caps(*self._asks(requests, limits, schedulers))
 
-    def _asks(self, requests: list[Request], limits: list[int],
-              schedulers: list[Scheduler]) -> tuple[list[DraftAsk], StepShape]:
-        asks = [DraftAsk(r.seq_id, r.workload, limit, r.num_tokens) for r, limit in zip(requests, limits)]
+    def _asks(self, requests: list[Request], limits: list[int], schedulers: list[Scheduler],
+              probs: list[list[float] | None] | None = None) -> tuple[list[DraftAsk], StepShape]:
+        probs = probs if probs is not None else [None] * len(requests)
+        asks = [DraftAsk(r.seq_id, r.workload, limit, r.num_tokens, p) for r, limit, p in zip(requests, limits, probs)]
         return asks, self.expected_step(requests, schedulers)
 
     def expected_step(self, requests: list[Request], schedulers: list[Scheduler]) -> StepShape:
@@ -160,11 +155,11 @@ class EngineTuner:
     def _next_chunk(self, scheduler: Scheduler) -> tuple[int, int] | None:
         """(tokens, cached context) of the prefill chunk the scheduler's next step likely carries: a running prompt's
         next chunk, else the oldest waiting prompt's first if there is room for it."""
-        prefill = next((r for r in scheduler.running if r.is_prefilling), None)
-        if prefill is None and scheduler.waiting and len(scheduler.running) < self.config.max_num_seqs:
-            prefill = scheduler.waiting[0]
+        prefill = _next_prefill(scheduler)
         if prefill is None:
             return None
+        if scheduler.waiting and prefill is scheduler.waiting[0] and len(scheduler.running) >= self.config.max_num_seqs:
+            return None  # a waiting prompt with no room to be admitted
         decodes = sum(1 for r in scheduler.running if not r.is_prefilling)
         tokens = min(prefill.num_tokens - prefill.num_computed_tokens, self.config.max_num_batched_tokens - decodes)
         return (tokens, prefill.num_computed_tokens) if tokens > 0 else None
@@ -222,6 +217,12 @@ class EngineTuner:
 
     def save(self) -> None:
         self.controller.save()
+
+
+def _next_prefill(scheduler: Scheduler) -> Request | None:
+    """The prompt the scheduler's next step would prefill: a running one's next chunk, else the oldest waiting one."""
+    running = next((r for r in scheduler.running if r.is_prefilling), None)
+    return running or (scheduler.waiting[0] if scheduler.waiting else None)
 
 
 def synthetic_step(shape: StepShape, padding_block: int, block_size: int, max_model_len: int) -> StepInput:

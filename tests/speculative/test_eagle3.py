@@ -150,7 +150,7 @@ def test_head_drafts_what_the_published_layout_defines(target_dir: Path, tmp_pat
     target = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     prompt = torch.randint(2, VOCAB, (19,), generator=torch.Generator().manual_seed(2)).tolist()
     plain = _tokens(LLM(target_dir, dtype="float32", device="cpu").generate([{"prompt_token_ids": prompt}], GREEDY))[0]
-    llm = LLM(target_dir, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=8,
+    llm = LLM(target_dir, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=8, adaptive=False,
               speculative_config={"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 8})
     engine = llm.engine
     engine.spec.proposer = OracleTree({tuple(prompt): plain})  # verification with accepted nodes out of tree order

@@ -49,6 +49,8 @@ class _EngineCollector(Collector):
             "encoder_cache_misses": ("Images and video chunks run through the vision encoder.",
                                      stats.encoder_cache_misses),
             "encoder_seconds": ("Seconds spent in the vision encoder.", stats.encoder_seconds),
+            "num_preemptions": ("Requests preempted (their KV freed, recomputed later) for want of KV blocks.",
+                                stats.num_preemptions),
         }
         for name, (doc, value) in counters.items():
             yield self._one(CounterMetricFamily(PREFIX + name, doc, labels=["model_name"]), value)

@@ -106,7 +106,7 @@ class FakeEngine:
         return EngineStats(num_requests_running=len(self._blocks), num_requests_waiting=0,
                            kv_cache_usage=used / self.total_blocks, free_blocks=self.total_blocks - used,
                            total_blocks=self.total_blocks, prefix_cache_queries=0, prefix_cache_hits=0,
-                           num_preemptions=0, spec_decode={"num_drafts": 3, "num_accepted_tokens_per_pos": [2, 1]})
+                           num_preemptions=5, spec_decode={"num_drafts": 3, "num_accepted_tokens_per_pos": [2, 1]})
 
     def adaptive_snapshot(self) -> dict[str, Any]:
         return {"enabled": True, "cost_model": {"ready": False}}

@@ -549,6 +549,7 @@ def test_metrics_exposed(fake_server: Any) -> None:
                  "spec_decode_num_drafts_total", "spec_decode_num_accepted_tokens_per_pos_total"]:
         assert f"reasoning_engine:{name}" in text, name
     assert metric_value(text, "reasoning_engine:request_success_total", finished_reason="stop") == 2
+    assert metric_value(text, "reasoning_engine:num_preemptions_total") == 5  # the fake engine's stats say 5
     assert metric_value(text, "reasoning_engine:reasoning_tokens_total") == 2 * 27
     assert metric_value(text, "reasoning_engine:time_to_first_answer_token_seconds_count") == 2
     assert metric_value(text, "reasoning_engine:e2e_request_latency_seconds_count") == 2

@@ -3,7 +3,10 @@
 Blocks hold `block_size` tokens. A full block is keyed by the hash of its tokens chained to the hash of the block
 before it, so a key names a whole prefix; requests with a common prefix share those blocks (reference counted). A block whose last
 user leaves goes to the back of the free queue but keeps its key, so it can still be hit until it is reused: eviction
-is least-recently-freed first, and only ever of unreferenced blocks.
+is least-recently-freed first, and only ever of unreferenced blocks. A block freed without a key (a partly filled
+tail, or one that held only rejected draft tokens) goes to the front: it holds nothing to hit, so it is reused first
+(at the back, every verification step that grew a block table evicted a cached prefix while the block it gave back
+sat unused).
 
 Retention (adaptive/retention.py): the keys of a finished agent turn can be protected until a deadline. An unreferenced
 protected block waits in a second queue that is evicted only once the plain free queue is empty, oldest protection
@@ -126,8 +129,12 @@ class BlockManager:
     def _release(self, block: int) -> None:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
-            queue = self.protected_free if self.block_keys[block] in self.protected else self.free_queue
-            queue[block] = None
+            key = self.block_keys[block]
+            if key is None:  # nothing to hit: reuse it before evicting any cached prefix
+                self.free_queue[block] = None
+                self.free_queue.move_to_end(block, last=False)
+            else:
+                (self.protected_free if key in self.protected else self.free_queue)[block] = None
 
     def protect(self, keys: list[int], until: float, origin: str) -> int:
         """Keep these cached prefix keys (a finished turn's full blocks) out of eviction until `until`, unless

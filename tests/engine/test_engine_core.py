@@ -106,3 +106,60 @@ def test_bad_requests_raise_value_errors_naming_the_field(llama_dir: Path) -> No
         llm.generate(_ids([[]]), GREEDY)
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_block_freed_without_a_key_is_reused_before_a_cached_prefix() -> None:
+    from reasoning_engine.engine.kv_cache import BlockManager
+    from reasoning_engine.engine.request import Request
+
+    bm = BlockManager(num_blocks=3, block_size=2)
+    turn = Request("turn", "turn", 0, None, [1, 2, 3, 4], SamplingParams(max_tokens=1), frozenset())
+    bm.allocate(turn, 4)
+    turn.num_computed_tokens = 4
+    bm.cache_full_blocks(turn)
+    keys = bm.full_block_keys(turn)
+    bm.free(turn)
+    drafting = Request("draft", "draft", 0, None, [9], SamplingParams(max_tokens=8), frozenset())
+    bm.allocate(drafting, 3)  # the root token and two draft tokens: two blocks, the never-used one and a cached one
+    bm.truncate(drafting, 1)  # both drafts rejected: the second block goes back without a key
+    assert sum(key in bm.cached for key in keys) == 1
+    bm.allocate(drafting, 3)  # the next verification takes that block again, evicting nothing more
+    assert sum(key in bm.cached for key in keys) == 1
+
+
+class WrongDrafts:
+    """Drafts a chain of token 0 as long as allowed, nearly always rejected: verifications grow the block table and
+    give blocks back."""
+
+    method = "wrong"
+
+    def start_request(self, request_id: str, prompt_token_ids) -> None:
+        pass
+
+    def propose(self, request_id: str, token_ids, max_draft_tokens: int):
+        from reasoning_engine.speculative.draft import Draft
+
+        return Draft([0] * max_draft_tokens, list(range(-1, max_draft_tokens - 1)))
+
+    def on_tokens_accepted(self, request_id: str, new_token_ids) -> None:
+        pass
+
+    def finish_request(self, request_id: str, learn: bool = True) -> None:
+        pass
+
+
+def test_verification_does_not_evict_a_cached_prefix_it_has_free_room_beside(llama_dir: Path) -> None:
+    """A cache with room for a 40-token prefix and a 48-token decode beside it: the decode verifies a rejected draft
+    token every step, and the prefix is still cached afterwards (a block that held only a rejected draft went back to
+    the back of the free queue, so the next block the decode needed evicted a prefix block instead)."""
+    llm = LLM(llama_dir, dtype="float32", device="cpu", block_size=4, kv_cache_blocks=26, max_model_len=96,
+              adaptive=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 8})
+    llm.engine.spec.proposer = WrongDrafts()
+    prefix = mixed_prompts(1, seed=8, low=40, high=41)[0]
+    llm.generate(_ids([prefix + [7]]), SamplingParams(temperature=0.0, max_tokens=1))
+    decode = llm.generate(_ids([[5, 6, 7, 8, 9, 10, 11, 12]]), SamplingParams(temperature=0.0, max_tokens=40,
+                                                                               ignore_eos=True))[0]
+    assert decode.spec_draft_tokens >= 39 and decode.spec_accepted_tokens < decode.spec_draft_tokens
+    again = llm.generate(_ids([prefix + [9]]), SamplingParams(temperature=0.0, max_tokens=1))[0]
+    assert again.num_cached_tokens == 40

@@ -194,7 +194,11 @@ class AdaptiveController:
             estimates.append(estimate)
         return raw, scaled, estimates
 
-    def draft_caps(self, asks: list[DraftAsk], step: StepShape) -> list[int]:
+    def _other_seconds(self, step: StepShape, decodes: StepShape | None) -> float:
+        """Predicted time of the step's work besides its decodes (`decodes`: the step without it)."""
+        return max(0.0, self.cost.predict(step) - self.cost.predict(decodes)) if decodes is not None else 0.0
+
+    def draft_caps(self, asks: list[DraftAsk], step: StepShape, decodes: StepShape | None = None) -> list[int]:
         """Per ask, the longest draft worth proposing (for proposers that draft first and are asked afterwards how
         much of each draft to verify): its goodput length were every request to draft its longest (real drafts
         come shorter, and `draft_lengths` then chooses within them), or a probe's length where one is due. Changes
@@ -202,16 +206,18 @@ class AdaptiveController:
         if not self.cost.ready or self.method is None:
             return [0] * len(asks)
         candidates = self._candidates(asks)[1]
-        lengths = choose_draft_lengths(candidates, step, self.cost)
+        lengths = choose_draft_lengths(candidates, step, self.cost, self._other_seconds(step, decodes))
         return [max(n, min(PROBE_LENGTH, c.max_length)) if self._undrafted.get(a.seq_id, 0) + 1 >= PROBE_EVERY else n
                 for a, c, n in zip(asks, candidates, lengths)]
 
-    def draft_lengths(self, asks: list[DraftAsk], step: StepShape) -> list[int]:
-        """Per ask, its draft length by goodput (all zero until the cost model is ready), plus probes (`_probe`)."""
+    def draft_lengths(self, asks: list[DraftAsk], step: StepShape, decodes: StepShape | None = None) -> list[int]:
+        """Per ask, its draft length by goodput (all zero until the cost model is ready), plus probes (`_probe`).
+        `step`: the next step without drafts; `decodes`: the same without its prefill chunks, where it has any (the
+        drafts are judged by the decodes' rate, see `choose_draft_lengths`)."""
         if not self.cost.ready or self.method is None:
             return [0] * len(asks)
         raw, candidates, estimates = self._candidates(asks)
-        lengths = choose_draft_lengths(candidates, step, self.cost)
+        lengths = choose_draft_lengths(candidates, step, self.cost, self._other_seconds(step, decodes))
         due = []
         for i, ask in enumerate(asks):
             waited = 0 if lengths[i] else self._undrafted.get(ask.seq_id, 0) + 1

@@ -31,16 +31,24 @@ class DraftCandidate:
     context: int = 0
 
 
-def choose_draft_lengths(candidates: list[DraftCandidate], step: StepShape, cost: StepCostModel) -> list[int]:
+def choose_draft_lengths(candidates: list[DraftCandidate], step: StepShape, cost: StepCostModel,
+                         other_seconds: float = 0.0) -> list[int]:
     """Draft length per candidate; `step` is the next step without drafts (the candidates' one token each and any
-    other work in it)."""
+    other work in it), `other_seconds` the predicted time of that other work (a prefill chunk). The decodes' tokens
+    are weighed against the step's time less that work: the chunk must be computed anyway, and counted in, its time
+    lowers the bar a draft must clear to the decodes' rate diluted by it (beside a 1000-token chunk on the bundled
+    model, a tenth of their own rate), so nearly any draft looked worth verifying."""
     survival = [_survival(c) for c in candidates]
     best_lengths = [0] * len(candidates)
-    best = len(candidates) / predicted_step_seconds(cost, step, candidates, best_lengths)
+
+    def seconds(lengths: list[int]) -> float:
+        return max(predicted_step_seconds(cost, step, candidates, lengths) - other_seconds, 1e-9)
+
+    best = len(candidates) / seconds(best_lengths)
     for threshold in THRESHOLDS:
         lengths = [sum(1 for s in alive if s >= threshold) for alive in survival]
         tokens = len(candidates) + sum(sum(alive[:n]) for alive, n in zip(survival, lengths))
-        rate = tokens / predicted_step_seconds(cost, step, candidates, lengths)
+        rate = tokens / seconds(lengths)
         if rate > best:
             best, best_lengths = rate, lengths
     return best_lengths

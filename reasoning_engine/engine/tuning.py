@@ -137,15 +137,16 @@ class EngineTuner:
         return self.controller.draft_caps(*self._asks(requests, limits, schedulers))
 
     def _asks(self, requests: list[Request], limits: list[int], schedulers: list[Scheduler],
-              probs: list[list[float] | None] | None = None) -> tuple[list[DraftAsk], StepShape]:
+              probs: list[list[float] | None] | None = None) -> tuple[list[DraftAsk], StepShape, StepShape]:
         probs = probs if probs is not None else [None] * len(requests)
         asks = [DraftAsk(r.seq_id, r.workload, limit, r.num_tokens, p) for r, limit, p in zip(requests, limits, probs)]
-        return asks, self.expected_step(requests, schedulers)
+        return asks, self.expected_step(requests, schedulers), self.expected_step(requests, [])
 
     def expected_step(self, requests: list[Request], schedulers: list[Scheduler]) -> StepShape:
         """The next step as expected before its drafts are chosen: the decoding requests' one token each and the
         prefill chunks the schedulers will likely add (on the bundled model at 32 requests, a quarter of the steps
-        carried one, and drafts beside a chunk cost differently from drafts beside decodes alone)."""
+        carried one, and drafts beside a chunk cost differently from drafts beside decodes alone); with no
+        schedulers, the decodes alone."""
         chunks = [chunk for chunk in (self._next_chunk(s) for s in schedulers) if chunk is not None]
         decode_context = sum(r.num_tokens + 1 for r in requests)
         return StepShape(len(requests) + sum(n for n, _ in chunks), len(requests) + len(chunks),

@@ -163,6 +163,25 @@ def test_goodput_gives_no_draft_when_acceptance_is_low_or_the_batch_is_large() -
     assert long > short  # the likely request gets the longer draft
 
 
+def test_a_prefill_chunk_beside_the_decodes_does_not_lower_the_bar_for_drafts() -> None:
+    """16 decodes whose drafts are accepted at 0.3 per token do not pay at this batch; a 1000-token chunk in the same
+    step makes the step 3x longer, and counted in the decodes' rate, it would make the drafts look worth it. Judged
+    against the step less the chunk's predicted time, the choice is the decodes' own."""
+    cost = _cost(fixed=10e-3, per_token=1e-3)
+    batch = [DraftCandidate([0.3] * 8, 8, context=500) for _ in range(16)]
+    decodes = StepShape(16, 16, 16 * 500, draft_sequences=0)
+    with_chunk = StepShape(16 + 1000, 17, 16 * 500 + 1000, attention_pairs=16 * 500 + chunk_pairs(1000, 0),
+                           draft_sequences=0)
+    assert choose_draft_lengths(batch, decodes, cost) == [0] * 16
+    assert sum(choose_draft_lengths(batch, with_chunk, cost)) > 0  # the chunk's time diluting the decodes' rate
+    other = cost.predict(with_chunk) - cost.predict(decodes)
+    assert choose_draft_lengths(batch, with_chunk, cost, other) == [0] * 16
+    controller = AdaptiveController({"model": "m"}, "suffix", 8, None, LatencyTargets())
+    controller.cost = cost
+    asks = [DraftAsk(f"r{i}", "agent", 8, 500, probs=[0.3 ** (j + 1) for j in range(8)]) for i in range(16)]
+    assert controller.draft_lengths(asks, with_chunk, decodes) == [0] * 16
+
+
 def test_token_budget_keeps_decodes_under_the_itl_target() -> None:
     cost = _cost(fixed=5e-3, per_token=0.2e-3)
     decodes = StepShape(16, 16, 16 * 100)

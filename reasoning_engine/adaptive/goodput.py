@@ -8,8 +8,8 @@ cost per verifying sequence, a request's value is not concave in its length (its
 and a greedy token-by-token ascent would stop too early. The chooser instead scans a threshold on the probability
 that the whole prefix is accepted: at threshold t each request drafts the positions whose cumulative acceptance
 prod_{j<=i} p_j is at least t (the drafts a stopping rule would make, as in SpecDec++, Huang et al., 2024,
-arXiv:2405.19715), and the threshold with the highest predicted tokens per second wins, "no drafts" included. This
-only picks lengths: verification keeps the output exact.
+arXiv:2405.19715), and the threshold with the highest predicted tokens per second wins, "no drafts" included and
+preferred unless beaten by DRAFT_MARGIN. This only picks lengths: verification keeps the output exact.
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ from dataclasses import dataclass, replace
 from reasoning_engine.adaptive.cost_model import StepCostModel, StepShape
 
 THRESHOLDS = (0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05)
+# Drafts must beat no drafts by this much. Choosing the best of predictions that err picks the options whose errors
+# flatter them (the optimizer's curse, Smith and Winkler, Management Science 52(3), 2006): in five logged runs of the
+# bundled model at 32 requests, the drafted steps predicted under 5% faster than without drafts delivered 0.72-0.87x
+# the tokens per second of plain steps, those predicted 5% or more 0.99-1.11x.
+DRAFT_MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,7 @@ def choose_draft_lengths(candidates: list[DraftCandidate], step: StepShape, cost
     def seconds(lengths: list[int]) -> float:
         return max(predicted_step_seconds(cost, step, candidates, lengths) - other_seconds, 1e-9)
 
-    best = len(candidates) / seconds(best_lengths)
+    best = (1 + DRAFT_MARGIN) * len(candidates) / seconds(best_lengths)
     for threshold in THRESHOLDS:
         lengths = [sum(1 for s in alive if s >= threshold) for alive in survival]
         tokens = len(candidates) + sum(sum(alive[:n]) for alive, n in zip(survival, lengths))

@@ -137,10 +137,12 @@ class EngineTuner:
         return self.controller.draft_caps(*self._asks(requests, limits, schedulers))
 
     def _asks(self, requests: list[Request], limits: list[int], schedulers: list[Scheduler],
-              probs: list[list[float] | None] | None = None) -> tuple[list[DraftAsk], StepShape, StepShape]:
+              probs: list[list[float] | None] | None = None) -> tuple[list[DraftAsk], StepShape, StepShape | None]:
+        """The asks, the next step as expected, and the decodes alone where that step also carries a prefill chunk."""
         probs = probs if probs is not None else [None] * len(requests)
         asks = [DraftAsk(r.seq_id, r.workload, limit, r.num_tokens, p) for r, limit, p in zip(requests, limits, probs)]
-        return asks, self.expected_step(requests, schedulers), self.expected_step(requests, [])
+        step = self.expected_step(requests, schedulers)
+        return asks, step, self.expected_step(requests, []) if step.sequences > len(requests) else None
 
     def expected_step(self, requests: list[Request], schedulers: list[Scheduler]) -> StepShape:
         """The next step as expected before its drafts are chosen: the decoding requests' one token each and the

@@ -17,8 +17,12 @@ statistics, so each observation costs O(features^2) and a fit O(features^3).
 A linear model fitted to noisy steps (a loaded server's step times vary by a fifth or more) with relative weighting is
 biased, differently for different kinds of step (on the bundled model behind the benchmark's server it predicted
 small decode batches at half their time). So each prediction is scaled by a correction per kind of step (with a
-prefill chunk or not, batch size by power of two): a running mean of measured / predicted time over that kind's
-recent steps. Verifying and plain steps share a correction (see `_kind`).
+prefill chunk or not, verifying drafts or not, batch size by power of two): a running mean of measured / predicted
+time over that kind's recent steps. Verifying and plain steps need their own: the chooser weighs a step with drafts
+against the same step without, and the linear fit errs differently for the two (at 16-31 decoding requests on the
+bundled model, plain steps took 1.03-1.09x and verifying ones 1.25-1.27x its time, so one shared correction made
+drafts look a sixth cheaper than they were). Where one side is rarely run, its correction goes stale;
+`plain_is_stale` tells the chooser when a plain step is due to measure it again.
 """
 
 from __future__ import annotations
@@ -58,15 +62,14 @@ class StepShape:
 
 CORRECTION_RATE = 0.05  # weight of each new step in its kind's correction (a memory of ~20 steps)
 CORRECTION_BOUND = 5.0  # a single step moves its kind's correction as if it were at most 5x off
+PLAIN_EVERY = 32  # verifying steps of a kind after which a plain one is due, to keep its correction current
 
 
 def _kind(shape: StepShape) -> str:
-    """Which correction a step gets: with a prefill chunk or not, its batch size by power of two. Not whether it
-    verifies drafts: the chooser compares a step with drafts against the same step without, and separate corrections
-    for the two fed on themselves (once drafting was chosen in most steps, the rare plain steps' correction rose to
-    1.4-1.8 against 0.9-1.4 for verification, so not drafting looked dearer than drafting)."""
+    """Which correction a step gets: with a prefill chunk or not, its batch size by power of two, and a "v" if it
+    verifies drafts."""
     prefill = shape.query_tokens - shape.draft_tokens > shape.sequences
-    return f"p{int(prefill)}b{shape.sequences.bit_length()}"
+    return f"p{int(prefill)}b{shape.sequences.bit_length()}" + ("v" if shape.verifying else "")
 
 
 def chunk_pairs(tokens: int, context: int) -> int:
@@ -86,6 +89,7 @@ class StepCostModel:
         self.observations = 0
         self.weights = np.zeros(n)
         self.corrections: dict[str, float] = {}  # per kind of step, measured / linear prediction (running mean)
+        self._verified_since_plain: dict[str, int] = {}  # per kind of plain step: verifying steps since the last plain
 
     @property
     def ready(self) -> bool:
@@ -104,6 +108,8 @@ class StepCostModel:
             ratio = min(max(seconds / linear, 1 / CORRECTION_BOUND), CORRECTION_BOUND)
             correction = self.corrections.get(kind, 1.0)
             self.corrections[kind] = correction + CORRECTION_RATE * (ratio - correction)
+        plain = _kind(shape).removesuffix("v")
+        self._verified_since_plain[plain] = self._verified_since_plain.get(plain, 0) + 1 if shape.verifying else 0
         scale = 1.0 / seconds
         self._xtx = self.decay * self._xtx + scale * scale * np.outer(x, x)
         self._xty = self.decay * self._xty + scale * scale * x * seconds
@@ -131,7 +137,33 @@ class StepCostModel:
         return weights
 
     def predict(self, shape: StepShape) -> float:
-        return float(shape.features() @ self.weights) * self.corrections.get(_kind(shape), 1.0)
+        """Linear prediction times the kind's correction (a kind not seen yet borrows the other side's: verifying
+        for plain or plain for verifying, at the same batch size)."""
+        return float(shape.features() @ self.weights) * self._correction(_kind(shape))
+
+    def _correction(self, kind: str) -> float:
+        other = kind.removesuffix("v") if kind.endswith("v") else kind + "v"
+        return self.corrections.get(kind, self.corrections.get(other, 1.0))
+
+    def predict_with_drafts(self, step: StepShape, drafts: np.ndarray, verifying: np.ndarray,
+                            pairs: np.ndarray) -> np.ndarray:
+        """Predicted seconds of `step` with drafts added, one option per element: draft tokens, sequences verifying
+        them, attention pairs they score (the chooser prices all its options at once)."""
+        base = step.features()
+        options = np.tile(base, (len(drafts), 1))
+        options[:, 1] += drafts
+        options[:, 4] += pairs
+        options[:, 5] += drafts
+        options[:, 6] = max(step.draft_sequences, 0) + verifying
+        options[:, 7] = options[:, 6] > 0
+        plain = _kind(step).removesuffix("v")
+        corrections = np.where(options[:, 6] > 0, self._correction(plain + "v"), self._correction(plain))
+        return np.maximum(options @ self.weights * corrections, 1e-9)
+
+    def plain_is_stale(self, shape: StepShape) -> bool:
+        """Whether this plain step's kind has run PLAIN_EVERY verifying steps since its last plain one: its
+        correction is then old, and an error in it would keep the chooser drafting (or not) unchecked."""
+        return self._verified_since_plain.get(_kind(shape), 0) >= PLAIN_EVERY
 
     def coefficients(self) -> dict[str, float]:
         """Seconds per unit of each feature ("step": the fixed cost)."""

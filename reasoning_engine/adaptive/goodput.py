@@ -14,7 +14,9 @@ preferred unless beaten by DRAFT_MARGIN. This only picks lengths: verification k
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+
+import numpy as np
 
 from reasoning_engine.adaptive.cost_model import StepCostModel, StepShape
 
@@ -42,42 +44,45 @@ def choose_draft_lengths(candidates: list[DraftCandidate], step: StepShape, cost
     other work in it), `other_seconds` the predicted time of that other work (a prefill chunk). The decodes' tokens
     are weighed against the step's time less that work: the chunk must be computed anyway, and counted in, its time
     lowers the bar a draft must clear to the decodes' rate diluted by it (beside a 1000-token chunk on the bundled
-    model, a tenth of their own rate), so nearly any draft looked worth verifying."""
-    survival = [_survival(c) for c in candidates]
-    best_lengths = [0] * len(candidates)
-
-    def seconds(lengths: list[int]) -> float:
-        return max(predicted_step_seconds(cost, step, candidates, lengths) - other_seconds, 1e-9)
-
-    best = (1 + DRAFT_MARGIN) * len(candidates) / seconds(best_lengths)
-    for threshold in THRESHOLDS:
-        lengths = [sum(1 for s in alive if s >= threshold) for alive in survival]
-        tokens = len(candidates) + sum(sum(alive[:n]) for alive, n in zip(survival, lengths))
-        rate = tokens / seconds(lengths)
-        if rate > best:
-            best, best_lengths = rate, lengths
-    return best_lengths
+    model, a tenth of their own rate), so nearly any draft looked worth verifying. The thresholds are scanned as one
+    array computation: the chooser runs every step, for every decoding request (per step at 32 requests, a loop over
+    them took about a millisecond)."""
+    if not candidates:
+        return []
+    survival = _survival_matrix(candidates)  # (requests, positions)
+    kept = survival[None, :, :] >= np.array(THRESHOLDS)[:, None, None]  # (thresholds, requests, positions)
+    lengths = np.concatenate([np.zeros((1, len(candidates)), dtype=np.int64), kept.sum(axis=2)])  # option 0: none
+    tokens = len(candidates) + np.concatenate([[0.0], (survival[None] * kept).sum(axis=(1, 2))])
+    seconds = np.maximum(_predict(cost, step, candidates, lengths) - other_seconds, 1e-9)
+    rates = tokens / seconds
+    rates[0] *= 1 + DRAFT_MARGIN
+    best = int(np.argmax(rates))  # the first of equals: no drafts, then the highest threshold
+    return [int(n) for n in lengths[best]]
 
 
 def expected_accepted(candidate: DraftCandidate, length: int) -> float:
     """Draft tokens a draft of `length` is expected to get accepted (the sum of its prefixes' probabilities)."""
-    return sum(_survival(candidate)[:length])
+    return float(_survival_matrix([candidate])[0, :length].sum())
 
 
-def _survival(candidate: DraftCandidate) -> list[float]:
-    """Probability that draft positions 1..i are all accepted, for each i up to the candidate's longest draft."""
-    alive, out = 1.0, []
-    for rate in candidate.rates[: candidate.max_length]:
-        alive *= rate
-        out.append(alive)
-    return out
+def _survival_matrix(candidates: list[DraftCandidate]) -> np.ndarray:
+    """Per candidate, the probability that draft positions 1..i are all accepted, for each i up to its longest draft
+    (zero beyond it)."""
+    width = max((min(len(c.rates), c.max_length) for c in candidates), default=0)
+    rates = np.zeros((len(candidates), width))
+    for i, c in enumerate(candidates):
+        n = min(len(c.rates), c.max_length)
+        rates[i, :n] = c.rates[:n]
+    return np.cumprod(rates, axis=1)
+
+
+def _predict(cost: StepCostModel, step: StepShape, candidates: list[DraftCandidate], lengths: np.ndarray) -> np.ndarray:
+    """Predicted seconds of `step` with each row of `lengths` (one draft length per candidate) verified."""
+    contexts = np.array([c.context for c in candidates], dtype=float)
+    return cost.predict_with_drafts(step, lengths.sum(axis=1), (lengths > 0).sum(axis=1), lengths @ contexts)
 
 
 def predicted_step_seconds(cost: StepCostModel, step: StepShape, candidates: list[DraftCandidate],
                            lengths: list[int]) -> float:
     """The cost model's time for `step` with each candidate verifying a draft of its length."""
-    drafts = sum(lengths)
-    shape = replace(step, query_tokens=step.query_tokens + drafts, draft_tokens=step.draft_tokens + drafts,
-                    draft_sequences=max(step.draft_sequences, 0) + sum(1 for n in lengths if n),
-                    attention_pairs=step.pairs + sum(n * c.context for n, c in zip(lengths, candidates)))
-    return max(cost.predict(shape), 1e-9)
+    return float(_predict(cost, step, candidates, np.array([lengths], dtype=np.int64).reshape(1, len(candidates)))[0])

@@ -106,12 +106,14 @@ class EngineTuner:
 
     def end_step(self, plans: list[SchedulerOutput], shape: StepShape, proposing: float) -> None:
         """After postprocessing: the step's measured time into the cost model. A step proposes the next step's drafts
-        (`proposing` seconds), and that time belongs to the step that verifies them: counted where it was spent, a
-        plain step among drafted ones carried the drafting it did not verify, so plain steps looked dearer the more
-        the chooser drafted (it fed on itself)."""
+        (`proposing` seconds), and that time belongs to the step that verifies them; a step that verifies none is
+        measured without it (the proposer ran before the choice not to verify, which saved none of it). Counted where
+        it was spent, or in a plain step, it made plain steps look dearer the more the chooser drafted (it fed on
+        itself)."""
         decode_batch = max((sum(1 for s in plan.scheduled if s.num_tokens - s.num_draft_tokens == 1) for plan in plans),
                            default=0)
-        seconds = time.perf_counter() - self._step_start - proposing + self._proposing
+        carried = self._proposing if shape.verifying else 0.0
+        seconds = time.perf_counter() - self._step_start - proposing + carried
         self._proposing = proposing
         self.controller.observe_step(shape, seconds, decode_batch)
 

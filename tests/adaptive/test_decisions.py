@@ -16,7 +16,7 @@ from reasoning_engine.adaptive.acceptance import AcceptanceModel, PositionCounts
 from reasoning_engine.adaptive.batching import LatencyTargets, token_budget
 from reasoning_engine.adaptive.controller import (PROBE_EVERY, PROBE_LENGTH, PROBE_SHARE, AdaptiveController, DraftAsk,
                                                   choose_graph_batch_sizes)
-from reasoning_engine.adaptive.cost_model import FEATURES, StepCostModel, StepShape, chunk_pairs
+from reasoning_engine.adaptive.cost_model import FEATURES, PLAIN_EVERY, StepCostModel, StepShape, chunk_pairs
 from reasoning_engine.adaptive.goodput import DraftCandidate, choose_draft_lengths, predicted_step_seconds
 from reasoning_engine.adaptive.retention import DEFAULT_HOLD_S, SessionRetention
 from reasoning_engine.adaptive.state import STATE_FILE
@@ -101,7 +101,7 @@ def _serving_steps(rng: random.Random, count: int) -> list[StepShape]:
 
 def test_cost_model_corrects_its_bias_by_kind_of_step() -> None:
     """Step times measured with 30% noise: the relative-error fit predicts them low; the corrections remove that
-    bias, for plain and verifying steps alike (which share one)."""
+    bias, for plain and verifying steps alike."""
 
     def measured(shape: StepShape) -> float:
         work = 10e-3 + 0.5e-3 * shape.sequences + 2e-6 * shape.context_tokens
@@ -120,6 +120,77 @@ def test_cost_model_corrects_its_bias_by_kind_of_step() -> None:
     restored = StepCostModel.from_dict(json.loads(json.dumps(model.to_dict())))
     assert restored.corrections == model.corrections
     assert restored.predict(fresh[0]) == pytest.approx(model.predict(fresh[0]), rel=0.01)  # weights refitted on load
+
+
+def test_verifying_steps_that_run_slower_do_not_move_the_plain_steps_prediction() -> None:
+    """The chooser weighs a step with drafts against the same step without, so an error found in one must not be
+    carried into the other: when verifying steps start taking a fifth longer than the model says, its prediction
+    for them follows and its prediction for plain steps stays (with one correction shared by both, it rose 9%)."""
+
+    def work(shape: StepShape) -> float:
+        time = 10e-3 + 0.5e-3 * shape.sequences + 2e-6 * shape.context_tokens
+        return time + 3e-3 + 0.3e-3 * shape.draft_tokens if shape.verifying else time
+
+    rng = random.Random(8)
+    model = StepCostModel()
+    for shape in _serving_steps(rng, 400):
+        model.observe(shape, work(shape))
+    plain = StepShape(24, 24, 24 * 450, draft_sequences=0)
+    verifying = StepShape(40, 24, 24 * 450 + 16, 16, draft_sequences=4)
+    before = model.predict(plain)
+    for shape in _serving_steps(rng, 400):
+        if shape.verifying:
+            model.observe(shape, 1.2 * work(shape))
+    assert model.predict(plain) == pytest.approx(before, rel=0.02)
+    assert model.predict(verifying) == pytest.approx(1.2 * work(verifying), rel=0.03)
+
+
+def test_a_plain_step_is_due_when_drafting_has_won_for_a_while() -> None:
+    """Each side's correction is measured only when that side runs: after PLAIN_EVERY verifying steps of a kind the
+    chooser leaves one step plain whatever the drafts promise (and the proposer is not asked for them), then drafts
+    again once that step is measured."""
+    controller = _controller(None)
+    controller.cost = _cost(fixed=10e-3, per_token=0.1e-3)
+    asks = [DraftAsk("r0", "agent", 8, 300, probs=[0.95 ** (j + 1) for j in range(8)])]
+    step = StepShape(1, 1, 301, draft_sequences=0)
+    for _ in range(PLAIN_EVERY):
+        assert controller.draft_lengths(asks, step) == [8]
+        controller.observe_step(StepShape(9, 1, 309, 8, draft_sequences=1), 11e-3, 1)
+    assert controller.draft_caps(asks, step) == [0]
+    assert controller.draft_lengths(asks, step) == [0]
+    assert controller.draft_lengths(asks, StepShape(40, 40, 40 * 301, draft_sequences=0))  # other kinds draft on
+    controller.observe_step(step, 10e-3, 1)
+    assert controller.draft_lengths(asks, step) == [8]
+    assert controller.decided["plain_checks"] == 1
+
+
+def test_a_request_whose_drafts_are_dropped_is_proposed_for_less_often() -> None:
+    """Caps come from the class's history, drafts' lengths from the drafts' own probabilities: a request whose drafts
+    the chooser drops (their probabilities are low) is proposed for after waits that double up to PROBE_EVERY
+    steps, not every step; once its drafts are kept again, it is proposed for every step."""
+    controller = _controller(None)
+    controller.cost = _cost(fixed=10e-3, per_token=0.5e-3)
+    for _ in range(50):
+        controller.record_draft("earlier", "agent", 8, 8)  # the class's history promises long drafts
+    step = StepShape(4, 4, 4 * 301, draft_sequences=0)
+
+    def run(steps: int, prob: float) -> list[bool]:
+        proposed = []
+        for _ in range(steps):
+            caps = controller.draft_caps([DraftAsk(f"r{i}", "agent", 8, 300) for i in range(4)], step)
+            proposed.append(caps[0] > 0)
+            drafts = [DraftAsk(f"r{i}", "agent", cap, 300, probs=[prob ** (j + 1) for j in range(cap)])
+                      for i, cap in enumerate(caps)]
+            for ask, n in zip(drafts, controller.draft_lengths(drafts, step)):
+                if n:
+                    controller.record_draft(ask.seq_id, ask.workload, n, n if prob > 0.5 else 0)
+        return proposed
+
+    dropped = run(64, 0.02)
+    assert dropped[:4] == [True, False, True, False]  # dropped once: one step's wait, twice: two steps'
+    assert 64 // PROBE_EVERY <= sum(dropped) <= 64 // PROBE_EVERY + 8
+    kept = run(40, 0.95)
+    assert all(kept[-30:])
 
 
 def test_acceptance_counts_per_position_and_prior_from_the_class() -> None:

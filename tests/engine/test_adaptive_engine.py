@@ -9,8 +9,11 @@ from pathlib import Path
 import pytest
 
 from reasoning_engine import LLM, SamplingParams
+from reasoning_engine.adaptive.cost_model import StepShape
+from reasoning_engine.engine import tuning
 from reasoning_engine.engine.kv_cache import BlockManager
 from reasoning_engine.engine.request import Request
+from reasoning_engine.llm import build_engine_config
 from char_models import mixed_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -65,6 +68,24 @@ def test_protection_expires_to_the_front_of_the_free_queue() -> None:
     bm.expire(now=2.0)
     assert not bm.protected and not bm.protected_free
     assert next(iter(bm.free_queue)) == full_block  # stale: evicted first
+
+
+def test_a_step_is_charged_the_proposing_of_the_drafts_it_verifies_and_no_other(llama_dir: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step proposes the next step's drafts; that time belongs to the next step if it verifies them. If the chooser
+    then verifies none, no choice saved the proposing, and charged to the plain step it would make plain steps look
+    dearer the more the proposer works."""
+    tuner = tuning.EngineTuner(build_engine_config(str(llama_dir), dtype="float32", device="cpu"), None, set())
+    seen: list[float] = []
+    monkeypatch.setattr(tuner.controller, "observe_step", lambda shape, seconds, batch: seen.append(round(seconds, 6)))
+    clock = iter([0.0, 0.010, 1.0, 1.012, 2.0, 2.011])
+    monkeypatch.setattr(tuning.time, "perf_counter", lambda: next(clock))
+    plain = StepShape(4, 4, 400, draft_sequences=0)
+    verifying = StepShape(8, 4, 404, 4, draft_sequences=2)
+    for shape, proposing in ((plain, 0.003), (plain, 0.002), (verifying, 0.001)):
+        tuner.begin_step()
+        tuner.end_step([], shape, proposing)
+    assert seen == [0.007, 0.010, 0.012]  # 10-3; 12-2 (not the 3 before it); 11-1 plus the 2 that drafted for it
 
 
 @pytest.fixture(scope="module")
@@ -131,17 +152,20 @@ def test_learned_state_survives_a_restart(llama_dir: Path, tmp_path: Path) -> No
 
 
 def test_drafting_time_counts_in_the_step_that_verifies_the_drafts(llama_dir: Path) -> None:
-    """A step proposes the next step's drafts; the cost model sees that time in the step that verifies them, so a
-    plain step among drafted ones does not look dear for drafting it never verified."""
+    """A step proposes the next step's drafts; the cost model sees that time in the step that verifies them (or in
+    none, if that step verifies none), so a plain step among drafted ones does not look dear for drafting it never
+    verified."""
     llm = LLM(llama_dir, dtype="float32", device="cpu", speculative_config={"method": "suffix",
                                                                             "num_speculative_tokens": 4})
     engine = llm.engine
     controller = engine.tuner.controller
     seen: list[float] = []
+    verified: list[bool] = []
     observe, propose = controller.observe_step, engine._propose_drafts
 
     def observe_step(shape, seconds: float, decode_batch: int) -> None:
         seen.append(seconds)
+        verified.append(shape.verifying > 0)
         observe(shape, seconds, decode_batch)
 
     proposals: list[None] = []
@@ -157,7 +181,7 @@ def test_drafting_time_counts_in_the_step_that_verifies_the_drafts(llama_dir: Pa
     while engine.has_unfinished_requests():
         engine.step()
     assert len(seen) > 4
-    assert seen[2] < 0.3 <= seen[3]
+    assert seen[2] < 0.3 and (seen[3] >= 0.3) == verified[3]
     assert max(seen[:3] + seen[4:]) < 0.3
 
 

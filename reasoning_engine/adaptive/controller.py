@@ -205,8 +205,8 @@ class AdaptiveController:
     def draft_caps(self, asks: list[DraftAsk], step: StepShape, decodes: StepShape | None = None) -> list[int]:
         """Per ask, the longest draft worth proposing (for proposers that draft first and are asked afterwards how
         much of each draft to verify): its goodput length were every request to draft its longest (real drafts
-        come shorter, and `draft_lengths` then chooses within them), or a probe's length where one is due. Changes
-        nothing."""
+        come shorter, and `draft_lengths` then chooses within them), or a probe's length where one is due; 0 for a
+        request sitting out proposals after dropped drafts (`_waits`), which is priced as drafting nothing."""
         if not self._may_draft(step):
             return [0] * len(asks)
         asks = [replace(ask, limit=0) if self._waits(ask.seq_id) else ask for ask in asks]

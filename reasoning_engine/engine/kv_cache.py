@@ -11,8 +11,10 @@ sat unused).
 Retention (adaptive/retention.py): the keys of a finished agent turn can be protected until a deadline. An unreferenced
 protected block waits in a second queue that is evicted only once the plain free queue is empty, oldest protection
 first, so protection reorders eviction and never keeps a block from a request that needs it: protected blocks count
-as free. A block holding image or video placeholders also keys on those media's content hashes. A protection past its deadline is dropped and its block goes back to the plain queue, at the front (it is
-stale). A prefix hit on a protected block is a retention hit, and tells which turn it came back to.
+as free. A block holding image or video placeholders also keys on those media's content hashes. A protection past its deadline is dropped and its block rejoins the plain queue at the back, an ordinary cached
+block again (at the front it was evicted before the blocks that hold nothing, so with the cache nearly empty a finished
+turn's prefix was lost as soon as its hold ran out, and the adaptive server's prefix hit rate fell below plain LRU's).
+A prefix hit on a protected block is a retention hit, and tells which turn it came back to.
 """
 
 from __future__ import annotations
@@ -153,7 +155,7 @@ class BlockManager:
         return count
 
     def expire(self, now: float) -> None:
-        """Drop protections past their deadline; their free blocks go to the front of the plain queue."""
+        """Drop protections past their deadline; their free blocks rejoin the plain queue as ordinary cached blocks."""
         if now < self._next_deadline:
             return
         self._next_deadline = float("inf")
@@ -166,7 +168,6 @@ class BlockManager:
             if block in self.protected_free:
                 del self.protected_free[block]
                 self.free_queue[block] = None
-                self.free_queue.move_to_end(block, last=False)
 
     def cache_full_blocks(self, request: Request, start_block: int = 0) -> None:
         """Register blocks from start_block that are now full of computed tokens, so later requests can share them."""

@@ -53,7 +53,10 @@ def test_protected_blocks_go_after_unprotected_ones_and_never_block_admission() 
     assert bm.record_prefix_lookup(follow_up) == ["session-1"] and bm.retention_hits == 2
 
 
-def test_protection_expires_to_the_front_of_the_free_queue() -> None:
+def test_an_expired_protection_leaves_its_block_cached_behind_blocks_that_hold_nothing() -> None:
+    """When a turn's hold runs out its blocks are ordinary cached blocks again: allocations take the blocks that hold
+    nothing first, and the prefix still hits (put first in line for eviction, it was lost with the cache nearly
+    empty, and the adaptive server's prefix hit rate fell below plain LRU's)."""
     bm = BlockManager(num_blocks=4, block_size=2)
     turn = _request("turn", [1, 2, 3])
     bm.allocate(turn, 3)
@@ -67,7 +70,12 @@ def test_protection_expires_to_the_front_of_the_free_queue() -> None:
     assert full_block in bm.protected_free  # not yet
     bm.expire(now=2.0)
     assert not bm.protected and not bm.protected_free
-    assert next(iter(bm.free_queue)) == full_block  # stale: evicted first
+    newcomer = _request("new", [7] * 6)
+    bm.allocate(newcomer, 6)  # three blocks: the turn's partial tail and the two never used
+    assert full_block not in newcomer.block_table
+    follow_up = _request("follow", [1, 2, 3])
+    bm.match_prefix(follow_up)
+    assert follow_up.block_table == [full_block] and follow_up.num_computed_tokens == 2
 
 
 def test_a_step_is_charged_the_proposing_of_the_drafts_it_verifies_and_no_other(llama_dir: Path,

@@ -233,9 +233,10 @@ class AdaptiveController:
         """Per ask, its draft length by goodput (all zero until the cost model is ready), plus probes (`_probe`).
         `step`: the next step without drafts; `decodes`: the same without its prefill chunks, where it has any (the
         drafts are judged by the decodes' rate, see `choose_draft_lengths`)."""
-        if not self._may_draft(step):
-            if self.cost.ready and self.method is not None:
-                self.decided.update(steps=1, plain_checks=1)
+        if not self.cost.ready or self.method is None:
+            return [0] * len(asks)
+        if self.cost.plain_is_stale(step):
+            self.decided.update(steps=1, plain_checks=1)
             return [0] * len(asks)
         raw, candidates, estimates = self._candidates(asks)
         lengths = choose_draft_lengths(candidates, step, self.cost, self._other_seconds(step, decodes))

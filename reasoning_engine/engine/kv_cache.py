@@ -11,10 +11,11 @@ sat unused).
 Retention (adaptive/retention.py): the keys of a finished agent turn can be protected until a deadline. An unreferenced
 protected block waits in a second queue that is evicted only once the plain free queue is empty, oldest protection
 first, so protection reorders eviction and never keeps a block from a request that needs it: protected blocks count
-as free. A block holding image or video placeholders also keys on those media's content hashes. A protection past its deadline is dropped and its block rejoins the plain queue at the back, an ordinary cached
-block again (at the front it was evicted before the blocks that hold nothing, so with the cache nearly empty a finished
-turn's prefix was lost as soon as its hold ran out, and the adaptive server's prefix hit rate fell below plain LRU's).
-A prefix hit on a protected block is a retention hit, and tells which turn it came back to.
+as free. A protection past its deadline is dropped and its block rejoins the plain queue at the back, an ordinary
+cached block again (at the front it was evicted before the blocks that hold nothing, so with the cache nearly empty a
+finished turn's prefix was lost as soon as its hold ran out, and the adaptive server's prefix hit rate fell below
+plain LRU's). A prefix hit on a protected block is a retention hit, and tells which turn it came back to. A block
+holding image or video placeholders also keys on those media's content hashes.
 """
 
 from __future__ import annotations

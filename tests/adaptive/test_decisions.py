@@ -99,14 +99,18 @@ def _serving_steps(rng: random.Random, count: int) -> list[StepShape]:
     return shapes
 
 
+def _serving_time(shape: StepShape) -> float:
+    """A serving step's time: a fixed cost, per sequence and per context token; verification adds its switch and a
+    cost per draft token."""
+    work = 10e-3 + 0.5e-3 * shape.sequences + 2e-6 * shape.context_tokens
+    return work + 3e-3 + 0.3e-3 * shape.draft_tokens if shape.verifying else work
+
+
 def test_cost_model_corrects_its_bias_by_kind_of_step() -> None:
     """Step times measured with 30% noise: the relative-error fit predicts them low; the corrections remove that
     bias, for plain and verifying steps alike."""
 
-    def measured(shape: StepShape) -> float:
-        work = 10e-3 + 0.5e-3 * shape.sequences + 2e-6 * shape.context_tokens
-        return work + 3e-3 + 0.3e-3 * shape.draft_tokens if shape.verifying else work
-
+    measured = _serving_time
     rng = random.Random(8)
     model = StepCostModel()
     for shape in _serving_steps(rng, 600):
@@ -127,10 +131,7 @@ def test_verifying_steps_that_run_slower_do_not_move_the_plain_steps_prediction(
     carried into the other: when verifying steps start taking a fifth longer than the model says, its prediction
     for them follows and its prediction for plain steps stays (with one correction shared by both, it rose 9%)."""
 
-    def work(shape: StepShape) -> float:
-        time = 10e-3 + 0.5e-3 * shape.sequences + 2e-6 * shape.context_tokens
-        return time + 3e-3 + 0.3e-3 * shape.draft_tokens if shape.verifying else time
-
+    work = _serving_time
     rng = random.Random(8)
     model = StepCostModel()
     for shape in _serving_steps(rng, 400):

@@ -78,8 +78,8 @@ def test_an_expired_protection_leaves_its_block_cached_behind_blocks_that_hold_n
     assert follow_up.block_table == [full_block] and follow_up.num_computed_tokens == 2
 
 
-def test_a_step_is_charged_the_proposing_of_the_drafts_it_verifies_and_no_other(llama_dir: Path,
-                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_step_is_charged_the_proposing_of_the_drafts_it_verifies_and_no_other(
+        llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step proposes the next step's drafts; that time belongs to the next step if it verifies them. If the chooser
     then verifies none, no choice saved the proposing, and charged to the plain step it would make plain steps look
     dearer the more the proposer works."""

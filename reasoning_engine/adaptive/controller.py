@@ -1,10 +1,11 @@
 """The engine's adaptive side: what it measures each step, what it decides from that, and what it keeps.
 
-`AdaptiveController` owns the step cost model, the draft acceptance statistics, the sessions' return gaps and the
-decode batch-size histogram; the engine feeds it every step (`observe_step`, `record_draft`, session arrivals and
-finishes) and asks it for the next step's draft lengths (goodput.py), token budget (batching.py) and how long to
-protect a finished agent turn's blocks (retention.py). It saves itself to the state directory now and then and when
-the engine shuts down, and `snapshot()` is what `GET /v1/engine/adaptive` and the metrics show.
+`AdaptiveController` owns the step cost model, the draft acceptance statistics, the drafting gate, the sessions' return
+gaps and the decode batch-size histogram; the engine feeds it every step (`observe_step`, `record_draft`, session
+arrivals and finishes) and asks it whether the next step considers drafts at all (gate.py), then for its draft lengths
+(goodput.py), its token budget (batching.py) and how long to protect a finished agent turn's blocks (retention.py).
+It saves itself to the state directory now and then and when the engine shuts down, and `snapshot()` is what
+`GET /v1/engine/adaptive` and the metrics show.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from reasoning_engine.adaptive.acceptance import AcceptanceModel
 from reasoning_engine.adaptive.batching import LatencyTargets, token_budget
 from reasoning_engine.adaptive.cost_model import StepCostModel, StepShape, chunk_pairs
+from reasoning_engine.adaptive.gate import DraftingGate
 from reasoning_engine.adaptive.goodput import (DraftCandidate, choose_draft_lengths, expected_accepted,
                                                predicted_step_seconds)
 from reasoning_engine.adaptive.retention import SessionRetention
@@ -59,6 +61,7 @@ class AdaptiveController:
         self.cost = StepCostModel()
         self.acceptance = AcceptanceModel()
         self.retention = SessionRetention()
+        self.gate = DraftingGate()
         self.batch_sizes: Counter[int] = Counter()
         self.warm = False
         self._saved_at = time.monotonic()
@@ -72,7 +75,7 @@ class AdaptiveController:
         # per estimate, decayed sums over verified drafts: [accepted, expected of them before any realism scaling]
         self._realised: dict[str, list[float]] = {"proposer": [0.0, 0.0], "history": [0.0, 0.0]}
         # over the steps decided: "steps", "verifying" (with any draft), "draft_tokens", "probes" (requests probed),
-        # "plain_checks" (steps left plain to measure them, see `_may_draft`)
+        # "plain_checks" (steps left plain to measure them, see `_may_draft`), "gated" (steps the gate kept plain)
         self.decided: Counter[str] = Counter()
         self.last_budget: int | None = None
         self.retention_protected = 0  # turns whose blocks were protected
@@ -92,10 +95,13 @@ class AdaptiveController:
             retention = SessionRetention()
             retention.load(state["return_gaps"])
             sizes = Counter({int(k): int(v) for k, v in state["batch_sizes"].items()})
+            gate = DraftingGate()
+            gate.load(state.get("drafting_gate", {}))  # absent from states saved before the gate
         except (KeyError, TypeError, ValueError) as exc:
             logger.warning("adaptive state in %s is malformed (%s): starting cold", self.state_dir, exc)
             return
         self.cost, self.acceptance, self.retention, self.batch_sizes = cost, acceptance, retention, sizes
+        self.gate = gate
         self.warm = True
         logger.info("adaptive state loaded from %s (%d steps in the cost model)", self.state_dir, cost.observations)
 
@@ -104,7 +110,8 @@ class AdaptiveController:
             return
         save_state(self.state_dir, self.identity, {
             "cost_model": self.cost.to_dict(), "acceptance": self.acceptance.to_dict(),
-            "return_gaps": self.retention.to_dict(), "batch_sizes": {str(k): v for k, v in self.batch_sizes.items()}})
+            "return_gaps": self.retention.to_dict(), "batch_sizes": {str(k): v for k, v in self.batch_sizes.items()},
+            "drafting_gate": self.gate.to_dict()})
         self._saved_at = time.monotonic()
 
     def maybe_save(self) -> None:
@@ -133,7 +140,15 @@ class AdaptiveController:
             for shape in shapes:
                 self.cost.observe(shape, run(shape))
 
-    def observe_step(self, shape: StepShape, seconds: float, decode_batch: int) -> None:
+    def observe_step(self, shape: StepShape, seconds: float, decode_batch: int, drafting: bool | None = None,
+                     tokens: int = 0, drafting_seconds: float = 0.0) -> None:
+        """A step's measured `seconds` (as the cost model counts them). `drafting`: whether the gate let it consider
+        drafts (None: the gate was not asked); then a decode-only step's `tokens` and its seconds with all of the
+        proposing and choosing done for it (`drafting_seconds`) score that mode."""
+        if drafting is not None and shape.query_tokens == shape.sequences + shape.draft_tokens:
+            decodes = shape.sequences
+            plain = self.cost.predict(StepShape(decodes, decodes, shape.context_tokens - shape.draft_tokens))
+            self.gate.observe(decodes, drafting, tokens, drafting_seconds, plain)
         self.cost.observe(shape, seconds)
         if decode_batch:
             self.batch_sizes[decode_batch] += 1
@@ -167,6 +182,17 @@ class AdaptiveController:
         self._dropped.pop(seq_id, None)
 
     # ---- decisions ----
+    def drafting_open(self, decodes: int) -> bool | None:
+        """Whether the next step of `decodes` decoding requests considers drafts (gate.py); None where there is
+        nothing to gate (no proposer, or a cost model not ready to score steps by)."""
+        if self.method is None or not self.cost.ready or not decodes:
+            return None
+        if self.gate.open(decodes):
+            return True
+        self.decided.update(steps=1, gated=1)
+        self.last_lengths = [0] * decodes
+        return False
+
     def _candidate(self, ask: DraftAsk) -> tuple[DraftCandidate, str]:
         """An ask's candidate (unscaled) and which estimate its acceptance rates come from: its draft's node
         probabilities where the proposer gave them (a suffix tree knows how often this continuation followed this
@@ -334,7 +360,8 @@ class AdaptiveController:
                                                    "max": max(lengths, default=0)},
                             "decided": {"steps": self.decided["steps"], "verifying_steps": self.decided["verifying"],
                                         "draft_tokens": self.decided["draft_tokens"], "probes": self.decided["probes"],
-                                        "plain_checks": self.decided["plain_checks"]},
+                                        "plain_checks": self.decided["plain_checks"], "gated": self.decided["gated"]},
+                            "gate": self.gate.summary(),
                             "realism": {name: self.realism(name) for name in self._realised},
                             "acceptance_by_class": self.acceptance.summary(self.max_draft_tokens)},
             "batching": {"target_itl_ms": self.targets.itl_ms, "target_ttft_ms": self.targets.ttft_ms,

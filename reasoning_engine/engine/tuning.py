@@ -53,6 +53,9 @@ class EngineTuner:
             LatencyTargets(config.target_itl_ms, config.target_ttft_ms))
         self._step_start = 0.0
         self._proposing = 0.0  # seconds the last step spent proposing (and choosing) the next step's drafts
+        self._drafting: bool | None = None  # the gate's decision for this step (None: not asked)
+        self._next_drafting: bool | None = None  # and for the next one
+        self._accepted = 0  # draft tokens accepted in this step
         self._refreshed = 0.0
 
     @property
@@ -103,19 +106,22 @@ class EngineTuner:
 
     def begin_step(self) -> None:
         self._step_start = time.perf_counter()
+        self._drafting, self._next_drafting = self._next_drafting, None
+        self._accepted = 0
 
     def end_step(self, plans: list[SchedulerOutput], shape: StepShape, proposing: float) -> None:
         """After postprocessing: the step's measured time into the cost model. A step proposes the next step's drafts
         (`proposing` seconds), and that time belongs to the step that verifies them; a step that verifies none is
         measured without it (the proposer ran before the choice not to verify, which saved none of it). Counted where
         it was spent, or in a plain step, it made plain steps look dearer the more the chooser drafted (it fed on
-        itself)."""
+        itself). The drafting gate, which weighs drafting as a whole, scores the step with all of it."""
         decode_batch = max((sum(1 for s in plan.scheduled if s.num_tokens - s.num_draft_tokens == 1) for plan in plans),
                            default=0)
-        carried = self._proposing if shape.verifying else 0.0
-        seconds = time.perf_counter() - self._step_start - proposing + carried
+        own = time.perf_counter() - self._step_start - proposing
+        seconds = own + (self._proposing if shape.verifying else 0.0)
+        self.controller.observe_step(shape, seconds, decode_batch, self._drafting, shape.sequences + self._accepted,
+                                     own + self._proposing)
         self._proposing = proposing
-        self.controller.observe_step(shape, seconds, decode_batch)
 
     @staticmethod
     def shape(plans: list[SchedulerOutput]) -> StepShape:
@@ -128,6 +134,11 @@ class EngineTuner:
                          sum(1 for s in items if s.num_draft_tokens))
 
     # ---- speculation ----
+    def drafting(self, requests: list[Request]) -> bool:
+        """Whether the next step considers drafts for these decoding requests (the drafting gate)."""
+        self._next_drafting = self.controller.drafting_open(len(requests))
+        return self._next_drafting is not False
+
     def draft_lengths(self, requests: list[Request], limits: list[int], schedulers: list[Scheduler],
                       probs: list[list[float] | None] | None = None) -> list[int]:
         """Per decoding request, its draft length by goodput within its limit; `probs`: each request's drafted
@@ -170,6 +181,7 @@ class EngineTuner:
         return (tokens, prefill.num_computed_tokens) if tokens > 0 else None
 
     def record_draft(self, request: Request, draft_len: int, accepted: int) -> None:
+        self._accepted += accepted
         self.controller.record_draft(request.seq_id, request.workload, draft_len, accepted)
 
     # ---- sessions and retention ----

@@ -361,6 +361,8 @@ def test_state_round_trips(tmp_path: Path) -> None:
         first.record_draft("r", "agent", 4, 3)
     first.retention.finished("s", "agent/tool_call", 0.0)
     first.retention.arrived("s", 4.0)
+    for drafting in (True, False) * 10:
+        first.gate.observe(24, drafting, 30 if drafting else 24, 0.03, 0.028)
     first.save()
     second = _controller(tmp_path)
     assert second.warm
@@ -368,9 +370,10 @@ def test_state_round_trips(tmp_path: Path) -> None:
     assert second.acceptance.to_dict() == first.acceptance.to_dict()
     assert second.retention.to_dict() == first.retention.to_dict()
     assert second.batch_sizes == first.batch_sizes
+    assert second.gate.summary() == first.gate.summary() and second.gate.summary()["16-31"]["on_steps"] == 10
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign", "wrong_shape"])
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign", "wrong_shape", "bad_gate"])
 def test_bad_state_starts_cold_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str) -> None:
     first = _controller(tmp_path)
     for shape in _random_shapes(random.Random(3), 20):
@@ -385,6 +388,10 @@ def test_bad_state_starts_cold_with_a_warning(tmp_path: Path, caplog: pytest.Log
     elif damage == "wrong_shape":
         data = json.loads(text)
         data["state"]["cost_model"]["xtx"] = [[1.0]]
+        path.write_text(json.dumps(data))
+    elif damage == "bad_gate":
+        data = json.loads(text)
+        data["state"]["drafting_gate"] = {"5": [1e9, 3, 1.0]}
         path.write_text(json.dumps(data))
     with caplog.at_level(logging.WARNING):
         second = _controller(tmp_path, model="another" if damage == "foreign" else "m")

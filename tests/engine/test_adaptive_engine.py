@@ -82,10 +82,17 @@ def test_a_step_is_charged_the_proposing_of_the_drafts_it_verifies_and_no_other(
         llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step proposes the next step's drafts; that time belongs to the next step if it verifies them. If the chooser
     then verifies none, no choice saved the proposing, and charged to the plain step it would make plain steps look
-    dearer the more the proposer works."""
+    dearer the more the proposer works. The drafting gate, which weighs drafting as a whole, sees every step with
+    the proposing done for it."""
     tuner = tuning.EngineTuner(build_engine_config(str(llama_dir), dtype="float32", device="cpu"), None, set())
     seen: list[float] = []
-    monkeypatch.setattr(tuner.controller, "observe_step", lambda shape, seconds, batch: seen.append(round(seconds, 6)))
+    gated: list[float] = []
+
+    def observe(shape: StepShape, seconds: float, batch: int, drafting: bool | None, tokens: int,
+                drafting_seconds: float) -> None:
+        seen.append(round(seconds, 6))
+        gated.append(round(drafting_seconds, 6))
+    monkeypatch.setattr(tuner.controller, "observe_step", observe)
     clock = iter([0.0, 0.010, 1.0, 1.012, 2.0, 2.011])
     monkeypatch.setattr(tuning.time, "perf_counter", lambda: next(clock))
     plain = StepShape(4, 4, 400, draft_sequences=0)
@@ -94,6 +101,7 @@ def test_a_step_is_charged_the_proposing_of_the_drafts_it_verifies_and_no_other(
         tuner.begin_step()
         tuner.end_step([], shape, proposing)
     assert seen == [0.007, 0.010, 0.012]  # 10-3; 12-2 (not the 3 before it); 11-1 plus the 2 that drafted for it
+    assert gated == [0.007, 0.013, 0.012]  # 10-3; 12-2 plus the 3 proposed for it; 11-1 plus 2
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +129,38 @@ def test_greedy_outputs_with_adaptive_on_equal_plain_decoding(llama_dir: Path, p
     assert snapshot["retention"]["turns_protected"] == 10
     assert engine.stats().adaptive["protected_blocks"] > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_where_the_gate_finds_drafting_does_not_pay_only_seeded_requests_draft(llama_dir: Path,
+                                                                             plain: list[list[int]]) -> None:
+    """With the drafting gate closed the proposer is asked for nothing the engine chooses lengths for, and greedy
+    outputs stay exact; seeded sampling keeps its static draft lengths (its random draws depend on them, so they must
+    not depend on measured timings)."""
+    prompts = mixed_prompts(10, seed=21, low=5, high=40)
+    llm = LLM(llama_dir, dtype="float32", device="cpu",
+              speculative_config={"method": "suffix", "num_speculative_tokens": 8})
+    engine = llm.engine
+    controller = engine.tuner.controller
+    gate_asked: list[int] = []
+    controller.gate.open = lambda decodes: gate_asked.append(decodes) and False
+    asked: list[str] = []
+    propose_batch = engine.spec.propose_batch
+
+    def recording(items, keep=None):
+        asked.extend(seq_id for seq_id, _, n in items if n > 0)
+        return propose_batch(items, keep)
+    engine.spec.propose_batch = recording
+    ids = [engine.add_request(None, p, GREEDY) for p in _ids(prompts)]
+    seeded = engine.add_request(None, {"prompt_token_ids": prompts[0] * 3},
+                                SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True))
+    seeded_seq = engine.groups[seeded][0].seq_id
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((out.request_id, out) for out in engine.step() if out.finished)
+    assert [done[i].outputs[0].token_ids for i in ids] == plain
+    assert gate_asked and controller.decided["gated"] == len(gate_asked)
+    assert asked and set(asked) == {seeded_seq}
+    assert engine.adaptive_snapshot()["speculation"]["decided"]["gated"] > 0
 
 
 def test_an_agents_next_turn_finds_its_blocks_despite_pressure(llama_dir: Path) -> None:
@@ -171,10 +211,10 @@ def test_drafting_time_counts_in_the_step_that_verifies_the_drafts(llama_dir: Pa
     verified: list[bool] = []
     observe, propose = controller.observe_step, engine._propose_drafts
 
-    def observe_step(shape, seconds: float, decode_batch: int) -> None:
+    def observe_step(shape, seconds: float, decode_batch: int, *gated) -> None:
         seen.append(seconds)
         verified.append(shape.verifying > 0)
-        observe(shape, seconds, decode_batch)
+        observe(shape, seconds, decode_batch, *gated)
 
     proposals: list[None] = []
 

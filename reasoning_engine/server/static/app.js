@@ -327,6 +327,8 @@ async function showAdaptive() {
   if (a.speculation.method) {
     const d = a.speculation.last_draft_lengths;
     parts.push(`last drafts ${d.mean.toFixed(1)} tokens on average (max ${d.max})`);
+    const off = Object.entries(a.speculation.gate || {}).filter(([, g]) => !g.drafting).map(([sizes]) => sizes);
+    if (off.length) parts.push(`drafting off at ${off.join(", ")} decoding requests`);
   }
   if (a.batching.last_token_budget !== null) parts.push(`token budget ${a.batching.last_token_budget}`);
   parts.push(`${a.retention.turns_protected} turns kept, ${a.retention.retention_hit_tokens} tokens reused`);

@@ -1,0 +1,140 @@
+"""Whether drafting pays at all at a batch size: measured on the steps themselves, not predicted.
+
+The goodput chooser (goodput.py) prices each step's drafts with the cost model, but drafting costs more than the
+verification it prices: the proposer drafts for requests whose drafts are then dropped, the chooser itself runs for
+every decoding request, and the step's Python work competes with the server for the interpreter. On the bundled model
+at 20-31 decoding requests on 2 CPU cores, that came to 1.4-1.8 ms of a ~32 ms plain step (5%), while the steps that
+did verify drafts delivered about the tokens per second of the plain steps they replaced: the server with drafting ran
+at 0.93x one without speculation. The gate measures what drafting delivers, overhead and mispricing included, per
+decode batch size (by power of two, like the cost model's kinds), and turns it off where it does not pay.
+
+Each decode-only step is scored by its tokens per second relative to the cost model's prediction for the same step
+without drafts: tokens x predicted plain seconds / (decodes x seconds), the seconds of a step decided with drafting on
+including the proposing and choosing done for it. A step run without drafting scores about 1 (the prediction's noise);
+one with drafting scores its real gain. Per bucket the gate keeps a decayed mean of each mode's score and runs
+drafting unless off scores higher beyond the noise, trying the other mode every EXPLORE_EVERY steps of the bucket
+(every EXPLORE_EVERY_CLEAR once one leads by CLEAR_LEAD), so a change in the workload's acceptance or in the
+machine's load is noticed. A new bucket alternates the two until both have MIN_SCORES scores. This only decides
+whether drafts are considered; verification keeps the output exact either way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+SCORE_DECAY = 0.995  # per scored step of a bucket, the weight left to each older score of either mode (~200 steps)
+MIN_SCORES = 8  # scores of each mode before the gate acts on their comparison
+FIRST_EXPLORE_EVERY = 2  # until both modes have MIN_SCORES scores, every other step runs without drafting
+EXPLORE_EVERY = 8  # steps of a bucket between tries of the losing mode
+EXPLORE_EVERY_CLEAR = 32  # the same once the winner leads by CLEAR_LEAD
+CLEAR_LEAD = 0.10
+SIGNIFICANCE = 2.0  # standard errors by which off must lead to turn drafting off
+SCORE_BOUNDS = (0.1, 10.0)  # a single step counts as if at most 10x off (a stall must not swamp the mean)
+
+
+@dataclass
+class ModeScore:
+    """Decayed mean and variance of one mode's step scores."""
+
+    total: float = 0.0
+    squares: float = 0.0
+    weight: float = 0.0
+    count: int = 0
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.weight if self.weight > 0 else 1.0
+
+    def mean_variance(self) -> float:
+        """The variance of `mean` (the scores' variance over their weight)."""
+        if self.weight <= 0:
+            return 0.0
+        return max(self.squares / self.weight - self.mean ** 2, 0.0) / self.weight
+
+
+@dataclass
+class Bucket:
+    """One batch size's scores. Both modes' scores fade per step of the bucket, whichever mode it ran, so the two
+    means cover the same stretch of time although the losing mode is scored only once in EXPLORE_EVERY steps (faded
+    per own score, its mean would reach back eight times as far, into a machine or workload that has moved on)."""
+
+    on: ModeScore = field(default_factory=ModeScore)
+    off: ModeScore = field(default_factory=ModeScore)
+    decisions: int = 0
+
+    def add(self, drafting: bool, score: float) -> None:
+        for mode in (self.on, self.off):
+            mode.total *= SCORE_DECAY
+            mode.squares *= SCORE_DECAY
+            mode.weight *= SCORE_DECAY
+        low, high = SCORE_BOUNDS
+        score = min(max(score, low), high)
+        mode = self.on if drafting else self.off
+        mode.total += score
+        mode.squares += score * score
+        mode.weight += 1.0
+        mode.count += 1
+
+    def winner(self) -> bool:
+        """Drafting on, unless both modes are measured and off scores higher by SIGNIFICANCE standard errors. At a
+        small batch a drafted step's score swings with its acceptance (on the bundled model at one request, a
+        standard deviation of 0.8 around 1.4) and the first drafts of a cold proposer are poor, so a plain lead in
+        the means would turn drafting off on noise where it pays most."""
+        if min(self.on.count, self.off.count) < MIN_SCORES:
+            return True
+        error = math.sqrt(self.on.mean_variance() + self.off.mean_variance())
+        return self.off.mean - self.on.mean <= SIGNIFICANCE * error
+
+
+def bucket_of(decodes: int) -> int:
+    """A batch size's bucket: its power of two (1, 2-3, 4-7, ...), as the cost model's kinds of step."""
+    return decodes.bit_length()
+
+
+class DraftingGate:
+    """Per decode batch-size bucket, whether drafting is on: the mode whose steps scored higher."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, Bucket] = {}
+
+    def open(self, decodes: int) -> bool:
+        """Whether the next step of `decodes` decoding requests considers drafts."""
+        bucket = self.buckets.setdefault(bucket_of(decodes), Bucket())
+        bucket.decisions += 1
+        if min(bucket.on.count, bucket.off.count) < MIN_SCORES:
+            every = FIRST_EXPLORE_EVERY
+        else:
+            lead = abs(bucket.on.mean - bucket.off.mean) / max(min(bucket.on.mean, bucket.off.mean), 1e-9)
+            every = EXPLORE_EVERY_CLEAR if lead > CLEAR_LEAD else EXPLORE_EVERY
+        return bucket.winner() != (bucket.decisions % every == 0)
+
+    def observe(self, decodes: int, drafting: bool, tokens: int, seconds: float, plain_seconds: float) -> None:
+        """A decode-only step decided with drafting on or off: its `tokens` in `seconds` (drafting's own time
+        included), against `plain_seconds`, the cost model's prediction for its decodes without drafts."""
+        if decodes <= 0 or seconds <= 0 or plain_seconds <= 0:
+            return
+        bucket = self.buckets.setdefault(bucket_of(decodes), Bucket())
+        bucket.add(drafting, tokens * plain_seconds / (decodes * seconds))
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Per bucket (its decoding requests, as "16-31"): each mode's mean score and count, and the winner."""
+        return {f"{(1 << b) >> 1}-{(1 << b) - 1}": {"on": round(s.on.mean, 4), "on_steps": s.on.count,
+                                                   "off": round(s.off.mean, 4), "off_steps": s.off.count,
+                                                   "drafting": s.winner()}
+                for b, s in sorted(self.buckets.items())}
+
+    def to_dict(self) -> dict[str, list[float]]:
+        return {str(b): [value for m in (s.on, s.off) for value in (m.total, m.squares, m.weight, m.count)]
+                for b, s in self.buckets.items()}
+
+    def load(self, data: dict[str, list[float]]) -> None:
+        buckets = {}
+        for key, values in data.items():
+            on, off = (ModeScore(float(t), float(q), float(w), int(c)) for t, q, w, c in (values[:4], values[4:]))
+            low, high = SCORE_BOUNDS
+            if any(m.weight < 0 or m.count < 0 or (m.weight and not low <= m.mean <= high) for m in (on, off)):
+                raise ValueError(f"drafting gate bucket {key} out of range")
+            buckets[int(key)] = Bucket(on, off)
+        self.buckets = buckets

@@ -333,14 +333,16 @@ def report(data: dict[str, Any], args: argparse.Namespace) -> str:
             chosen = f"{held_out[1]:.2f}x ({', '.join(held_out[0])})" if held_out else "-"
             lines.append(f"| {level} | {warm / best:.2f}x | {best_name} | {chosen} | {warm / default:.2f}x | "
                          f"{first:.2f}x |")
-        lines += ["", "What adaptive (warm) chose at each level: the share of steps verifying any draft, draft tokens per "
-                  "step, probe drafts.", "", "| concurrency | steps | verifying | draft tokens / step | probes |",
-                  "|---|---|---|---|---|"]
+        lines += ["", "What adaptive (warm) chose at each level: the share of steps verifying any draft, the share "
+                  "the drafting gate kept plain, draft tokens per step, probe drafts.", "",
+                  "| concurrency | steps | verifying | gated | draft tokens / step | probes |",
+                  "|---|---|---|---|---|---|"]
         for level, r in results["adaptive warm"].items():
             d = r.get("decided") or {}
             steps = max(d.get("steps", 0), 1)
             lines.append(f"| {level} | {d.get('steps', 0)} | {100 * d.get('verifying_steps', 0) / steps:.0f}% | "
-                         f"{d.get('draft_tokens', 0) / steps:.2f} | {d.get('probes', 0)} |")
+                         f"{100 * d.get('gated', 0) / steps:.0f}% | {d.get('draft_tokens', 0) / steps:.2f} | "
+                         f"{d.get('probes', 0)} |")
         lines.append("")
     if data.get("kv_pressure"):
         p = data["kv_pressure"]

@@ -4,6 +4,7 @@ latency-aware budgets, state across restarts."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -146,7 +147,7 @@ def test_where_the_gate_finds_drafting_does_not_pay_only_seeded_requests_draft(l
     asked: list[str] = []
     propose_batch = engine.spec.propose_batch
 
-    def recording(items, keep=None):
+    def recording(items: list[tuple], keep: Callable | None = None) -> list:
         asked.extend(seq_id for seq_id, _, n in items if n > 0)
         return propose_batch(items, keep)
     engine.spec.propose_batch = recording
@@ -211,7 +212,7 @@ def test_drafting_time_counts_in_the_step_that_verifies_the_drafts(llama_dir: Pa
     verified: list[bool] = []
     observe, propose = controller.observe_step, engine._propose_drafts
 
-    def observe_step(shape, seconds: float, decode_batch: int, *gated) -> None:
+    def observe_step(shape: StepShape, seconds: float, decode_batch: int, *gated: object) -> None:
         seen.append(seconds)
         verified.append(shape.verifying > 0)
         observe(shape, seconds, decode_batch, *gated)

@@ -77,12 +77,17 @@ class Bucket:
         mode.weight += 1.0
         mode.count += 1
 
+    @property
+    def measured(self) -> bool:
+        """Both modes have MIN_SCORES scores."""
+        return min(self.on.count, self.off.count) >= MIN_SCORES
+
     def winner(self) -> bool:
         """Drafting on, unless both modes are measured and off scores higher by SIGNIFICANCE standard errors. At a
         small batch a drafted step's score swings with its acceptance (on the bundled model at one request, a
         standard deviation of 0.8 around 1.4) and the first drafts of a cold proposer are poor, so a plain lead in
         the means would turn drafting off on noise where it pays most."""
-        if min(self.on.count, self.off.count) < MIN_SCORES:
+        if not self.measured:
             return True
         error = math.sqrt(self.on.mean_variance() + self.off.mean_variance())
         return self.off.mean - self.on.mean <= SIGNIFICANCE * error
@@ -94,16 +99,19 @@ def bucket_of(decodes: int) -> int:
 
 
 class DraftingGate:
-    """Per decode batch-size bucket, whether drafting is on: the mode whose steps scored higher."""
+    """Per decode batch-size bucket, whether drafting is on (`Bucket.winner`), the other mode tried now and then."""
 
     def __init__(self) -> None:
         self.buckets: dict[int, Bucket] = {}
 
+    def _bucket(self, decodes: int) -> Bucket:
+        return self.buckets.setdefault(bucket_of(decodes), Bucket())
+
     def open(self, decodes: int) -> bool:
         """Whether the next step of `decodes` decoding requests considers drafts."""
-        bucket = self.buckets.setdefault(bucket_of(decodes), Bucket())
+        bucket = self._bucket(decodes)
         bucket.decisions += 1
-        if min(bucket.on.count, bucket.off.count) < MIN_SCORES:
+        if not bucket.measured:
             every = FIRST_EXPLORE_EVERY
         else:
             lead = abs(bucket.on.mean - bucket.off.mean) / max(min(bucket.on.mean, bucket.off.mean), 1e-9)
@@ -115,8 +123,7 @@ class DraftingGate:
         included), against `plain_seconds`, the cost model's prediction for its decodes without drafts."""
         if decodes <= 0 or seconds <= 0 or plain_seconds <= 0:
             return
-        bucket = self.buckets.setdefault(bucket_of(decodes), Bucket())
-        bucket.add(drafting, tokens * plain_seconds / (decodes * seconds))
+        self._bucket(decodes).add(drafting, tokens * plain_seconds / (decodes * seconds))
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per bucket (its decoding requests, as "16-31"): each mode's mean score and count, and the winner."""

@@ -62,8 +62,7 @@ def test_a_stalled_step_moves_the_score_only_so_far() -> None:
 
 def test_a_machine_that_slows_down_does_not_flip_the_gate() -> None:
     """Every step slows by a fifth (another job starts) before the cost model has caught up: both modes score lower at
-    once.
-    The losing mode is scored once in EXPLORE_EVERY steps, so were each mode's mean faded per its own scores, the
+    once. The losing mode is scored once in EXPLORE_EVERY steps, so were each mode's mean faded per its own scores, the
     winner's would fall within a few steps while the loser's still remembered the faster machine."""
     gate = DraftingGate()
     rng = random.Random(4)

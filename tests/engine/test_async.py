@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,49 @@ def test_bad_request_raises_before_streaming(engine: AsyncLLM) -> None:
 
     with pytest.raises(ValueError, match="prompt_token_ids"):
         asyncio.run(run())
+
+
+def test_the_engine_is_built_and_stepped_in_one_thread_not_the_callers(llama_dir: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """All of the model's torch work in one thread: a second OpenMP team (the caller's, from loading) made every op
+    of the engine thread several times slower on a small CPU."""
+    from reasoning_engine.engine import async_engine
+
+    threads: dict[str, set[int]] = {"build": set(), "step": set()}
+    build, step = async_engine.LLMEngine.__init__, async_engine.LLMEngine.step
+
+    def recording_init(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        threads["build"].add(threading.get_ident())
+        build(self, *args, **kwargs)
+
+    def recording_step(self):  # type: ignore[no-untyped-def]
+        threads["step"].add(threading.get_ident())
+        return step(self)
+
+    monkeypatch.setattr(async_engine.LLMEngine, "__init__", recording_init)
+    monkeypatch.setattr(async_engine.LLMEngine, "step", recording_step)
+    eng = AsyncLLM(str(llama_dir), dtype="float32", device="cpu")
+    try:
+        async def run() -> None:
+            async for _ in eng.generate("one thread", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)):
+                pass
+
+        asyncio.run(run())
+    finally:
+        eng.shutdown_sync()
+    assert threads["build"] == threads["step"] == {eng._thread.ident}
+    assert threading.get_ident() not in threads["build"]
+
+
+def test_an_engine_that_fails_to_build_raises_in_the_constructor(llama_dir: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from reasoning_engine.engine import async_engine
+
+    def broken(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        raise OSError("the checkpoint's weights are unreadable")
+
+    before = threading.active_count()
+    monkeypatch.setattr(async_engine.LLMEngine, "__init__", broken)
+    with pytest.raises(OSError, match="weights are unreadable"):
+        AsyncLLM(str(llama_dir), dtype="float32", device="cpu")
+    assert threading.active_count() == before  # the engine thread ended with it

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from reasoning_engine.adaptive.acceptance import AcceptanceModel
-from reasoning_engine.adaptive.batching import LatencyTargets, token_budget
+from reasoning_engine.adaptive.batching import ChunkCost, LatencyTargets, token_budget
 from reasoning_engine.adaptive.cost_model import StepCostModel, StepShape, chunk_pairs
 from reasoning_engine.adaptive.gate import DraftingGate
 from reasoning_engine.adaptive.goodput import (DraftCandidate, choose_draft_lengths, expected_accepted,
@@ -62,6 +62,7 @@ class AdaptiveController:
         self.acceptance = AcceptanceModel()
         self.retention = SessionRetention()
         self.gate = DraftingGate()
+        self.chunk_cost = ChunkCost()
         self.batch_sizes: Counter[int] = Counter()
         self.warm = False
         self._saved_at = time.monotonic()
@@ -97,11 +98,13 @@ class AdaptiveController:
             sizes = Counter({int(k): int(v) for k, v in state["batch_sizes"].items()})
             gate = DraftingGate()
             gate.load(state.get("drafting_gate", {}))  # absent from states saved before the gate
+            chunk_cost = ChunkCost()
+            chunk_cost.load(state.get("chunk_steps", []))
         except (KeyError, TypeError, ValueError) as exc:
             logger.warning("adaptive state in %s is malformed (%s): starting cold", self.state_dir, exc)
             return
         self.cost, self.acceptance, self.retention, self.batch_sizes = cost, acceptance, retention, sizes
-        self.gate = gate
+        self.gate, self.chunk_cost = gate, chunk_cost
         self.warm = True
         logger.info("adaptive state loaded from %s (%d steps in the cost model)", self.state_dir, cost.observations)
 
@@ -111,7 +114,7 @@ class AdaptiveController:
         save_state(self.state_dir, self.identity, {
             "cost_model": self.cost.to_dict(), "acceptance": self.acceptance.to_dict(),
             "return_gaps": self.retention.to_dict(), "batch_sizes": {str(k): v for k, v in self.batch_sizes.items()},
-            "drafting_gate": self.gate.to_dict()})
+            "drafting_gate": self.gate.to_dict(), "chunk_steps": self.chunk_cost.to_list()})
         self._saved_at = time.monotonic()
 
     def maybe_save(self) -> None:
@@ -122,7 +125,7 @@ class AdaptiveController:
     def calibrate(self, run: Callable[[StepShape], float], max_seqs: int, max_tokens: int, block_size: int) -> None:
         """Warm the cost model with steps of known shape (`run` times one and returns seconds): decodes of 1, 4
         and max_seqs sequences at short and long contexts, prefill chunks, verification steps where every sequence
-        drafts and where one does."""
+        drafts and where one does. The prefill chunks also seed the chunk cost."""
         shapes = []
         for seqs in sorted({1, min(4, max_seqs), max_seqs}):
             for context in (block_size, 16 * block_size):
@@ -136,9 +139,15 @@ class AdaptiveController:
             if max_seqs > 1:  # one draft among decodes: what leaving the decode path costs the whole step
                 for draft in sorted({min(2, k), k}):
                     shapes.append(StepShape(max_seqs + draft, max_seqs, max_seqs * (1 + k), draft, draft_sequences=1))
+        timed: dict[StepShape, float] = {}
         for _ in range(2):
             for shape in shapes:
-                self.cost.observe(shape, run(shape))
+                timed[shape] = run(shape)  # the second, warm round's time stays
+                self.cost.observe(shape, timed[shape])
+        lone = StepShape(1, 1, block_size)
+        for shape, seconds in timed.items():
+            if shape.sequences == 1 and shape.query_tokens > 1 and not shape.draft_tokens:
+                self.chunk_cost.observe(shape.query_tokens, shape.pairs, seconds - self.cost.predict(lone))
 
     def observe_step(self, shape: StepShape, seconds: float, decode_batch: int, drafting: bool | None = None,
                      tokens: int = 0, drafting_seconds: float = 0.0) -> None:
@@ -152,6 +161,11 @@ class AdaptiveController:
         self.cost.observe(shape, seconds)
         if decode_batch:
             self.batch_sizes[decode_batch] += 1
+
+    def observe_chunk(self, decodes: StepShape, tokens: int, pairs: int, seconds: float) -> None:
+        """A step ran `decodes` (perhaps none) beside prefill chunks of `tokens` scoring `pairs` attention pairs in
+        all, in `seconds` (as the cost model counts them): what the chunks cost beyond the decodes' predicted time."""
+        self.chunk_cost.observe(tokens, pairs, seconds - self.cost.predict(decodes))
 
     def record_draft(self, seq_id: str, workload: str, draft_len: int, accepted: int) -> None:
         self.acceptance.record(seq_id, self.method or "none", workload, draft_len, accepted)
@@ -332,7 +346,7 @@ class AdaptiveController:
     def token_budget(self, decodes: StepShape, max_tokens: int, oldest_wait_s: float, waiting_tokens: int,
                      prefill_context: int) -> int:
         self.last_budget = token_budget(self.cost, decodes, max_tokens, self.targets, oldest_wait_s, waiting_tokens,
-                                        prefill_context)
+                                        prefill_context, chunk_cost=self.chunk_cost)
         return self.last_budget
 
     # ---- sessions ----
@@ -365,7 +379,10 @@ class AdaptiveController:
                             "realism": {name: self.realism(name) for name in self._realised},
                             "acceptance_by_class": self.acceptance.summary(self.max_draft_tokens)},
             "batching": {"target_itl_ms": self.targets.itl_ms, "target_ttft_ms": self.targets.ttft_ms,
-                         "last_token_budget": self.last_budget},
+                         "last_token_budget": self.last_budget,
+                         "chunk_seconds_per": {"token": float(self.chunk_cost.weights[0]),
+                                                "attention_pair": float(self.chunk_cost.weights[1]),
+                                                "tail": self.chunk_cost.tail}},
             "retention": {"turns_protected": self.retention_protected, "classes": self.retention.summary(), **extra},
             "decode_batch_sizes": dict(sorted(self.batch_sizes.items())),
         }

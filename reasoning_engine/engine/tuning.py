@@ -17,7 +17,7 @@ from reasoning_engine.adaptive.cost_model import StepShape, chunk_pairs
 from reasoning_engine.config import EngineConfig
 from reasoning_engine.engine.kv_cache import BlockManager
 from reasoning_engine.engine.request import Request
-from reasoning_engine.engine.scheduler import Scheduler, SchedulerOutput
+from reasoning_engine.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from reasoning_engine.engine.worker import StepInput
 from reasoning_engine.speculative.decoder import SpeculativeConfig
 
@@ -56,6 +56,7 @@ class EngineTuner:
         self._drafting: bool | None = None  # the gate's decision for this step (None: not asked)
         self._next_drafting: bool | None = None  # and for the next one
         self._accepted = 0  # draft tokens accepted in this step
+        self._chunks: tuple[StepShape, int, int] | None = None  # this step's decodes, chunk tokens and pairs
         self._refreshed = 0.0
 
     @property
@@ -119,19 +120,23 @@ class EngineTuner:
                            default=0)
         own = time.perf_counter() - self._step_start - proposing
         seconds = own + (self._proposing if shape.verifying else 0.0)
+        if self._chunks is not None:
+            self.controller.observe_chunk(*self._chunks, seconds)
         self.controller.observe_step(shape, seconds, decode_batch, self._drafting, shape.sequences + self._accepted,
                                      own + self._proposing)
         self._proposing = proposing
 
-    @staticmethod
-    def shape(plans: list[SchedulerOutput]) -> StepShape:
-        """What the scheduled step computes (before postprocessing moves the requests on)."""
+    def shape(self, plans: list[SchedulerOutput]) -> StepShape:
+        """What the scheduled step computes (before postprocessing moves the requests on); a step with prefill
+        chunks also notes its decodes' part and its chunks' tokens and attention pairs, for what chunks cost."""
         items = [s for plan in plans for s in plan.scheduled]
-        return StepShape(sum(s.num_tokens for s in items), len(items),
-                         sum(s.request.num_computed_tokens + s.num_tokens for s in items),
-                         sum(s.num_draft_tokens for s in items),
-                         sum(chunk_pairs(s.num_tokens, s.request.num_computed_tokens) for s in items),
-                         sum(1 for s in items if s.num_draft_tokens))
+        chunks = [s for s in items if s.num_tokens - s.num_draft_tokens > 1]
+        self._chunks = None
+        if chunks:
+            decodes = _shape_of([s for s in items if s.num_tokens - s.num_draft_tokens == 1])
+            self._chunks = (decodes, sum(s.num_tokens for s in chunks),
+                            sum(chunk_pairs(s.num_tokens, s.request.num_computed_tokens) for s in chunks))
+        return _shape_of(items)
 
     # ---- speculation ----
     def drafting(self, requests: list[Request]) -> bool:
@@ -240,6 +245,14 @@ def _next_prefill(scheduler: Scheduler) -> Request | None:
     """The prompt the scheduler's next step would prefill: a running one's next chunk, else the oldest waiting one."""
     running = next((r for r in scheduler.running if r.is_prefilling), None)
     return running or (scheduler.waiting[0] if scheduler.waiting else None)
+
+
+def _shape_of(items: list[ScheduledRequest]) -> StepShape:
+    return StepShape(sum(s.num_tokens for s in items), len(items),
+                     sum(s.request.num_computed_tokens + s.num_tokens for s in items),
+                     sum(s.num_draft_tokens for s in items),
+                     sum(chunk_pairs(s.num_tokens, s.request.num_computed_tokens) for s in items),
+                     sum(1 for s in items if s.num_draft_tokens))
 
 
 def synthetic_step(shape: StepShape, padding_block: int, block_size: int, max_model_len: int) -> StepInput:

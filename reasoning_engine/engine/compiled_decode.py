@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from reasoning_engine.batch import ForwardBatch
+from reasoning_engine.kernels.attention import MixedAttentionMetadata
 from reasoning_engine.models.base import CausalLM
 
 if TYPE_CHECKING:
@@ -91,8 +92,10 @@ class CompiledDecode:
         return hidden, self.model.compute_logits(hidden)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """One query token per sequence, no draft tree."""
-        return batch.max_query_len == 1 and batch.tree_mask is None and batch.num_seqs > 0
+        """One query token per sequence, no draft tree, and contexts even enough to attend as one batch (a step
+        the attention splits by length runs eager: a graph traced over one split would not fit the next)."""
+        return (batch.max_query_len == 1 and batch.tree_mask is None and batch.num_seqs > 0
+                and not isinstance(batch.attn_metadata, MixedAttentionMetadata))
 
     def warm_up(self, batch: ForwardBatch) -> None:
         """Compile the graph this decode batch needs (the runner does so for one, three and MAX_SEQS + 1 sequences

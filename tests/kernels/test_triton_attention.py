@@ -157,6 +157,23 @@ def test_decode_metadata_matches_the_ragged_case(device, lens):
     assert_close(ref.cpu(), dense_reference(q, rows, batch, 3, 0.3, 8).float())
 
 
+def test_uneven_decode_contexts_are_attended_by_length_and_match_dense(device):
+    """One long context among short ones: the torch path attends the decodes in groups by power of two of their
+    length (not every one padded to the longest), and the result is the dense computation's and the unsplit one's."""
+    batch, q, k_cache, v_cache = gqa_case([600, 3, 7, 20, 0, 5], [1] * 6, 4, 4, 2, 8, torch.float32, device)
+    meta = attention.prepare_attention(batch, 4)
+    assert isinstance(meta, attention.MixedAttentionMetadata)
+    groups = sorted(sorted(part.seq_lens_cpu) for _, part, _ in meta.parts)
+    assert groups == [[1], [4], [6, 8], [21], [601]]  # lengths in (2^(k-1), 2^k] together
+    out = attention.paged_attention(q, k_cache, v_cache, batch, meta, 0.3)
+    whole = attention.paged_attention(q, k_cache, v_cache, batch, attention._prepare_decode(batch, 4), 0.3)
+    rows = lambda slots: (k_cache.view(-1, 2, 8)[slots.to(device)].cpu(), v_cache.view(-1, 2, 8)[slots.to(device)].cpu())
+    assert_close(out.cpu(), dense_reference(q, rows, batch, 4, 0.3, 8).float())
+    assert_close(out, whole)
+    even, *_ = gqa_case([30, 20, 40], [1] * 3, 4, 4, 2, 8, torch.float32, device)
+    assert isinstance(attention.prepare_attention(even, 4), attention.TorchAttentionMetadata)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("lens", [([0], [5]), ([9, 0, 3], [4, 1, 6])])
@@ -300,7 +317,7 @@ def test_verification_step_attends_its_decodes_apart_from_its_drafts(device, win
     """A step where a few sequences verify draft trees among many that decode (and one long chunk): the decodes are
     attended as a decode step (not padded to the drafts' length), the drafts under their trees, the chunk alone;
     the torch reference through those parts matches the dense computation, GQA with sinks and a window and MLA."""
-    lens = ([7, 12, 0, 30, 3, 9, 20], [1, 4, 1, 40, 1, 3, 1])
+    lens = ([7, 12, 0, 30, 3, 9, 6], [1, 4, 1, 40, 1, 3, 1])  # decode contexts even: one decode part
     batch, q, k_cache, v_cache = gqa_case(*lens, 4, 4, 2, 8, torch.float32, device, tree=True)
     meta = attention.prepare_attention(batch, 4)
     assert isinstance(meta, attention.MixedAttentionMetadata)

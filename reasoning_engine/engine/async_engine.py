@@ -35,6 +35,8 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLM:
+    engine: LLMEngine  # set by the engine thread, before the constructor returns
+
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         config = build_engine_config(model, **engine_kwargs)
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()

@@ -134,8 +134,8 @@ class EngineTuner:
         self._chunks = None
         if chunks:
             decodes = _shape_of([s for s in items if s.num_tokens - s.num_draft_tokens == 1])
-            self._chunks = (decodes, sum(s.num_tokens for s in chunks),
-                            sum(chunk_pairs(s.num_tokens, s.request.num_computed_tokens) for s in chunks))
+            chunked = _shape_of(chunks)
+            self._chunks = (decodes, chunked.query_tokens, chunked.pairs)
         return _shape_of(items)
 
     # ---- speculation ----

@@ -174,6 +174,19 @@ def test_uneven_decode_contexts_are_attended_by_length_and_match_dense(device):
     assert isinstance(attention.prepare_attention(even, 4), attention.TorchAttentionMetadata)
 
 
+def test_a_mixed_step_whose_decodes_are_uneven_splits_them_again_and_matches_dense(device):
+    """A verification step with a long chunk whose decoding sequences also differ widely in length: the decode part
+    is itself attended by length, and the whole still matches the dense computation."""
+    lens = ([7, 12, 0, 30, 3, 9, 20], [1, 4, 1, 40, 1, 3, 1])
+    batch, q, k_cache, v_cache = gqa_case(*lens, 4, 4, 2, 8, torch.float32, device, tree=True)
+    meta = attention.prepare_attention(batch, 4)
+    decode_part = next(m for _, part, m in meta.parts if set(part.query_lens_cpu) == {1})
+    assert isinstance(decode_part, attention.MixedAttentionMetadata)
+    out = attention.paged_attention(q, k_cache, v_cache, batch, meta, 0.3)
+    rows = lambda slots: (k_cache.view(-1, 2, 8)[slots.to(device)].cpu(), v_cache.view(-1, 2, 8)[slots.to(device)].cpu())
+    assert_close(out.cpu(), dense_reference(q, rows, batch, 4, 0.3, 8).float())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("lens", [([0], [5]), ([9, 0, 3], [4, 1, 6])])

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 PRIOR_WEIGHT = 4.0  # drafts' worth of class statistics a request starts from
 UNSEEN_RATE = 0.5  # the conditional rate assumed with no observation at all
 
@@ -42,12 +44,13 @@ class PositionCounts:
                 self.accepted[i] += 1.0
 
     def rates(self, length: int, prior: PositionCounts | None = None, prior_weight: float = PRIOR_WEIGHT) -> list[float]:
-        """Conditional acceptance rate of positions 1..length: own counts plus the prior's rescaled to
-        `prior_weight` trials at its first position (Beta-Bernoulli smoothing towards the class)."""
+        """Conditional acceptance rate of positions 1..length: own counts plus the prior's, rescaled to at most
+        `prior_weight` trials at its first position (Beta-Bernoulli smoothing towards the class; a class of one draft
+        counts as one, not as `prior_weight` copies of it)."""
         rates = []
         scale = 0.0
         if prior is not None and prior.trials and prior.trials[0] > 0:
-            scale = prior_weight / prior.trials[0]
+            scale = min(1.0, prior_weight / prior.trials[0])
         for i in range(length):
             trials = self.trials[i] if i < len(self.trials) else 0.0
             accepted = self.accepted[i] if i < len(self.accepted) else 0.0
@@ -116,3 +119,53 @@ class AcceptanceModel:
 
     def load(self, data: dict[str, Any]) -> None:
         self.classes = {str(key): PositionCounts.from_dict(value) for key, value in data.items()}
+
+
+class ProposedDrafts:
+    """How likely the proposer's good drafts are, per node, before it drafts: the QUANTILE-th of its recent drafts'
+    node probabilities.
+
+    Where a proposer says how likely each drafted node is, the controller caps what it is asked for before it
+    drafts (`AdaptiveController.draft_caps`), so the caps cannot use the probabilities of the drafts to come. A
+    request's acceptance history averages over all its drafts, while the chooser verifies only the likely ones: on
+    the agent traces at one request the history fell below 0.1 after the first failed drafts, the caps to 0, and the
+    proposer was asked again only by probes, while a fifth of its drafts started at 0.6 or more and delivered 0.8-0.9
+    tokens each. So caps assume a draft as likely as the recent good ones. A node past a draft's cap was never asked for: it is unknown,
+    and an unknown node is taken to be as likely as the one before it, so caps grow again after a stretch of short
+    ones."""
+
+    QUANTILE = 0.9
+    SIZE = 64
+
+    def __init__(self, length: int) -> None:
+        self.probs = np.full((self.SIZE, length), np.nan)
+        self.count = 0
+        self._survival: list[float] | None = None
+
+    def add(self, probs: list[float], cap: int) -> None:
+        """A draft proposed under `cap` nodes and its nodes' probabilities (fewer than `cap`: the rest were zero)."""
+        length = self.probs.shape[1]
+        row = np.full(length, np.nan)
+        known = min(cap, length)
+        row[:known] = 0.0
+        row[:min(len(probs), known)] = probs[:known]
+        self.probs[self.count % self.SIZE] = row
+        self.count += 1
+        self._survival = None
+
+    def survival(self) -> list[float] | None:
+        """Per node, the probability that a good draft's nodes up to it are accepted (non-increasing); None before
+        any draft."""
+        if not self.count or not self.probs.shape[1]:
+            return None
+        if self._survival is None:
+            rows = self.probs[:min(self.count, self.SIZE)]
+            known = ~np.isnan(rows).all(axis=0)
+            quantiles = np.ones(rows.shape[1])
+            if known.any():
+                quantiles[known] = np.nanquantile(rows[:, known], self.QUANTILE, axis=0)
+            first_unknown = int(np.argmin(known)) if not known.all() else len(known)
+            if first_unknown:
+                quantiles[first_unknown:] = quantiles[first_unknown - 1]
+            self._survival = np.minimum.accumulate(np.clip(quantiles, 0.0, 1.0)).tolist()
+        return self._survival

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from reasoning_engine.adaptive.acceptance import AcceptanceModel
+from reasoning_engine.adaptive.acceptance import AcceptanceModel, ProposedDrafts
 from reasoning_engine.adaptive.batching import ChunkCost, LatencyTargets, token_budget
 from reasoning_engine.adaptive.cost_model import StepCostModel, StepShape, chunk_pairs
 from reasoning_engine.adaptive.gate import DraftingGate
@@ -35,6 +35,7 @@ PROBE_SHARE = 0.05  # probes spend at most this share of the predicted step time
 PROBE_CREDIT_STEPS = 4.0  # the probe credit saved up is at most this many steps' predicted time
 REALISM_DECAY = 0.99  # weight of the older drafts in the realised / expected acceptance ratio (a memory of ~100)
 REALISM_BOUNDS = (0.2, 1.0)
+REALISM_PRIOR = 16.0  # expected tokens' worth of drafts assumed to deliver what they said (a few drafts prove little)
 
 
 @dataclass
@@ -69,7 +70,8 @@ class AdaptiveController:
         self.last_lengths: list[int] = []
         self._undrafted: dict[str, int] = {}  # steps since each request's last draft
         self._probe_credit = 0.0  # seconds of predicted step time probes may still spend
-        self._proposed: set[str] = set()  # requests the last caps let the proposer draft for (see `_waits`)
+        self._proposed: dict[str, int] = {}  # requests the last caps let the proposer draft for, and their caps
+        self.proposed_drafts = ProposedDrafts(max_draft_tokens)
         self._dropped: dict[str, tuple[int, int]] = {}  # per request: proposals dropped in a row, steps left to wait
         # accepted tokens expected of each request's pending draft, and by which estimate ("proposer" or "history")
         self._expected: dict[str, tuple[str, float]] = {}
@@ -182,12 +184,12 @@ class AdaptiveController:
         whose estimated acceptance is highest, and the highest estimates are the likeliest to be too high (the
         winner's curse): on the benchmark's agent traces at 32 requests the drafts chosen delivered fewer tokens
         than expected. Expectations are scaled by this, never up; it is measured against the unscaled expectation
-        (measured against the scaled one it would settle at the square root of the true ratio)."""
+        (measured against the scaled one it would settle at the square root of the true ratio), and starts from
+        REALISM_PRIOR tokens at 1: a cold proposer's first three drafts, expecting 9 tokens and getting none, had
+        put it at its floor, and no draft was verified for the next hundreds of steps."""
         realised, expected = self._realised[estimate]
-        if expected < 8.0:  # too few drafts to tell
-            return 1.0
         low, high = REALISM_BOUNDS
-        return min(max(realised / expected, low), high)
+        return min(max((realised + REALISM_PRIOR) / (expected + REALISM_PRIOR), low), high)
 
     def forget(self, seq_id: str) -> None:
         self.acceptance.forget(seq_id)
@@ -250,12 +252,26 @@ class AdaptiveController:
         if not self._may_draft(step):
             return [0] * len(asks)
         asks = [replace(ask, limit=0) if self._waits(ask.seq_id) else ask for ask in asks]
-        candidates = self._candidates(asks)[1]
+        candidates = [self._good_draft(c) for c in self._candidates(asks)[1]]
         lengths = choose_draft_lengths(candidates, step, self.cost, self._other_seconds(step, decodes))
         caps = [max(n, min(PROBE_LENGTH, c.max_length)) if self._undrafted.get(a.seq_id, 0) + 1 >= PROBE_EVERY else n
                 for a, c, n in zip(asks, candidates, lengths)]
-        self._proposed = {ask.seq_id for ask, cap in zip(asks, caps) if cap}
+        self._proposed = {ask.seq_id: cap for ask, cap in zip(asks, caps) if cap}
         return caps
+
+    def _good_draft(self, candidate: DraftCandidate) -> DraftCandidate:
+        """`candidate` (from its history) at least as likely as the proposer's recent good drafts, where its drafts
+        carry node probabilities (acceptance.ProposedDrafts)."""
+        good = self.proposed_drafts.survival()
+        if good is None or not candidate.max_length:
+            return candidate
+        rates, own, previous = [], 1.0, 1.0
+        for i in range(candidate.max_length):
+            own *= candidate.rates[i] if i < len(candidate.rates) else 0.0
+            alive = max(own, good[i] if i < len(good) else 0.0)
+            rates.append(alive / previous if previous > 0 else 0.0)
+            previous = alive
+        return DraftCandidate(rates, candidate.max_length, candidate.context)
 
     def _waits(self, seq_id: str) -> bool:
         """Whether a request sits out this step's proposals: after its k-th proposal in a row that `draft_lengths`
@@ -292,9 +308,11 @@ class AdaptiveController:
             if n:
                 self._expected[ask.seq_id] = (estimate, expected_accepted(candidate, n))
             if ask.seq_id in self._proposed:
+                if ask.probs is not None:
+                    self.proposed_drafts.add(ask.probs, self._proposed[ask.seq_id])
                 drops = 0 if n else self._dropped.get(ask.seq_id, (0, 0))[0] + 1
                 self._dropped[ask.seq_id] = (drops, min(2 ** (drops - 1), PROBE_EVERY) if drops else 0)
-        self._proposed = set()
+        self._proposed = {}
         self.last_lengths = lengths
         self.decided.update(steps=1, verifying=int(any(lengths)), draft_tokens=sum(lengths))
         return lengths

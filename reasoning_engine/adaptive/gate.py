@@ -15,8 +15,9 @@ one with drafting scores its real gain. Per bucket the gate keeps a decayed mean
 unless off scores higher beyond the noise, trying the other mode every EXPLORE_EVERY steps of the bucket (every
 EXPLORE_EVERY_CLEAR once one leads by CLEAR_LEAD), so a change in the workload's acceptance or in the machine's load is
 noticed. A new bucket alternates the two until both have MIN_SCORES scores. A try of the losing mode that scores above
-the winner's mean by SIGNIFICANCE of its scores' standard deviations is repeated at the next step, and when RESET_AFTER
-tries in a row do so (a loser that is truly worse does that about once in 2000 pairs of tries at normal noise), the
+both the winner's mean and its own by SIGNIFICANCE of their scores' standard deviations (it beats the winner, and the
+losing mode itself has changed: a drafted step's score swings with its acceptance, so beating the plain steps' noise
+alone happens by chance at large batches) is repeated at the next step, and when RESET_AFTER tries in a row do so, the
 bucket forgets both modes and measures them afresh: the first drafts of a cold proposer, and the first verification
 steps of a fresh process (on the bundled model at one request 8-10 ms against 2.8 ms for a plain step), had turned
 drafting off, and with the winner scored ~30 times as often as the loser, the decayed means needed hundreds of steps to
@@ -38,7 +39,7 @@ EXPLORE_EVERY_CLEAR = 32  # the same once the winner leads by CLEAR_LEAD
 CLEAR_LEAD = 0.10
 SIGNIFICANCE = 2.0  # standard errors by which off must lead to turn drafting off
 SCORE_BOUNDS = (0.1, 10.0)  # a single step counts as if at most 10x off (a stall must not swamp the mean)
-RESET_AFTER = 2  # tries in a row of the losing mode that score SIGNIFICANCE deviations above the winner's mean
+RESET_AFTER = 2  # tries in a row of the losing mode well above both modes' means
 
 
 @dataclass
@@ -75,7 +76,8 @@ class Bucket:
     on: ModeScore = field(default_factory=ModeScore)
     off: ModeScore = field(default_factory=ModeScore)
     decisions: int = 0
-    surprises: int = 0  # tries of the losing mode in a row that scored well above the winner's mean
+    surprises: int = 0  # tries of the losing mode in a row that scored well above both modes' means
+    bar: float = 0.0  # the score those tries had to beat
     resets: int = 0
 
     def add(self, drafting: bool, score: float) -> None:
@@ -83,7 +85,9 @@ class Bucket:
         score = min(max(score, low), high)
         winner, loser = (self.off, self.on) if drafting else (self.on, self.off)
         trailing = self.measured and drafting != self.winner() and winner.mean > loser.mean  # a try of a mode behind
-        if trailing and score > winner.mean + SIGNIFICANCE * winner.deviation:
+        if not self.surprises:  # the bar a repeated try must clear is the first's: that try itself widened it
+            self.bar = max(winner.mean + SIGNIFICANCE * winner.deviation, loser.mean + SIGNIFICANCE * loser.deviation)
+        if trailing and score > self.bar:
             self.surprises += 1
         else:
             self.surprises = 0

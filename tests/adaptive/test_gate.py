@@ -92,15 +92,16 @@ def test_a_cold_proposers_poor_first_drafts_do_not_lock_drafting_out_at_one_requ
 
 
 def test_a_loser_that_now_clearly_wins_its_tries_is_measured_afresh() -> None:
-    """Drafting lost its first steps by far (a cold proposer, a fresh process's first verifications) and is tried once
-    in EXPLORE_EVERY_CLEAR steps; once it pays, two tries well above the plain steps' mean make the bucket measure both
-    modes afresh, and drafting is on within a few tries, where the decayed means alone took hundreds of steps."""
+    """A restart's saved gate holds long measurements where drafting lost by far (another workload, a cold proposer):
+    its tries come once in EXPLORE_EVERY_CLEAR steps, and against that much history the means alone would take
+    hundreds of steps to let it win. Once drafting pays, two tries in a row well above both modes' means make the
+    bucket measure both afresh, and drafting is on within a few tries."""
     gate = DraftingGate()
-    rng = random.Random(5)
-    _run(gate, 4, 200, 0.5, rng)
+    history = [v for mean, dev in ((0.5, 0.05), (1.0, 0.1)) for v in (50 * mean, 50 * (mean ** 2 + dev ** 2), 50, 400)]
+    gate.load({"3": history})
     assert not gate.summary()["4-7"]["drafting"]
-    decisions = _run(gate, 4, 200, 1.5, rng)
-    assert gate.summary()["4-7"]["resets"] == 1
+    decisions = _run(gate, 4, 200, 1.5, random.Random(5))
+    assert gate.summary()["4-7"]["resets"] == 1 and gate.summary()["4-7"]["drafting"]
     assert decisions.index(True) < EXPLORE_EVERY_CLEAR
     assert decisions[100:].count(True) >= 100 - 100 // EXPLORE_EVERY
 

@@ -11,18 +11,23 @@ decode batch size (by power of two, like the cost model's kinds), and turns it o
 Each decode-only step is scored by its tokens per second relative to the cost model's prediction for the same step
 without drafts: tokens x predicted plain seconds / (decodes x seconds), the seconds of a step decided with drafting on
 including the proposing and choosing done for it. A step run without drafting scores about 1 (the prediction's noise);
-one with drafting scores its real gain. Per bucket the gate keeps a decayed mean of each mode's score and runs drafting
-unless off scores higher beyond the noise, trying the other mode every EXPLORE_EVERY steps of the bucket (every
-EXPLORE_EVERY_CLEAR once one leads by CLEAR_LEAD), so a change in the workload's acceptance or in the machine's load is
-noticed. A new bucket alternates the two until both have MIN_SCORES scores. A try of the losing mode that scores above
-both the winner's mean and its own by SIGNIFICANCE of their scores' standard deviations (it beats the winner, and the
-losing mode itself has changed: a drafted step's score swings with its acceptance, so beating the plain steps' noise
-alone happens by chance at large batches) is repeated at the next step, and when RESET_AFTER tries in a row do so, the
-bucket forgets both modes and measures them afresh: the first drafts of a cold proposer, and the first verification
-steps of a fresh process (on the bundled model at one request 8-10 ms against 2.8 ms for a plain step), had turned
-drafting off, and with the winner scored ~30 times as often as the loser, the decayed means needed hundreds of steps to
-let the loser's better scores count. This only decides whether drafts are considered; verification keeps the output
-exact either way.
+one with drafting scores its real gain. Per bucket the gate keeps a decayed mean of each mode's score and runs
+drafting unless off scores higher beyond the noise, trying the other mode every EXPLORE_EVERY steps of the bucket
+(every EXPLORE_EVERY_CLEAR once one leads by CLEAR_LEAD), so a change in the workload's acceptance or in the machine's
+load is noticed. A new bucket alternates the two until both have MIN_SCORES scores, and so does one whose losing mode
+has the higher mean but not yet by SIGNIFICANCE while its own mean's variance is the larger part of the comparison's
+error (more of its scores are what would decide): tried once in 32 steps, its decayed weight settles near 6, its
+standard error stays too wide to ever clear the bar, and drafting stayed on at 0.85x (16 agentic requests on the
+bundled model: off scored 1.07 against drafting's 0.90 for 300 steps). Where the winner's scores are the noisy ones
+(drafting at one request), trying the loser more often would not narrow the error and only cost steps. A try of the
+losing mode that scores above both the winner's mean and its own by SIGNIFICANCE of their scores' standard deviations
+(it beats the winner, and the losing mode itself has changed: a drafted step's score swings with its acceptance, so
+beating the plain steps' noise alone happens by chance at large batches) is repeated at the next step, and when
+RESET_AFTER tries in a row do so, the bucket forgets both modes and measures them afresh: the first drafts of a cold
+proposer, and the first verification steps of a fresh process (on the bundled model at one request 8-10 ms against 2.8
+ms for a plain step), had turned drafting off, and with the winner scored ~30 times as often as the loser, the decayed
+means needed hundreds of steps to let the loser's better scores count. This only decides whether drafts are
+considered; verification keeps the output exact either way.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Any
 
 SCORE_DECAY = 0.995  # per scored step of a bucket, the weight left to each older score of either mode (~200 steps)
 MIN_SCORES = 8  # scores of each mode before the gate acts on their comparison
-FIRST_EXPLORE_EVERY = 2  # until both modes have MIN_SCORES scores, every other step runs without drafting
+FIRST_EXPLORE_EVERY = 2  # until both modes are measured (or see above), every other step tries the loser
 EXPLORE_EVERY = 8  # steps of a bucket between tries of the losing mode
 EXPLORE_EVERY_CLEAR = 32  # the same once the winner leads by CLEAR_LEAD
 CLEAR_LEAD = 0.10
@@ -140,12 +145,14 @@ class DraftingGate:
         bucket.decisions += 1
         if bucket.surprises:  # the losing mode's last try scored well above the winner: try it again at once
             return not bucket.winner()
-        if not bucket.measured:
+        drafting = bucket.winner()
+        winner, loser = (bucket.on, bucket.off) if drafting else (bucket.off, bucket.on)
+        if not bucket.measured or loser.mean > winner.mean and loser.mean_variance() > winner.mean_variance():
             every = FIRST_EXPLORE_EVERY
         else:
-            lead = abs(bucket.on.mean - bucket.off.mean) / max(min(bucket.on.mean, bucket.off.mean), 1e-9)
+            lead = (winner.mean - loser.mean) / max(loser.mean, 1e-9)
             every = EXPLORE_EVERY_CLEAR if lead > CLEAR_LEAD else EXPLORE_EVERY
-        return bucket.winner() != (bucket.decisions % every == 0)
+        return drafting != (bucket.decisions % every == 0)
 
     def observe(self, decodes: int, drafting: bool, tokens: int, seconds: float, plain_seconds: float) -> None:
         """A decode-only step decided with drafting on or off: its `tokens` in `seconds` (drafting's own time

@@ -130,9 +130,10 @@ class ProposedDrafts:
     request's acceptance history averages over all its drafts, while the chooser verifies only the likely ones: on
     the agent traces at one request the history fell below 0.1 after the first failed drafts, the caps to 0, and the
     proposer was asked again only by probes, while a fifth of its drafts started at 0.6 or more and delivered 0.8-0.9
-    tokens each. So caps assume a draft as likely as the recent good ones. A node past a draft's cap was never asked for: it is unknown,
-    and an unknown node is taken to be as likely as the one before it, so caps grow again after a stretch of short
-    ones."""
+    tokens each. So caps assume a draft as likely as the recent good ones. A node past a draft's cap was never asked
+    for: it is unknown, and an unknown node is taken to be as likely as the one before it, so caps grow again after a
+    stretch of short ones. Kept across restarts: until a fresh process had SIZE drafts of its own, the caps came from
+    request histories again, the very estimate they replace."""
 
     QUANTILE = 0.9
     SIZE = 64
@@ -151,6 +152,31 @@ class ProposedDrafts:
         row[:min(len(probs), known)] = probs[:known]
         self.probs[self.count % self.SIZE] = row
         self.count += 1
+        self._survival = None
+
+    def to_list(self) -> list[list[float | None]]:
+        """The kept drafts' node probabilities, oldest first (None: a node not asked for)."""
+        kept = min(self.count, self.SIZE)
+        rows = [self.probs[(self.count - kept + i) % self.SIZE] for i in range(kept)]
+        return [[None if np.isnan(v) else float(v) for v in row] for row in rows]
+
+    def load(self, rows: list[list[float | None]]) -> None:
+        """Drafts saved by `to_list`, perhaps under another draft length: nodes past the saved length are unknown,
+        those past this one dropped."""
+        length = self.probs.shape[1]
+        parsed = []
+        for row in rows:
+            if not isinstance(row, list) or not all(
+                    v is None or (isinstance(v, (int, float)) and 0.0 <= v <= 1.0) for v in row):
+                raise ValueError("proposed drafts must be lists of node probabilities in [0, 1] or null")
+            values = np.full(length, np.nan)
+            values[:min(len(row), length)] = [np.nan if v is None else float(v) for v in row[:length]]
+            parsed.append(values)
+        self.probs[:] = np.nan
+        self.count = 0
+        for values in parsed[-self.SIZE:]:
+            self.probs[self.count] = values
+            self.count += 1
         self._survival = None
 
     def survival(self) -> list[float] | None:

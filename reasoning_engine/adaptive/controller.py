@@ -102,11 +102,13 @@ class AdaptiveController:
             gate.load(state.get("drafting_gate", {}))  # absent from states saved before the gate
             chunk_cost = ChunkCost()
             chunk_cost.load(state.get("chunk_steps", []))
+            proposed_drafts = ProposedDrafts(self.max_draft_tokens)
+            proposed_drafts.load(state.get("proposed_drafts", []))  # absent from states saved before it was kept
         except (KeyError, TypeError, ValueError) as exc:
             logger.warning("adaptive state in %s is malformed (%s): starting cold", self.state_dir, exc)
             return
         self.cost, self.acceptance, self.retention, self.batch_sizes = cost, acceptance, retention, sizes
-        self.gate, self.chunk_cost = gate, chunk_cost
+        self.gate, self.chunk_cost, self.proposed_drafts = gate, chunk_cost, proposed_drafts
         self.warm = True
         logger.info("adaptive state loaded from %s (%d steps in the cost model)", self.state_dir, cost.observations)
 
@@ -116,7 +118,8 @@ class AdaptiveController:
         save_state(self.state_dir, self.identity, {
             "cost_model": self.cost.to_dict(), "acceptance": self.acceptance.to_dict(),
             "return_gaps": self.retention.to_dict(), "batch_sizes": {str(k): v for k, v in self.batch_sizes.items()},
-            "drafting_gate": self.gate.to_dict(), "chunk_steps": self.chunk_cost.to_list()})
+            "drafting_gate": self.gate.to_dict(), "chunk_steps": self.chunk_cost.to_list(),
+            "proposed_drafts": self.proposed_drafts.to_list()})
         self._saved_at = time.monotonic()
 
     def maybe_save(self) -> None:

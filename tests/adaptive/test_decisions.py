@@ -413,6 +413,8 @@ def test_state_round_trips(tmp_path: Path) -> None:
     for tokens in (100, 300, 900):
         first.observe_chunk(StepShape(8, 8, 800), tokens, chunk_pairs(tokens, 50), 0.005 + 2e-4 * tokens)
     assert first.chunk_cost.ready
+    for i in range(10):
+        first.proposed_drafts.add([0.9, 0.7] if i % 3 == 0 else [0.2], cap=4)
     first.save()
     second = _controller(tmp_path)
     assert second.warm
@@ -422,9 +424,12 @@ def test_state_round_trips(tmp_path: Path) -> None:
     assert second.batch_sizes == first.batch_sizes
     assert second.gate.summary() == first.gate.summary() and second.gate.summary()["16-31"]["on_steps"] == 10
     assert list(second.chunk_cost.weights) == pytest.approx(list(first.chunk_cost.weights))
+    assert second.proposed_drafts.survival() == pytest.approx(first.proposed_drafts.survival())
+    assert second.proposed_drafts.survival()[:2] == pytest.approx([0.9, 0.7])
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign", "wrong_shape", "bad_gate", "bad_chunks"])
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign", "wrong_shape", "bad_gate", "bad_chunks",
+                                    "bad_drafts"])
 def test_bad_state_starts_cold_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str) -> None:
     first = _controller(tmp_path)
     for shape in _random_shapes(random.Random(3), 20):
@@ -447,6 +452,10 @@ def test_bad_state_starts_cold_with_a_warning(tmp_path: Path, caplog: pytest.Log
     elif damage == "bad_chunks":
         data = json.loads(text)
         data["state"]["chunk_steps"] = [[100, -5]]
+        path.write_text(json.dumps(data))
+    elif damage == "bad_drafts":
+        data = json.loads(text)
+        data["state"]["proposed_drafts"] = [[0.5, 7.0]]
         path.write_text(json.dumps(data))
     with caplog.at_level(logging.WARNING):
         second = _controller(tmp_path, model="another" if damage == "foreign" else "m")
@@ -534,6 +543,25 @@ def test_proposed_drafts_say_how_likely_the_good_drafts_are_and_nodes_never_aske
     for _ in range(ProposedDrafts.SIZE):  # the proposer now drafts short and unlikely: the old drafts are forgotten
         drafts.add([0.2], cap=4)
     assert drafts.survival() == pytest.approx([0.2, 0.0, 0.0, 0.0])
+
+
+def test_proposed_drafts_reload_in_order_under_another_draft_length() -> None:
+    """Saved after wrapping around, the drafts reload oldest first (so the next ones replace the oldest); under a
+    longer draft length the nodes past the saved one are unknown, under a shorter one they are dropped."""
+    drafts = ProposedDrafts(2)
+    for i in range(ProposedDrafts.SIZE + 5):
+        drafts.add([i / 100, i / 200], cap=2)
+    saved = drafts.to_list()
+    assert len(saved) == ProposedDrafts.SIZE and saved[0] == [0.05, 0.025] and saved[-1][0] == pytest.approx(0.68)
+    longer = ProposedDrafts(4)
+    longer.load(saved)
+    assert longer.to_list() == [row + [None, None] for row in saved]
+    assert longer.survival()[2:] == [longer.survival()[1]] * 2
+    longer.add([1.0], cap=1)
+    assert longer.to_list()[0] == saved[1] + [None, None] and longer.to_list()[-1] == [1.0, None, None, None]
+    shorter = ProposedDrafts(1)
+    shorter.load(saved)
+    assert shorter.to_list() == [row[:1] for row in saved]
 
 
 def test_draft_caps_follow_the_proposers_good_drafts_not_a_requests_failed_one() -> None:

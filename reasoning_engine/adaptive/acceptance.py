@@ -189,9 +189,24 @@ class ProposedDrafts:
             known = ~np.isnan(rows).all(axis=0)
             quantiles = np.ones(rows.shape[1])
             if known.any():
-                quantiles[known] = np.nanquantile(rows[:, known], self.QUANTILE, axis=0)
+                quantiles[known] = column_quantiles(rows[:, known], self.QUANTILE)
             first_unknown = int(np.argmin(known)) if not known.all() else len(known)
             if first_unknown:
                 quantiles[first_unknown:] = quantiles[first_unknown - 1]
             self._survival = np.minimum.accumulate(np.clip(quantiles, 0.0, 1.0)).tolist()
         return self._survival
+
+
+def column_quantiles(values: np.ndarray, q: float) -> np.ndarray:
+    """Each column's q-th quantile over its non-NaN values (each column has one), interpolated linearly as
+    `np.nanquantile` does. That one took ~0.6 ms for 64 drafts of 8 nodes (it goes column by column where there are
+    NaNs), this ~0.06 ms; it is paid at every step that proposes, and a plain step at one request on the bundled model
+    takes ~3 ms."""
+    ordered = np.sort(values, axis=0)  # NaNs last
+    counts = (~np.isnan(values)).sum(axis=0)
+    position = (counts - 1) * q
+    low = np.floor(position).astype(np.int64)
+    high = np.minimum(low + 1, counts - 1)
+    below = np.take_along_axis(ordered, low[None, :], axis=0)[0]
+    above = np.take_along_axis(ordered, high[None, :], axis=0)[0]
+    return below + (position - low) * (above - below)

@@ -11,9 +11,11 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from reasoning_engine.adaptive.acceptance import AcceptanceModel, PositionCounts, ProposedDrafts, expected_tokens
+from reasoning_engine.adaptive.acceptance import (AcceptanceModel, PositionCounts, ProposedDrafts, column_quantiles,
+                                                  expected_tokens)
 from reasoning_engine.adaptive.batching import ChunkCost, LatencyTargets, token_budget
 from reasoning_engine.adaptive.controller import (PROBE_EVERY, PROBE_LENGTH, PROBE_SHARE, REALISM_PRIOR,
                                                   AdaptiveController, DraftAsk, choose_graph_batch_sizes)
@@ -543,6 +545,17 @@ def test_proposed_drafts_say_how_likely_the_good_drafts_are_and_nodes_never_aske
     for _ in range(ProposedDrafts.SIZE):  # the proposer now drafts short and unlikely: the old drafts are forgotten
         drafts.add([0.2], cap=4)
     assert drafts.survival() == pytest.approx([0.2, 0.0, 0.0, 0.0])
+
+
+def test_column_quantiles_match_numpy_over_the_values_each_column_has() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        rows, columns = int(rng.integers(1, 65)), int(rng.integers(1, 9))
+        values = rng.random((rows, columns))
+        values[rng.random((rows, columns)) < rng.random()] = np.nan
+        values[int(rng.integers(0, rows))] = rng.random(columns)  # each column has a value
+        for q in (0.0, 0.5, 0.9, 1.0):
+            assert column_quantiles(values, q) == pytest.approx(np.nanquantile(values, q, axis=0))
 
 
 def test_proposed_drafts_reload_in_order_under_another_draft_length() -> None:

@@ -314,7 +314,7 @@ class LLMEngine:
                 self.schedulers[request.replica].finish(request)
                 request.finish_reason = "abort"
                 if self.spec is not None:
-                    self.spec.finish(request.seq_id, learn=False)
+                    self.spec.finish(request.seq_id, learn=False, token_ids=request.all_token_ids)
                 if self.tuner is not None:
                     self.tuner.controller.forget(request.seq_id)
             self.detokenizers.pop(request.seq_id, None)
@@ -441,7 +441,7 @@ class LLMEngine:
         if request.is_finished:
             scheduler.finish(request)
             if self.spec is not None:
-                self.spec.finish(request.seq_id, learn=True)
+                self.spec.finish(request.seq_id, learn=True, token_ids=request.all_token_ids)
             if self.tuner is not None:
                 self.tuner.request_finished(request, scheduler.blocks)
 

@@ -99,7 +99,7 @@ class DraftProposer:
     def on_tokens_accepted(self, request_id: str, new_token_ids: Sequence[int]) -> None:
         """Nothing to do: the next draft pass sees what was accepted."""
 
-    def finish_request(self, request_id: str, learn: bool = True) -> None:
+    def finish_request(self, request_id: str, learn: bool = True, token_ids: Sequence[int] | None = None) -> None:
         self.executor.release_draft_state(self.method, request_id)
 
 

@@ -256,10 +256,10 @@ class HybridProposer:
         for proposer in self.proposers.values():
             proposer.on_tokens_accepted(request_id, new_token_ids)
 
-    def finish_request(self, request_id: str, learn: bool = True) -> None:
+    def finish_request(self, request_id: str, learn: bool = True, token_ids: Sequence[int] | None = None) -> None:
         self.chosen.pop(request_id, None)
         for proposer in self.proposers.values():
-            proposer.finish_request(request_id, learn=learn)
+            proposer.finish_request(request_id, learn=learn, token_ids=token_ids)
 
     def save(self, state_dir: str) -> None:
         for proposer in self.proposers.values():
@@ -348,8 +348,9 @@ class SpeculativeDecoder:
         self.draft_len[seq_id] = grown if reached_bottom else max(1, len(accepted) + 1)
         self.proposer.on_tokens_accepted(seq_id, new_tokens)
 
-    def finish(self, seq_id: str, learn: bool) -> None:
-        self.proposer.finish_request(seq_id, learn=learn)
+    def finish(self, seq_id: str, learn: bool, token_ids: Sequence[int]) -> None:
+        """`token_ids`: the request's whole sequence, which the proposer learns from (its own view lags)."""
+        self.proposer.finish_request(seq_id, learn=learn, token_ids=token_ids)
         self.draft_len.pop(seq_id, None)
 
     def save_state(self) -> None:

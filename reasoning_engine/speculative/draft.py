@@ -159,6 +159,8 @@ class Proposer(Protocol):
 
     `propose` receives the request's full sequence (prompt plus accepted output); a proposer that keeps an index brings
     it up to date from that sequence, so `on_tokens_accepted` is an early, off-the-critical-path update, not a duty.
+    The engine calls it only after steps that verified a draft; `finish_request` gets the whole sequence again, so a
+    proposer that learns from finished outputs sees the tokens decoded without a draft too.
     """
 
     method: str
@@ -169,4 +171,4 @@ class Proposer(Protocol):
 
     def on_tokens_accepted(self, request_id: str, new_token_ids: Sequence[int]) -> None: ...
 
-    def finish_request(self, request_id: str, learn: bool = True) -> None: ...
+    def finish_request(self, request_id: str, learn: bool = True, token_ids: Sequence[int] | None = None) -> None: ...

@@ -280,5 +280,5 @@ class ContextProposer:
     def on_tokens_accepted(self, request_id: str, new_token_ids: Sequence[int]) -> None:
         self.contexts.get(request_id).extend(new_token_ids)
 
-    def finish_request(self, request_id: str, learn: bool = True) -> None:
+    def finish_request(self, request_id: str, learn: bool = True, token_ids: Sequence[int] | None = None) -> None:
         self.contexts.finish(request_id)

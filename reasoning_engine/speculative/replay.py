@@ -107,7 +107,7 @@ def replay(items: Iterable[ReplayItem], proposer: Proposer, k: int,
                 stats.accepted_hist[accepted] += 1
             pos += len(new)
         started = clock()
-        proposer.finish_request(request_id)
+        proposer.finish_request(request_id, token_ids=sequence)
         stats.request_s += clock() - started
         if item.traj is not None:
             histories[item.traj] = sequence

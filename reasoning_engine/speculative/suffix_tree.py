@@ -161,12 +161,18 @@ class SuffixProposer:
         self._observe(request_id, new_token_ids)
         self.contexts.get(request_id).extend(new_token_ids)
 
-    def finish_request(self, request_id: str, learn: bool = True) -> None:
-        """Learn the finished output into the global store (skip with learn=False, e.g. for an aborted request)."""
+    def finish_request(self, request_id: str, learn: bool = True, token_ids: Sequence[int] | None = None) -> None:
+        """Learn the finished output into the global store (skip with learn=False, e.g. for an aborted request).
+
+        `token_ids` is the request's whole sequence: the engine reports only the steps that verified a draft, so
+        the context lags behind every token decoded without one (a gated or crowded batch) and would teach the store
+        a truncated output, or none at all.
+        """
         self._pending.pop(request_id, None)
         context = self.contexts.finish(request_id)
-        if learn and len(context.tokens) > context.prompt_len:
-            self.learn(context.tokens[max(0, context.prompt_len - self.config.prompt_tail):])
+        tokens = context.tokens if token_ids is None else token_ids
+        if learn and len(tokens) > context.prompt_len:
+            self.learn(tokens[max(0, context.prompt_len - self.config.prompt_tail):])
 
     def learn(self, tokens: Sequence[int]) -> None:
         """Add one sequence to the global store, evicting the oldest ones beyond `global_max_tokens`."""

@@ -144,7 +144,7 @@ class WrongDrafts:
     def on_tokens_accepted(self, request_id: str, new_token_ids) -> None:
         pass
 
-    def finish_request(self, request_id: str, learn: bool = True) -> None:
+    def finish_request(self, request_id: str, learn: bool = True, token_ids=None) -> None:
         pass
 
 

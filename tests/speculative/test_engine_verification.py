@@ -68,7 +68,7 @@ class OracleTree:
     def on_tokens_accepted(self, request_id: str, new_token_ids) -> None:
         pass
 
-    def finish_request(self, request_id: str, learn: bool = True) -> None:
+    def finish_request(self, request_id: str, learn: bool = True, token_ids=None) -> None:
         self.prompts.pop(request_id, None)
 
 
@@ -144,6 +144,20 @@ def test_aborts_with_speculation_leave_no_blocks(llama_dir: Path) -> None:
     for request_id in ids:
         engine.abort_request(request_id)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_outputs_decoded_without_drafts_still_teach_the_suffix_store(llama_dir: Path) -> None:
+    """Three requests above a batch cap of one never draft, so the proposer never hears of their tokens step by
+    step; each finished output (with the prompt's tail) still reaches the global store."""
+    prompts = _repetitive_prompts()
+    llm = LLM(llama_dir, dtype="float32", device="cpu", adaptive=False,
+              speculative_config={"method": "suffix", "num_speculative_tokens": 4, "max_batch_size": 1})
+    outs = llm.generate(prompts, GREEDY)
+    assert llm.engine.stats().spec_decode["drafts"] == 0
+    proposer = llm.engine.spec.proposer
+    tail = proposer.config.prompt_tail
+    assert proposer.global_tokens == sum(len(o.outputs[0].token_ids) + min(tail, len(p["prompt_token_ids"]))
+                                         for o, p in zip(outs, prompts))
 
 
 def test_invalid_speculative_config_names_the_field(llama_dir: Path) -> None:

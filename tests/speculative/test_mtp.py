@@ -164,7 +164,7 @@ class FixedProposer:
     def on_tokens_accepted(self, request_id: str, new_token_ids) -> None:
         self.seen.append(list(new_token_ids))
 
-    def finish_request(self, request_id: str, learn: bool = True) -> None:
+    def finish_request(self, request_id: str, learn: bool = True, token_ids=None) -> None:
         pass
 
 

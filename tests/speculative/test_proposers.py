@@ -74,6 +74,21 @@ def test_suffix_learns_finished_outputs_into_the_global_store():
     assert proposer.global_tokens == 12
 
 
+def test_suffix_learns_the_whole_output_when_its_view_lags() -> None:
+    """The engine reports only steps that verified a draft: the tokens decoded without one reach the global store
+    through the sequence given at finish."""
+    proposer = SuffixProposer()
+    output = [20, 21, 22, 23, 24, 25, 26, 27, 28]
+    proposer.start_request("a", [1, 2, 3])
+    proposer.on_tokens_accepted("a", output[:2])  # the one verified step; the rest decoded plain
+    proposer.finish_request("a", token_ids=[1, 2, 3] + output)
+    assert proposer.global_tokens == 3 + len(output)
+    proposer.start_request("b", [9, 9, 1, 2, 3, 20, 21, 22])
+    assert proposer.propose("b", [9, 9, 1, 2, 3, 20, 21, 22], 5).token_ids[:5] == [23, 24, 25, 26, 27]
+    proposer.finish_request("b", learn=False, token_ids=[9, 9, 1, 2, 3, 20, 21, 22, 23])
+    assert proposer.global_tokens == 12
+
+
 def test_suffix_scores_candidates_by_frequency():
     proposer = SuffixProposer(SuffixConfig(tree=False))
     for i, follow in enumerate([7, 8, 7, 7]):

@@ -407,6 +407,8 @@ class LLMEngine:
             else:  # a draft model pays per drafted position: choose the lengths first
                 chosen = self.tuner.draft_lengths(asking, limits, self.schedulers)
                 limits = [s if seed else c for s, c, seed in zip(static, chosen, seeded)]
+        if keep is None and not any(limits):
+            return  # nothing to draft: spare building every request's sequence
         drafts = self.spec.propose_batch([(r.seq_id, r.all_token_ids, n) for r, n in zip(asking, limits)], keep)
         for request, draft in zip(asking, drafts):
             if request.grammar is not None and len(draft):

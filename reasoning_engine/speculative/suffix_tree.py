@@ -169,10 +169,10 @@ class SuffixProposer:
         a truncated output, or none at all.
         """
         self._pending.pop(request_id, None)
-        context = self.contexts.finish(request_id)
-        tokens = context.tokens if token_ids is None else token_ids
-        if learn and len(tokens) > context.prompt_len:
-            self.learn(tokens[max(0, context.prompt_len - self.config.prompt_tail):])
+        prompt_len, seen = self.contexts.finish(request_id)
+        tokens = seen if token_ids is None else token_ids
+        if learn and len(tokens) > prompt_len:
+            self.learn(tokens[max(0, prompt_len - self.config.prompt_tail):])
 
     def learn(self, tokens: Sequence[int]) -> None:
         """Add one sequence to the global store, evicting the oldest ones beyond `global_max_tokens`."""

@@ -42,12 +42,24 @@ def test_common_suffix():
 def test_context_store_reuses_a_finished_conversation():
     store = ContextStore([1, 2], reuse_capacity=2)
     store.start("a", [1, 2, 3])
-    store.sync("a", [1, 2, 3, 4, 5])
-    finished = store.finish("a")
-    reused = store.start("b", [1, 2, 3, 4, 5, 6])
+    finished = store.sync("a", [1, 2, 3, 4, 5])
+    assert store.finish("a") == (3, [1, 2, 3, 4, 5])
+    store.start("b", [1, 2, 3, 4, 5, 6])
+    reused = store.get("b")
     assert reused is finished and reused.tokens == [1, 2, 3, 4, 5, 6] and reused.prompt_len == 6
-    fresh = store.start("c", [1, 2, 3, 4, 5, 6])
-    assert fresh is not reused
+    store.start("c", [1, 2, 3, 4, 5, 6])
+    assert store.get("c") is not reused
+
+
+def test_context_store_indexes_a_prompt_only_when_first_asked() -> None:
+    """A request that never drafts never has its prompt indexed, and leaves nothing to reuse."""
+    store = ContextStore([1, 2], reuse_capacity=2)
+    store.start("a", [1, 2, 3])
+    assert not store.active
+    assert store.finish("a") == (3, [1, 2, 3])
+    assert not store.active and not store._finished
+    store.start("b", [1, 2, 3, 4])
+    assert store.sync("b", [1, 2, 3, 4, 5]).tokens == [1, 2, 3, 4, 5] and store.get("b").prompt_len == 4
 
 
 def test_bulk_append_builds_the_same_tables_as_token_by_token():

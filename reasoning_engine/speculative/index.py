@@ -239,22 +239,32 @@ class ContextStore:
 
     def _index(self, request_id: str) -> RequestContext:
         prompt = self._unindexed.pop(request_id)
-        context = self._take_reusable(prompt)
-        if context is None:
+        found = self._reusable(prompt)
+        if found is None:
             context = RequestContext(self.orders, prompt)
         else:
+            context = self._finished.pop(found)
             context.extend(prompt[len(context.tokens):])
             context.prompt_len = len(prompt)
         self.active[request_id] = context
         return context
 
-    def _take_reusable(self, prompt: list[int]) -> RequestContext | None:
+    def _reusable(self, prompt: list[int]) -> int | None:
+        """The newest finished context whose tokens begin `prompt`, by its place in `_finished`."""
         for i in range(len(self._finished) - 1, -1, -1):
             tokens = self._finished[i].tokens
             size = len(tokens)
             if 0 < size <= len(prompt) and tokens[-1] == prompt[size - 1] and tokens == prompt[:size]:
-                return self._finished.pop(i)
+                return i
         return None
+
+    def unseen(self, request_id: str, length: int) -> int:
+        """How many tokens of the request's `length`-token sequence the next `sync` would index."""
+        context = self.active.get(request_id)
+        if context is not None:
+            return length - len(context.tokens)
+        found = self._reusable(self._unindexed[request_id])
+        return length - (len(self._finished[found].tokens) if found is not None else 0)
 
     def get(self, request_id: str) -> RequestContext:
         context = self.active.get(request_id)

@@ -89,6 +89,25 @@ def test_suffix_learns_the_whole_output_when_its_view_lags() -> None:
     assert proposer.global_tokens == 12
 
 
+def test_suffix_indexes_at_most_its_budget_per_step() -> None:
+    """A request whose context does not fit what is left of the step's indexing budget drafts at a later step; the
+    first request of a step always goes, however long its context."""
+    proposer = SuffixProposer(SuffixConfig(index_budget=10))
+    repeated = [50, 51, 52, 53] * 2
+    prompts = {"a": repeated, "b": [60, 61, 62, 63] * 2, "c": [70 + i for i in range(30)] + repeated}
+    for name, prompt in prompts.items():
+        proposer.start_request(name, prompt)
+    drafts = proposer.propose_batch([(name, prompt, 4) for name, prompt in prompts.items()])
+    assert len(drafts[0]) > 0 and len(drafts[1]) == len(drafts[2]) == 0
+    assert set(proposer.contexts.active) == {"a"}
+    drafts = proposer.propose_batch([(name, prompt + prompt[:1], 4) for name, prompt in prompts.items()])
+    assert len(drafts[1]) > 0 and set(proposer.contexts.active) == {"a", "b"}  # "a" needed one token, "b" nine
+    drafts = proposer.propose_batch([("c", prompts["c"], 4), ("a", prompts["a"] + [50, 51], 4)])
+    assert len(drafts[0]) > 0 and len(drafts[1]) == 0  # "c" (38 tokens) went first; "a" waits for its one token
+    with pytest.raises(ValueError, match="index_budget"):
+        SuffixConfig(index_budget=0)
+
+
 def test_suffix_scores_candidates_by_frequency():
     proposer = SuffixProposer(SuffixConfig(tree=False))
     for i, follow in enumerate([7, 8, 7, 7]):

@@ -113,7 +113,8 @@ def replay(server: Server, workload: Any, counter: TokenCounter, args: argparse.
            levels: list[int]) -> list[Any]:
     config = ServeConfig(base_url=server.url, model=server.model_name(), output_tokens=args.output_tokens,
                          concurrency=levels, max_turns=args.max_turns, ignore_eos=True,
-                         max_model_len=args.max_model_len, turn_gap_s=args.turn_gap, session_key=True)
+                         max_model_len=args.max_model_len, turn_gap_s=args.turn_gap, session_key=True,
+                         output_spread=args.output_spread)
     return asyncio.run(Runner(config, counter).run(workload, warmup=1))
 
 
@@ -319,7 +320,8 @@ def report(data: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [f"# Adaptive engine vs static settings ({datetime.date.today()}, this machine: {os.cpu_count()} cores)",
              "", f"`python benchmarks/adaptive.py {' '.join(sys.argv[1:])}`: model "
              f"{args.model or 'the bundled tiny reasoner'}, float32 on CPU, suffix speculation, {args.sessions} "
-             f"sessions per concurrency slot, at most {args.max_turns} turns, {args.output_tokens} output tokens "
+             f"sessions per concurrency slot, at most {args.max_turns} turns, {args.output_tokens} output tokens"
+             f"{f' +- {args.output_spread:.0%} (drawn per request)' if args.output_spread else ''} "
              f"(EOS ignored), tool gaps exponential with mean {args.turn_gap:g} s, session ids as prompt_cache_key.",
              ""]
     for dataset, results in data["matrix"].items():
@@ -425,6 +427,10 @@ def main() -> None:
     parser.add_argument("--max-turns", type=int, default=4)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--turn-gap", type=float, default=1.0)
+    parser.add_argument("--output-spread", type=float, default=0.0,
+                        help="each request's output tokens drawn within --output-tokens x (1 +- this); at 0 every "
+                             "request of the reasoning traces (one turn, EOS ignored) finishes with its wave, and the "
+                             "next prompts arrive together")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-prompt-tokens", type=int, default=256, help="cap on each trace message")
     parser.add_argument("--workloads", default="agentic,reasoning")

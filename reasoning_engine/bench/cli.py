@@ -54,6 +54,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--turn-gap", type=float, default=0.0,
                        help="multi-turn data: mean seconds (exponential) a session waits before each later turn, as "
                             "an agent waits on its tool (default 0)")
+    serve.add_argument("--output-spread", type=float, default=0.0,
+                       help="each request's max tokens drawn uniformly within --output-tokens x (1 +- this), seeded by "
+                            "session and turn (default 0: all the same; with --ignore-eos they then finish together)")
     serve.add_argument("--session-key", action="store_true",
                        help="send each session's id as prompt_cache_key, as agent frameworks do")
     serve.add_argument("--no-reasoning-history", action="store_true",
@@ -175,7 +178,7 @@ async def _serve(args: argparse.Namespace, settings: dict[str, Any]) -> int:
                          concurrency=settings["concurrency"], api_key=args.api_key, max_turns=args.max_turns,
                          ignore_eos=args.ignore_eos, reasoning_history=not args.no_reasoning_history,
                          extra_body=settings["extra_body"], timeout_s=args.timeout, max_model_len=max_model_len,
-                         turn_gap_s=args.turn_gap, session_key=args.session_key)
+                         turn_gap_s=args.turn_gap, session_key=args.session_key, output_spread=args.output_spread)
 
     err = Console(stderr=True)
     err.print(f"[bold]{workload.name}[/]: {workload.description}; seed {seed}"
@@ -190,7 +193,8 @@ async def _serve(args: argparse.Namespace, settings: dict[str, Any]) -> int:
         argv=sys.argv, server={"base_url": root, "model": model, "max_model_len": max_model_len,
                                "models": [m.get("id") for m in models]},
         config={"preset": args.preset, "dataset": settings["dataset"], "input_tokens": settings["input_tokens"],
-                "output_tokens": settings["output_tokens"], "concurrency": settings["concurrency"],
+                "output_tokens": settings["output_tokens"], "output_spread": args.output_spread,
+                "concurrency": settings["concurrency"],
                 "num_prompts_per_level": per_level, "seed": seed, "seed_explicit": args.seed is not None,
                 "warmup": args.warmup, "max_turns": args.max_turns, "ignore_eos": args.ignore_eos,
                 "reasoning_history": config.reasoning_history, "extra_body": settings["extra_body"],

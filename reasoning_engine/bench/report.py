@@ -160,7 +160,8 @@ def markdown_report(result: dict[str, Any]) -> str:
              f"- created {result['created']}, reasoning-engine {result['version']}; server {server['base_url']} "
              f"(context {server['max_model_len'] or 'not reported'})",
              f"- workload: {result['workload']['description']}",
-             f"- max output tokens {config['output_tokens']}{' (ignore_eos)' if config['ignore_eos'] else ''}; "
+             f"- max output tokens {config['output_tokens']}{_spread(config)}"
+             f"{' (ignore_eos)' if config['ignore_eos'] else ''}; "
              f"requests (sessions) per level {config['num_prompts_per_level']}; warm-up {config['warmup']}; "
              f"seed {config['seed']}; extra body {json.dumps(config['extra_body'])}",
              f"- token counts: server usage where reported, else {tokens['counter']}",
@@ -211,3 +212,8 @@ def build_result(*, argv: list[str], server: dict[str, Any], config: dict[str, A
         "levels": [aggregate(level, workload.multi_turn) for level in levels],
         "requests": [asdict(r) for level in levels for r in level.records],
     }
+
+
+def _spread(config: dict[str, Any]) -> str:
+    spread = config.get("output_spread") or 0  # absent from results written before the option
+    return f" +- {spread:.0%}" if spread else ""

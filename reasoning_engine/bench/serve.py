@@ -56,6 +56,21 @@ class ServeConfig:
     max_model_len: int | None = None
     turn_gap_s: float = 0.0  # mean tool-execution gap before each later turn of a session (exponential); 0: none
     session_key: bool = False  # send the session id as prompt_cache_key
+    # each turn's max_tokens drawn uniformly within output_tokens x (1 +- output_spread), seeded by session and turn:
+    # with EOS ignored and one fixed length, closed-loop sessions finish, and send their next prompts, in lockstep
+    output_spread: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.output_spread < 1:
+            raise ValueError(f"--output-spread must be in [0, 1), got {self.output_spread}")
+
+    def turn_output_tokens(self, session: str, turn: int) -> int:
+        """The max_tokens of a session's turn (the same on every run)."""
+        if not self.output_spread:
+            return self.output_tokens
+        low = max(1, round(self.output_tokens * (1 - self.output_spread)))
+        high = max(low, round(self.output_tokens * (1 + self.output_spread)))
+        return random.Random(f"{session}/{turn}/output").randint(low, high)
 
 
 @dataclass
@@ -269,14 +284,14 @@ class Runner:
                 if index and self.config.turn_gap_s:
                     await asyncio.sleep(gaps.expovariate(1.0 / self.config.turn_gap_s))  # the tool runs
                 messages = history + turn
-                if (index > 0 and limit
-                        and context + _context_tokens(turn, self.counter) + self.config.output_tokens > limit):
+                max_tokens = self.config.turn_output_tokens(session.id, index)
+                if index > 0 and limit and context + _context_tokens(turn, self.counter) + max_tokens > limit:
                     cut_short += 1
                     self._advance(task, len(turns) - index)
                     return
                 record = RequestRecord(concurrency, session.id, index, time.perf_counter() - level_start)
                 try:
-                    result = await stream_chat(client, self.config, messages, self.config.output_tokens, session.id)
+                    result = await stream_chat(client, self.config, messages, max_tokens, session.id)
                 except (BenchError, httpx.HTTPError, json.JSONDecodeError) as exc:
                     record.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, BenchError) else str(exc)
                     records.append(record)

@@ -59,6 +59,30 @@ def test_cost_model_recovers_synthetic_step_times() -> None:
         assert model.predict(shape) == pytest.approx(_true_time(shape), rel=0.05)
 
 
+def test_steps_folded_in_at_each_fit_give_the_per_step_decayed_statistics() -> None:
+    """Observed steps wait until the next fit to join the statistics; folded in one product, they must equal the
+    textbook per-step update (decay everything, add the new step's outer product with relative weight)."""
+    rng = random.Random(7)
+    model = StepCostModel()
+    n = len(FEATURES)
+    xtx, xty = np.zeros((n, n)), np.zeros(n)
+    for shape in _random_shapes(rng, 300):
+        seconds = _true_time(shape) * rng.uniform(0.7, 1.4)  # noisy: surprises fit at irregular steps
+        model.observe(shape, seconds)
+        x = shape.features()
+        xtx = model.decay * xtx + np.outer(x, x) / seconds ** 2
+        xty = model.decay * xty + x / seconds
+    assert model._pending  # the last steps since a fit are still waiting
+    saved = model.to_dict()
+    assert not model._pending
+    np.testing.assert_allclose(np.array(saved["xtx"]), xtx, rtol=1e-9)
+    np.testing.assert_allclose(np.array(saved["xty"]), xty, rtol=1e-9)
+    model._set_weights(model._solve())
+    reloaded = StepCostModel.from_dict(saved)
+    for shape in _random_shapes(rng, 20):
+        assert reloaded.predict(shape) == pytest.approx(model.predict(shape), rel=1e-9)
+
+
 def test_cost_model_follows_a_slower_machine_and_stays_non_negative() -> None:
     rng = random.Random(1)
     model = StepCostModel()

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from reasoning_engine.bench.report import LATENCY_METRICS, TOKEN_METRICS
-from reasoning_engine.bench.serve import RequestRecord
+from reasoning_engine.bench.serve import RequestRecord, ServeConfig
 from reasoning_engine.cli import main
 from reasoning_engine.config import load_model_config
 from reasoning_engine.tiny import BUNDLED_MODEL_DIR
@@ -156,3 +156,22 @@ def test_bench_serve_multi_turn_sessions(server: str, tmp_path: Path) -> None:
     assert [row["turn"] for row in turns] == [0, 1, 2]
     assert turns[0]["prompt_tokens_mean"] < turns[1]["prompt_tokens_mean"] < turns[2]["prompt_tokens_mean"]
     assert turns[2]["cache_hit_rate"] > 0, "a later turn reuses the earlier turns' prefix"
+
+
+def test_bench_serve_output_spread_draws_each_turns_length_within_its_bounds(server: str, tmp_path: Path) -> None:
+    """With EOS ignored every request runs to its max_tokens: one fixed length finishes closed-loop sessions in
+    lockstep, so --output-spread draws each turn's own, the same on every run."""
+    data = tmp_path / "sessions.jsonl"
+    lines = [json.dumps({"traj_id": f"t{t}", "step": s, "prompt": f"Session {t} step {s}: count the files."})
+             for t in range(3) for s in range(2)]
+    data.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    result = _run(server, tmp_path, "--dataset", str(data), "--output-tokens", "16", "--output-spread", "0.5",
+                  "--ignore-eos", "--concurrency", "2", "--num-prompts", "3", "--seed", "1")
+    assert result["config"]["output_spread"] == 0.5
+    config = ServeConfig(base_url=server, model="m", output_tokens=16, concurrency=[2], output_spread=0.5)
+    lengths = [r["output_tokens"] for r in result["requests"]]
+    assert lengths == [config.turn_output_tokens(r["session"], r["turn"]) for r in result["requests"]]
+    assert all(8 <= n <= 24 for n in lengths) and len(set(lengths)) > 1
+    assert "max output tokens 16 +- 50% (ignore_eos)" in (tmp_path / "result.md").read_text()
+    with pytest.raises(ValueError, match="--output-spread"):
+        ServeConfig(base_url=server, model="m", output_tokens=16, concurrency=[2], output_spread=1.0)

@@ -108,7 +108,8 @@ class StepCostModel:
         return self.observations >= 8
 
     def observe(self, shape: StepShape, seconds: float) -> None:
-        """Fold one measured step in (relative weighting: a 1 ms step counts as much as a 1 s one)."""
+        """Take one measured step (relative weighting: a 1 ms step counts as much as a 1 s one); it joins the
+        statistics at the next fit."""
         if seconds <= 0:
             return
         values = shape.values()

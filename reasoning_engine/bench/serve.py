@@ -62,7 +62,7 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.output_spread < 1:
-            raise ValueError(f"--output-spread must be in [0, 1), got {self.output_spread}")
+            raise ValueError(f"output_spread (--output-spread) must be in [0, 1), got {self.output_spread}")
 
     def turn_output_tokens(self, session: str, turn: int) -> int:
         """The max_tokens of a session's turn (the same on every run)."""

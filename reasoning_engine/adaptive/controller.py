@@ -155,14 +155,18 @@ class AdaptiveController:
                 self.chunk_cost.observe(shape.query_tokens, shape.pairs, seconds - self.cost.predict(lone))
 
     def observe_step(self, shape: StepShape, seconds: float, decode_batch: int, drafting: bool | None = None,
-                     tokens: int = 0, drafting_seconds: float = 0.0) -> None:
+                     tokens: int = 0, drafting_seconds: float = 0.0, decodes: StepShape | None = None) -> None:
         """A step's measured `seconds` (as the cost model counts them). `drafting`: whether the gate let it consider
-        drafts (None: the gate was not asked); then a decode-only step's `tokens` and its seconds with all of the
-        proposing and choosing done for it (`drafting_seconds`) score that mode."""
-        if drafting is not None and shape.query_tokens == shape.sequences + shape.draft_tokens:
-            decodes = shape.sequences
-            plain = self.cost.predict(StepShape(decodes, decodes, shape.context_tokens - shape.draft_tokens))
-            self.gate.observe(decodes, drafting, tokens, drafting_seconds, plain)
+        drafts (None: the gate was not asked); then the decodes' `tokens` and the step's seconds with all of the
+        proposing and choosing done for it (`drafting_seconds`) score that mode, against the step predicted without
+        its drafts. `decodes`: the step's decodes alone where it also carried prefill chunks."""
+        part = decodes if decodes is not None else shape
+        if drafting is not None and part.sequences and part.query_tokens == part.sequences + part.draft_tokens:
+            drafts = part.draft_tokens
+            pairs = shape.pairs - part.pairs + part.context_tokens - drafts  # a plain decode's pairs: its context
+            plain = self.cost.predict(StepShape(shape.query_tokens - drafts, shape.sequences,
+                                                shape.context_tokens - drafts, attention_pairs=pairs))
+            self.gate.observe(part.sequences, drafting, tokens, drafting_seconds, plain, decodes is not None)
         self.cost.observe(shape, seconds)
         if decode_batch:
             self.batch_sizes[decode_batch] += 1
@@ -201,12 +205,13 @@ class AdaptiveController:
         self._dropped.pop(seq_id, None)
 
     # ---- decisions ----
-    def drafting_open(self, decodes: int) -> bool | None:
-        """Whether the next step of `decodes` decoding requests considers drafts (gate.py); None where there is
-        nothing to gate (no proposer, or a cost model not ready to score steps by)."""
+    def drafting_open(self, decodes: int, beside_chunk: bool = False) -> bool | None:
+        """Whether the next step of `decodes` decoding requests (`beside_chunk`: and a prefill chunk) considers
+        drafts (gate.py); None where there is nothing to gate (no proposer, or a cost model not ready to score steps
+        by)."""
         if self.method is None or not self.cost.ready or not decodes:
             return None
-        if self.gate.open(decodes):
+        if self.gate.open(decodes, beside_chunk):
             return True
         self.decided.update(steps=1, gated=1)
         self.last_lengths = [0] * decodes

@@ -120,10 +120,13 @@ class EngineTuner:
                            default=0)
         own = time.perf_counter() - self._step_start - proposing
         seconds = own + (self._proposing if shape.verifying else 0.0)
+        decodes = None
         if self._chunks is not None:
             self.controller.observe_chunk(*self._chunks, seconds)
-        self.controller.observe_step(shape, seconds, decode_batch, self._drafting, shape.sequences + self._accepted,
-                                     own + self._proposing)
+            decodes = self._chunks[0]
+        tokens = (decodes or shape).sequences + self._accepted
+        self.controller.observe_step(shape, seconds, decode_batch, self._drafting, tokens, own + self._proposing,
+                                     decodes)
         self._proposing = proposing
 
     def shape(self, plans: list[SchedulerOutput]) -> StepShape:
@@ -139,9 +142,11 @@ class EngineTuner:
         return _shape_of(items)
 
     # ---- speculation ----
-    def drafting(self, requests: list[Request]) -> bool:
-        """Whether the next step considers drafts for these decoding requests (the drafting gate)."""
-        self._next_drafting = self.controller.drafting_open(len(requests))
+    def drafting(self, requests: list[Request], schedulers: list[Scheduler]) -> bool:
+        """Whether the next step considers drafts for these decoding requests (the drafting gate), told whether the
+        schedulers will likely add a prefill chunk to it."""
+        beside_chunk = any(self._next_chunk(s) is not None for s in schedulers)
+        self._next_drafting = self.controller.drafting_open(len(requests), beside_chunk)
         return self._next_drafting is not False
 
     def draft_lengths(self, requests: list[Request], limits: list[int], schedulers: list[Scheduler],

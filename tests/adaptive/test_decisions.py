@@ -298,6 +298,26 @@ def test_a_prefill_chunk_beside_the_decodes_does_not_lower_the_bar_for_drafts() 
     assert controller.draft_lengths(asks, with_chunk, decodes) == [0] * 16
 
 
+def test_a_step_beside_a_chunk_scores_its_decodes_against_the_whole_step_predicted_without_drafts() -> None:
+    """The gate scores a step by its decodes' tokens per second against the cost model's plain prediction; beside a
+    prefill chunk that prediction must include the chunk (else the step would look several times slower than plain)
+    and leave out the drafts (else a drafted step's own cost would excuse it). Such steps go to the buckets beside
+    a chunk."""
+    controller = _controller(None)
+    controller.cost = _cost(fixed=10e-3, per_token=1e-3)
+    decodes = StepShape(16 + 32, 16, 16 * 500 + 32, draft_tokens=32, draft_sequences=4)
+    step = StepShape(decodes.query_tokens + 400, 17, decodes.context_tokens + 400,
+                     attention_pairs=decodes.pairs + chunk_pairs(400, 0), draft_tokens=32, draft_sequences=4)
+    plain = controller.cost.predict(StepShape(16 + 400, 17, 16 * 500 + 400,
+                                              attention_pairs=16 * 500 + chunk_pairs(400, 0)))
+    for _ in range(3):  # 24 tokens from 16 decodes in the time the plain step was predicted to take: 1.5
+        controller.observe_step(step, plain, 16, drafting=True, tokens=24, drafting_seconds=plain, decodes=decodes)
+    summary = controller.gate.summary()
+    assert "8-15" not in summary and "16-31" not in summary
+    assert summary["16-31 beside a chunk"]["on"] == pytest.approx(1.5)
+    assert summary["16-31 beside a chunk"]["on_steps"] == 3
+
+
 def test_token_budget_keeps_decodes_under_the_itl_target() -> None:
     cost = _cost(fixed=5e-3, per_token=0.2e-3)
     decodes = StepShape(16, 16, 16 * 100)
@@ -436,6 +456,7 @@ def test_state_round_trips(tmp_path: Path) -> None:
     first.retention.arrived("s", 4.0)
     for drafting in (True, False) * 10:
         first.gate.observe(24, drafting, 30 if drafting else 24, 0.03, 0.028)
+        first.gate.observe(12, drafting, 14 if drafting else 12, 0.03, 0.03, beside_chunk=True)
     for tokens in (100, 300, 900):
         first.observe_chunk(StepShape(8, 8, 800), tokens, chunk_pairs(tokens, 50), 0.005 + 2e-4 * tokens)
     assert first.chunk_cost.ready
@@ -449,6 +470,7 @@ def test_state_round_trips(tmp_path: Path) -> None:
     assert second.retention.to_dict() == first.retention.to_dict()
     assert second.batch_sizes == first.batch_sizes
     assert second.gate.summary() == first.gate.summary() and second.gate.summary()["16-31"]["on_steps"] == 10
+    assert second.gate.summary()["8-15 beside a chunk"]["off_steps"] == 10
     assert list(second.chunk_cost.weights) == pytest.approx(list(first.chunk_cost.weights))
     assert second.proposed_drafts.survival() == pytest.approx(first.proposed_drafts.survival())
     assert second.proposed_drafts.survival()[:2] == pytest.approx([0.9, 0.7])

@@ -9,16 +9,16 @@ from reasoning_engine.adaptive.gate import EXPLORE_EVERY, EXPLORE_EVERY_CLEAR, M
 
 
 def _run(gate: DraftingGate, decodes: int, steps: int, on_score: float, rng: random.Random,
-         machine: float = 1.0) -> list[bool]:
-    """`steps` decode-only steps of `decodes` requests: each the gate's decision, then a step whose tokens per second
-    are `on_score` (with drafting) or 1.0 (without) times the plain prediction, with a tenth of noise, times
-    `machine` (a machine slower than the prediction knows yet)."""
+         machine: float = 1.0, beside_chunk: bool = False) -> list[bool]:
+    """`steps` decode-only steps of `decodes` requests (`beside_chunk`: steps that also carry a prefill chunk): each
+    the gate's decision, then a step whose tokens per second are `on_score` (with drafting) or 1.0 (without) times
+    the plain prediction, with a tenth of noise, times `machine` (a machine slower than the prediction knows yet)."""
     decisions = []
     for _ in range(steps):
-        drafting = gate.open(decodes)
+        drafting = gate.open(decodes, beside_chunk)
         decisions.append(drafting)
         score = (on_score if drafting else 1.0) * machine * rng.gauss(1.0, 0.1)
-        gate.observe(decodes, drafting, decodes, 0.030, 0.030 * score)
+        gate.observe(decodes, drafting, decodes, 0.030, 0.030 * score, beside_chunk)
     return decisions
 
 
@@ -128,3 +128,24 @@ def test_a_loser_ahead_in_its_mean_is_tried_often_enough_to_win_on_noisy_scores(
             gate.observe(12, drafting, 12, 0.030, 0.030 * score)
         assert sum(decisions[300:]) <= 0.15 * 300, seed
         assert not gate.summary()["8-15"]["drafting"]
+
+
+def test_steps_beside_a_prefill_chunk_are_measured_apart_from_decode_only_steps() -> None:
+    """At the same batch size drafting may lose on decode-only steps and pay beside a chunk (a chunk's step costs
+    about the same with a few draft tokens more): each kind of step follows its own scores, its tries land on its
+    own steps, and the saved state keeps them apart."""
+    gate = DraftingGate()
+    rng = random.Random(7)
+    plain_steps, chunk_steps = [], []
+    for _ in range(300):
+        plain_steps += _run(gate, 12, 3, 0.8, rng)
+        chunk_steps += _run(gate, 12, 1, 1.3, rng, beside_chunk=True)
+    summary = gate.summary()
+    assert not summary["8-15"]["drafting"] and summary["8-15 beside a chunk"]["drafting"]
+    assert summary["8-15"]["on_steps"] + summary["8-15"]["off_steps"] == 900
+    assert summary["8-15 beside a chunk"]["on_steps"] + summary["8-15 beside a chunk"]["off_steps"] == 300
+    assert plain_steps[600:].count(True) <= 300 // EXPLORE_EVERY_CLEAR + 2
+    assert chunk_steps[200:].count(False) <= 100 // EXPLORE_EVERY_CLEAR + 2
+    reloaded = DraftingGate()
+    reloaded.load(gate.to_dict())
+    assert reloaded.summary() == summary

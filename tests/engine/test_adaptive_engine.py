@@ -90,7 +90,7 @@ def test_a_step_is_charged_the_proposing_of_the_drafts_it_verifies_and_no_other(
     gated: list[float] = []
 
     def observe(shape: StepShape, seconds: float, batch: int, drafting: bool | None, tokens: int,
-                drafting_seconds: float) -> None:
+                drafting_seconds: float, decodes: StepShape | None) -> None:
         seen.append(round(seconds, 6))
         gated.append(round(drafting_seconds, 6))
     monkeypatch.setattr(tuner.controller, "observe_step", observe)
@@ -143,7 +143,7 @@ def test_where_the_gate_finds_drafting_does_not_pay_only_seeded_requests_draft(l
     engine = llm.engine
     controller = engine.tuner.controller
     gate_asked: list[int] = []
-    controller.gate.open = lambda decodes: gate_asked.append(decodes) and False
+    controller.gate.open = lambda decodes, beside_chunk: gate_asked.append(decodes) and False
     asked: list[str] = []
     propose_batch = engine.spec.propose_batch
 

@@ -328,7 +328,11 @@ async function showAdaptive() {
     const d = a.speculation.last_draft_lengths;
     parts.push(`last drafts ${d.mean.toFixed(1)} tokens on average (max ${d.max})`);
     const off = Object.entries(a.speculation.gate || {}).filter(([, g]) => !g.drafting).map(([sizes]) => sizes);
-    if (off.length) parts.push(`drafting off at ${off.join(", ")} decoding requests`);
+    const chunk = " beside a chunk";
+    const alone = off.filter((sizes) => !sizes.endsWith(chunk));
+    const beside = off.filter((sizes) => sizes.endsWith(chunk)).map((sizes) => sizes.slice(0, -chunk.length));
+    if (alone.length) parts.push(`drafting off at ${alone.join(", ")} decoding requests`);
+    if (beside.length) parts.push(`off beside a prefill chunk at ${beside.join(", ")}`);
   }
   if (a.batching.last_token_budget !== null) parts.push(`token budget ${a.batching.last_token_budget}`);
   parts.push(`${a.retention.turns_protected} turns kept, ${a.retention.retention_hit_tokens} tokens reused`);

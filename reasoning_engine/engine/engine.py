@@ -390,7 +390,7 @@ class LLMEngine:
             # on measured timings, so those requests keep the static per-request length
             seeded = [r.params.seed is not None and not r.params.greedy for r in asking]
             static = [min(self.spec.draft_len.get(r.seq_id, 1), n) for r, n in zip(asking, limits)]
-            if not self.tuner.drafting(asking, self.schedulers):  # drafting does not pay at this batch size (adaptive/gate.py)
+            if not self.tuner.drafting(asking, self.schedulers):  # drafting does not pay here (adaptive/gate.py)
                 limits = [s if seed else 0 for s, seed in zip(static, seeded)]
             elif self.spec.config.method in TEXT_METHODS:
                 # text proposers say how far they are confident, so each request drafts up to the longest that could

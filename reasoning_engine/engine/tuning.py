@@ -124,7 +124,7 @@ class EngineTuner:
         if self._chunks is not None:
             self.controller.observe_chunk(*self._chunks, seconds)
             decodes = self._chunks[0]
-        tokens = (decodes or shape).sequences + self._accepted
+        tokens = (decodes if decodes is not None else shape).sequences + self._accepted
         self.controller.observe_step(shape, seconds, decode_batch, self._drafting, tokens, own + self._proposing,
                                      decodes)
         self._proposing = proposing

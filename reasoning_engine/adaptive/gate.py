@@ -35,7 +35,7 @@ delivers differently, and at 8-15 decodes, where requests come and go, most step
 decode-only buckets and never scored, they drafted wherever plain's lead there was still within the noise: in-process
 at 16 reasoning requests, 51 of the 83 steps the gate opened carried a chunk, none of them scored. Measured apart,
 behind the server at 16 reasoning requests the gate kept 80-94% of the steps plain against 54-66% (one run 95%),
-and adaptive / static k=0 went from 0.90x to 0.96-0.97x (3 rounds side by side).
+and adaptive / static k=0 went from 0.89-0.91x to 0.96-0.97x (medians of 7 rounds side by side).
 """
 
 from __future__ import annotations

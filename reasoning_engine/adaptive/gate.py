@@ -147,7 +147,12 @@ class DraftingGate:
         self.chunk_buckets: dict[int, Bucket] = {}
 
     def _bucket(self, decodes: int, beside_chunk: bool) -> Bucket:
-        return (self.chunk_buckets if beside_chunk else self.buckets).setdefault(bucket_of(decodes), Bucket())
+        """The step's bucket, made on first use (not `setdefault`, which would build a Bucket at every step)."""
+        buckets, key = (self.chunk_buckets if beside_chunk else self.buckets), bucket_of(decodes)
+        bucket = buckets.get(key)
+        if bucket is None:
+            bucket = buckets[key] = Bucket()
+        return bucket
 
     def open(self, decodes: int, beside_chunk: bool = False) -> bool:
         """Whether the next step of `decodes` decoding requests (`beside_chunk`: and a prefill chunk) considers

@@ -149,6 +149,30 @@ class NgramIndex:
                     found.append(pos)
         self.num_tokens += count
 
+    def truncate(self, segment: int, length: int) -> None:
+        """Cut an open segment back to its first `length` tokens, forgetting every position past them: the tables end
+        as if only those tokens had been appended, at the cost of indexing the tokens dropped."""
+        seg = self.segments[segment]
+        prefix = self.prefixes[segment]
+        base = segment << SEGMENT_SHIFT
+        for n, n_power, table in zip(self.orders, self.powers, self.tables):
+            for end in range(len(seg), max(length, n - 1), -1):
+                key = (prefix[end] - prefix[end - n] * n_power) & MASK
+                found = table[key]
+                if found.__class__ is int:
+                    del table[key]
+                    continue
+                pos = base | end
+                if found[-1] == pos:
+                    found.pop()
+                else:  # a later segment's position follows it
+                    found.remove(pos)
+                if len(found) == 1:
+                    table[key] = found[0]
+        self.num_tokens -= len(seg) - length
+        del seg[length:]
+        del prefix[length + 1:]
+
     def drop_segment(self, segment: int) -> None:
         """Forget a segment and every position in it (eviction of the oldest outputs)."""
         seg = self.segments.pop(segment)
@@ -193,6 +217,20 @@ def common_suffix(tokens: list[int], a: int, b: int, known: int, limit: int) -> 
     return lo
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists, by a binary search over slice comparisons (C speed)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 1:  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 class RequestContext:
     """One request's sequence (prompt then accepted output) as a single open segment of its own index."""
 
@@ -214,12 +252,19 @@ class RequestContext:
     def extend(self, tokens: Iterable[int]) -> None:
         self.index.append(0, tokens)
 
+    def truncate(self, length: int) -> None:
+        self.index.truncate(0, length)
+
 
 class ContextStore:
-    """Per-request contexts, plus the last few finished ones.
+    """Per-request contexts, plus recently finished ones: up to `reuse_capacity` of them and `reuse_max_tokens` tokens
+    in all (~0.8 KB of RAM a token for the suffix proposer's 8 orders, so ~110 MB by default). At 32 agent sessions a
+    capacity of 8 kept too few: a session's previous turn was mostly gone when its next one came.
 
-    An agent's next turn is a new request whose prompt is the previous request's prompt and output plus a little more;
-    reusing the finished context turns a rebuild of the whole conversation's index into an append of the new tokens.
+    An agent's next turn is a new request whose prompt begins with the previous request's prompt and most of its output
+    (the chat template may render the reply differently from the tokens sampled: reasoning dropped from the history, a
+    cut-off thinking block closed); reusing the finished context, cut back to the part the prompt shares, turns a
+    rebuild of the whole conversation's index into dropping the few tokens that differ and appending the new ones.
 
     A context is indexed at its first `get` or `sync`, not at `start`: a request that never drafts (in a batch where
     drafting does not pay) never pays for indexing its prompt (~1.1 us a token for the suffix proposer's 8 orders on
@@ -227,12 +272,14 @@ class ContextStore:
     counts it against drafting.
     """
 
-    def __init__(self, orders: Sequence[int], reuse_capacity: int = 8) -> None:
+    def __init__(self, orders: Sequence[int], reuse_capacity: int = 64, reuse_max_tokens: int = 131_072) -> None:
         self.orders = tuple(orders)
         self.reuse_capacity = reuse_capacity
+        self.reuse_max_tokens = reuse_max_tokens
         self.active: dict[str, RequestContext] = {}
         self._unindexed: dict[str, list[int]] = {}  # request -> its prompt, until its context is first needed
         self._finished: list[RequestContext] = []
+        self._finished_tokens = 0
 
     def start(self, request_id: str, prompt: Sequence[int]) -> None:
         self._unindexed[request_id] = list(prompt)
@@ -243,28 +290,41 @@ class ContextStore:
         if found is None:
             context = RequestContext(self.orders, prompt)
         else:
-            context = self._finished.pop(found)
-            context.extend(prompt[len(context.tokens):])
+            place, shared = found
+            context = self._finished.pop(place)
+            self._finished_tokens -= len(context.tokens)
+            context.truncate(shared)
+            context.extend(prompt[shared:])
             context.prompt_len = len(prompt)
         self.active[request_id] = context
         return context
 
-    def _reusable(self, prompt: list[int]) -> int | None:
-        """The newest finished context whose tokens begin `prompt`, by its place in `_finished`."""
-        for i in range(len(self._finished) - 1, -1, -1):
-            tokens = self._finished[i].tokens
-            size = len(tokens)
-            if 0 < size <= len(prompt) and tokens[-1] == prompt[size - 1] and tokens == prompt[:size]:
-                return i
-        return None
+    def _reusable(self, prompt: list[int]) -> tuple[int, int] | None:
+        """The finished context (its place in `_finished`, and how many of its tokens begin `prompt`) that is cheapest
+        to turn into the prompt's, if that is cheaper than indexing the prompt afresh: cutting it back costs its tokens
+        past the shared part, so it pays when more than half of it is shared. The newest wins a tie."""
+        best, best_cost = None, len(prompt)
+        for place in range(len(self._finished) - 1, -1, -1):
+            tokens = self._finished[place].tokens
+            need = (len(tokens) + len(prompt) - best_cost) // 2 + 1  # shared tokens that would beat the best so far
+            if need > min(len(tokens), len(prompt)) or tokens[need - 1] != prompt[need - 1]:
+                continue  # one token tells most conversations apart
+            shared = common_prefix(tokens, prompt)
+            cost = len(tokens) + len(prompt) - 2 * shared
+            if cost < best_cost:
+                best, best_cost = (place, shared), cost
+        return best
 
     def unseen(self, request_id: str, length: int) -> int:
-        """How many tokens of the request's `length`-token sequence the next `sync` would index."""
+        """How many tokens the next `sync` of the request's `length`-token sequence would index (or drop)."""
         context = self.active.get(request_id)
         if context is not None:
             return length - len(context.tokens)
         found = self._reusable(self._unindexed[request_id])
-        return length - (len(self._finished[found].tokens) if found is not None else 0)
+        if found is None:
+            return length
+        place, shared = found
+        return len(self._finished[place].tokens) + length - 2 * shared
 
     def get(self, request_id: str) -> RequestContext:
         context = self.active.get(request_id)
@@ -287,10 +347,11 @@ class ContextStore:
         if prompt is not None:
             return len(prompt), prompt
         context = self.active.pop(request_id)
-        if self.reuse_capacity > 0:
-            self._finished.append(context)
-            if len(self._finished) > self.reuse_capacity:
-                self._finished.pop(0)
+        self._finished.append(context)
+        self._finished_tokens += len(context.tokens)
+        while self._finished and (len(self._finished) > self.reuse_capacity
+                                  or self._finished_tokens > self.reuse_max_tokens):
+            self._finished_tokens -= len(self._finished.pop(0).tokens)
         return context.prompt_len, context.tokens
 
 

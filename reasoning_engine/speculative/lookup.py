@@ -16,7 +16,7 @@ from reasoning_engine.speculative.index import ContextProposer, ContextStore, co
 class LookupProposer(ContextProposer):
     method = "lookup"
 
-    def __init__(self, max_match: int = 256, scan_limit: int = 32, reuse_capacity: int = 8) -> None:
+    def __init__(self, max_match: int = 256, scan_limit: int = 32, reuse_capacity: int = 64) -> None:
         orders = [1]
         while orders[-1] * 2 <= max_match:
             orders.append(orders[-1] * 2)

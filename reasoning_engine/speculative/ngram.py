@@ -15,7 +15,7 @@ from reasoning_engine.speculative.index import ContextProposer, ContextStore, la
 class NgramProposer(ContextProposer):
     method = "ngram"
 
-    def __init__(self, max_n: int = 4, min_n: int = 1, reuse_capacity: int = 8) -> None:
+    def __init__(self, max_n: int = 4, min_n: int = 1, reuse_capacity: int = 64) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.contexts = ContextStore(range(min_n, max_n + 1), reuse_capacity)

@@ -67,7 +67,8 @@ class SuffixConfig:
     tree: bool = True
     global_max_tokens: int = 500_000
     prompt_tail: int = 8
-    reuse_capacity: int = 8
+    reuse_capacity: int = 64
+    reuse_max_tokens: int = 131_072
     prior_strength: float = 20.0
     backoff: bool = True
     index_budget: int = 4096  # context tokens one step may index before drafting (~4.5 ms on 2 CPU cores)
@@ -79,8 +80,10 @@ class SuffixConfig:
             raise ValueError(f"max_occurrences must be >= 1, got {self.max_occurrences}")
         if not 0.0 <= self.min_token_prob <= 1.0:
             raise ValueError(f"min_token_prob must be in [0, 1], got {self.min_token_prob}")
-        if self.global_max_tokens < 0 or self.prompt_tail < 0 or self.reuse_capacity < 0 or self.prior_strength < 0:
-            raise ValueError("global_max_tokens, prompt_tail, reuse_capacity and prior_strength must be >= 0")
+        if min(self.global_max_tokens, self.prompt_tail, self.reuse_capacity, self.reuse_max_tokens,
+               self.prior_strength) < 0:
+            raise ValueError("global_max_tokens, prompt_tail, reuse_capacity, reuse_max_tokens and prior_strength must "
+                             "be >= 0")
         if self.index_budget < 1:
             raise ValueError(f"index_budget must be >= 1, got {self.index_budget}")
 
@@ -147,7 +150,7 @@ class SuffixProposer:
 
     def __init__(self, config: SuffixConfig | None = None) -> None:
         self.config = config or SuffixConfig()
-        self.contexts = ContextStore(self.config.orders, self.config.reuse_capacity)
+        self.contexts = ContextStore(self.config.orders, self.config.reuse_capacity, self.config.reuse_max_tokens)
         self.global_index = NgramIndex(self.config.orders)
         self.model = AcceptanceModel(self.config.prior_strength)
         self._global_order: deque[int] = deque()

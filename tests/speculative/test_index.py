@@ -77,3 +77,75 @@ def test_bulk_append_builds_the_same_tables_as_token_by_token():
     bulk.append(b, tokens[3:])
     assert one_by_one.tables == bulk.tables and one_by_one.prefixes == bulk.prefixes
     assert one_by_one.num_tokens == bulk.num_tokens == len(tokens)
+
+
+def test_truncate_leaves_the_tables_of_the_kept_tokens_alone():
+    import random
+
+    rng = random.Random(1)
+    tokens = [rng.randrange(6) for _ in range(300)]
+    later = [rng.randrange(6) for _ in range(40)]
+    for length in (0, 1, 5, 150, 299, 300):
+        cut = NgramIndex([1, 2, 3, 8])
+        segment = cut.open_segment(tokens)
+        cut.add_segment(later)  # its positions follow the cut segment's in shared lists
+        cut.truncate(segment, length)
+        fresh = NgramIndex([1, 2, 3, 8])
+        fresh.open_segment(tokens[:length])
+        fresh.add_segment(later)
+        assert cut.tables == fresh.tables, length
+        assert cut.segments == fresh.segments and cut.prefixes == fresh.prefixes
+        assert cut.num_tokens == fresh.num_tokens == length + len(later)
+
+
+def test_context_store_reuses_the_shared_part_of_a_finished_turn():
+    """The next turn's prompt re-renders the end of the last reply (here its last two tokens): the finished context
+    is cut back to the shared part and extended, and indexes what a fresh one would."""
+    store = ContextStore([1, 2, 4], reuse_capacity=2)
+    store.start("a", [1, 2, 3, 4])
+    finished = store.sync("a", [1, 2, 3, 4, 5, 6, 7, 8])
+    store.finish("a")
+    prompt = [1, 2, 3, 4, 5, 6, 9, 9, 9]
+    store.start("b", prompt)
+    assert store.unseen("b", len(prompt)) == 2 + 3  # two tokens dropped, three appended, not nine indexed
+    reused = store.get("b")
+    assert reused is finished and reused.tokens == prompt and reused.prompt_len == len(prompt)
+    fresh = ContextStore([1, 2, 4])
+    fresh.start("c", prompt)
+    assert reused.index.tables == fresh.get("c").index.tables
+
+
+def test_context_store_indexes_afresh_when_less_than_half_a_finished_turn_is_shared():
+    store = ContextStore([1, 2], reuse_capacity=2)
+    store.start("a", [1, 2, 3, 4, 5, 6])
+    finished = store.sync("a", [1, 2, 3, 4, 5, 6])
+    store.finish("a")
+    store.start("b", [1, 2, 3, 7, 7, 7])
+    assert store.unseen("b", 6) == 6
+    assert store.get("b") is not finished and store._finished == [finished]
+
+
+def test_common_prefix():
+    from reasoning_engine.speculative.index import common_prefix
+
+    assert common_prefix([1, 2, 3, 4], [1, 2, 3, 4, 5]) == 4
+    assert common_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert common_prefix([7], [1]) == 0 and common_prefix([], [1]) == 0
+    long = list(range(1000))
+    assert common_prefix(long, long[:777] + [0]) == 777
+
+
+def test_context_store_keeps_finished_turns_within_its_token_cap():
+    store = ContextStore([1, 2], reuse_capacity=8, reuse_max_tokens=10)
+    for name, prompt in (("a", [1, 2, 3, 4]), ("b", [5, 6, 7, 8]), ("c", [9, 10, 11, 12]), ("d", list(range(20, 31)))):
+        store.start(name, prompt)
+        store.get(name)
+        store.finish(name)
+    assert [c.tokens for c in store._finished] == []  # "d" alone is over the cap; "a" went when "c" came
+    store.start("e", [5, 6, 7, 8, 9])
+    store.get("e")
+    store.finish("e")
+    store.start("f", [9, 10, 11, 12])
+    store.get("f")
+    store.finish("f")
+    assert [c.tokens for c in store._finished] == [[5, 6, 7, 8, 9], [9, 10, 11, 12]]

@@ -213,3 +213,8 @@ def test_suffix_learns_acceptance_rates_from_outcomes():
         proposer.on_tokens_accepted(str(i), [77])  # the target disagrees at once
         proposer.finish_request(str(i), learn=False)
     assert propose_once(proposer, [9, 1, 2], 4).score < before / 2
+
+
+def test_suffix_config_rejects_a_negative_reuse_cap() -> None:
+    with pytest.raises(ValueError, match="reuse_max_tokens"):
+        SuffixConfig(reuse_max_tokens=-1)

@@ -5,7 +5,7 @@ distributed tool-execution gap, mean `--turn-gap` seconds, and every request car
 `prompt_cache_key`) and the reasoning traces, with suffix speculation, at each concurrency level, against servers
 started one after another on this machine with:
 - adaptive, cold: a fresh `--state-dir`;
-- adaptive, warm: the same state directory again (what the cold run learned);
+- adaptive, warm: a copy of the state directory the latest cold run wrote (what it learned);
 - static default: `--no-adaptive`, suffix with 8 draft tokens (doubling/halving, back-off above 16 requests);
 - the static grid: `--no-adaptive` with num_speculative_tokens in {0 (no speculation), 2, 4, 8, 16} x
   max_num_batched_tokens in {256, 2048}; its best configuration per level is the "best static".
@@ -31,6 +31,7 @@ import dataclasses
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -120,24 +121,33 @@ def replay(server: Server, workload: Any, counter: TokenCounter, args: argparse.
 
 def matrix(args: argparse.Namespace, counter: TokenCounter, dataset: str, grid: bool) -> dict[str, Any]:
     """Every configuration over every level of one workload, `args.repeats` rounds with the configurations
-    interleaved (each round's adaptive cold run starts from a fresh state directory, its warm run from what that
-    learned); per configuration and level, each figure is the median over the rounds and `total_tps_runs` lists
-    every round's total tok/s."""
+    interleaved, each round's order rotated by one so that no configuration always runs first or right after another
+    (run right after cold in every round, warm ran below it in all rounds of one grid; rotated, level with it).
+    Each adaptive cold run starts from a fresh state directory, each warm run from a copy of what the latest cold
+    run learned (the previous round's when warm comes first). Per configuration and level, each figure is the median
+    over the rounds and `total_tps_runs` lists every round's total tok/s."""
     levels = [int(c) for c in args.concurrency.split(",")]
     workload = from_dataset(dataset, counter, [c * args.sessions for c in levels], 0, default_workloads_dir(),
                             args.max_prompt_tokens)
     spec = ["--speculative-config", SUFFIX.format(k=8)]
+    configs: dict[str, list[str]] = {"adaptive cold": spec, "adaptive warm": spec,
+                                     "static default": ["--no-adaptive", *spec]}
+    if grid:
+        configs.update({f"static k={k} budget={b}": static(k, b) for k in (0, 2, 4, 8, 16) for b in (256, 2048)})
+    names = list(configs)
     rounds: dict[str, list[dict[str, Any]]] = {}
+    learned: str | None = None  # the state directory of the latest cold run
     for round_ in range(args.repeats):
-        state = tempfile.mkdtemp(prefix="adaptive_state_")
-        configs: dict[str, list[str]] = {
-            "adaptive cold": ["--state-dir", state, *spec],
-            "adaptive warm": ["--state-dir", state, *spec],
-            "static default": ["--no-adaptive", *spec],
-        }
-        if grid:
-            configs.update({f"static k={k} budget={b}": static(k, b) for k in (0, 2, 4, 8, 16) for b in (256, 2048)})
-        for name, flags in configs.items():
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            flags = configs[name]
+            if name == "adaptive cold":
+                learned = tempfile.mkdtemp(prefix="adaptive_state_")
+                flags = ["--state-dir", learned, *flags]
+            elif name == "adaptive warm":
+                warm = tempfile.mkdtemp(prefix="adaptive_state_")
+                shutil.copytree(learned, warm, dirs_exist_ok=True)
+                flags = ["--state-dir", warm, *flags]
             for key, figures in run_config(args, counter, workload, levels, flags, name.startswith("adaptive")).items():
                 rounds.setdefault(name + key, []).append(figures)
             print(f"{dataset} round {round_ + 1} {name}: " + ", ".join(

@@ -136,22 +136,24 @@ def matrix(args: argparse.Namespace, counter: TokenCounter, dataset: str, grid: 
         configs.update({f"static k={k} budget={b}": static(k, b) for k in (0, 2, 4, 8, 16) for b in (256, 2048)})
     names = list(configs)
     rounds: dict[str, list[dict[str, Any]]] = {}
-    learned: str | None = None  # the state directory of the latest cold run
-    for round_ in range(args.repeats):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            flags = configs[name]
-            if name == "adaptive cold":
-                learned = tempfile.mkdtemp(prefix="adaptive_state_")
-                flags = ["--state-dir", learned, *flags]
-            elif name == "adaptive warm":
-                warm = tempfile.mkdtemp(prefix="adaptive_state_")
-                shutil.copytree(learned, warm, dirs_exist_ok=True)
-                flags = ["--state-dir", warm, *flags]
-            for key, figures in run_config(args, counter, workload, levels, flags, name.startswith("adaptive")).items():
-                rounds.setdefault(name + key, []).append(figures)
-            print(f"{dataset} round {round_ + 1} {name}: " + ", ".join(
-                f"c{c} {r['total_tps']:.1f} tok/s" for c, r in rounds[name][-1].items()), flush=True)
+    learned = ""  # the state directory of the latest cold run (round 0 runs cold before warm)
+    with tempfile.TemporaryDirectory(prefix="adaptive_states_") as states:
+        for round_ in range(args.repeats):
+            shift = round_ % len(names)
+            for name in names[shift:] + names[:shift]:
+                flags = configs[name]
+                if name == "adaptive cold":
+                    learned = tempfile.mkdtemp(dir=states)
+                    flags = ["--state-dir", learned, *flags]
+                elif name == "adaptive warm":
+                    warm = tempfile.mkdtemp(dir=states)
+                    shutil.copytree(learned, warm, dirs_exist_ok=True)
+                    flags = ["--state-dir", warm, *flags]
+                adaptive = name.startswith("adaptive")
+                for key, figures in run_config(args, counter, workload, levels, flags, adaptive).items():
+                    rounds.setdefault(name + key, []).append(figures)
+                print(f"{dataset} round {round_ + 1} {name}: " + ", ".join(
+                    f"c{c} {r['total_tps']:.1f} tok/s" for c, r in rounds[name][-1].items()), flush=True)
     return {name: {level: median_figures([r[level] for r in runs]) for level in runs[0]}
             for name, runs in rounds.items()}
 

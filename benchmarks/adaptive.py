@@ -122,10 +122,10 @@ def replay(server: Server, workload: Any, counter: TokenCounter, args: argparse.
 def matrix(args: argparse.Namespace, counter: TokenCounter, dataset: str, grid: bool) -> dict[str, Any]:
     """Every configuration over every level of one workload, `args.repeats` rounds with the configurations
     interleaved, each round's order rotated by one so that no configuration always runs first or right after another
-    (run right after cold in every round, warm ran below it in all rounds of one grid; rotated, level with it).
-    Each adaptive cold run starts from a fresh state directory, each warm run from a copy of what the latest cold
-    run learned (the previous round's when warm comes first). Per configuration and level, each figure is the median
-    over the rounds and `total_tps_runs` lists every round's total tok/s."""
+    (the same step shapes run up to 20% slower from one run to the next on a shared machine). Each adaptive cold run
+    starts from a fresh state directory, each warm run from a copy of what the latest cold run learned (the previous
+    round's when warm comes first). Per configuration and level, each figure is the median over the rounds and
+    `total_tps_runs` lists every round's total tok/s."""
     levels = [int(c) for c in args.concurrency.split(",")]
     workload = from_dataset(dataset, counter, [c * args.sessions for c in levels], 0, default_workloads_dir(),
                             args.max_prompt_tokens)

@@ -13,9 +13,11 @@ O(1); they are deterministic across processes (state on disk is tokens only and 
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
+
+from reasoning_engine.speculative.draft import Draft
 
 MASK = (1 << 64) - 1
 BASE = 0x9E3779B97F4A7C15
@@ -23,6 +25,7 @@ BASE_INVERSE = pow(BASE, -1, 1 << 64)
 BULK_MIN = 64  # appends at least this long (prompts, finished outputs) hash with numpy
 SEGMENT_SHIFT = 32
 OFFSET_MASK = (1 << SEGMENT_SHIFT) - 1
+INDEX_BUDGET = 4096  # context tokens one step may index before drafting (suffix: ~4.5 ms on 2 CPU cores)
 
 
 def power(n: int) -> int:
@@ -355,10 +358,45 @@ class ContextStore:
         return context.prompt_len, context.tokens
 
 
+def propose_within_budget(contexts: ContextStore, propose: Callable[[str, Sequence[int], int], Draft],
+                          items: Sequence[tuple[str, Sequence[int], int]], budget: int) -> list[Draft]:
+    """One step's drafts, indexing at most `budget` new context tokens.
+
+    A request's first draft indexes its whole context, and with drafting gated off at large batches (or held back by
+    a batch cap) many requests come to their first draft in the same step, a stall every running request waits
+    through: in-process at 32 requests with ~1500-token agent prompts on the bundled model (median decode step
+    17 ms), the suffix proposer's longest decode step of a run was 27-159 ms without a budget (over 150 ms in 2 of 8
+    runs) and 26-42 ms with one. A request that needs more than the step has left drafts at a later step; the step's
+    first request always goes, so a prompt longer than the budget still gets its turn.
+    """
+    left = budget
+    drafts = []
+    for request_id, token_ids, limit in items:
+        need = contexts.unseen(request_id, len(token_ids))
+        if need > max(left, 0) and left < budget:
+            drafts.append(Draft.empty())
+            continue
+        left -= need
+        drafts.append(propose(request_id, token_ids, limit))
+    return drafts
+
+
+def check_index_budget(budget: int) -> None:
+    if budget < 1:
+        raise ValueError(f"index_budget must be >= 1, got {budget}")
+
+
 class ContextProposer:
     """The request lifecycle shared by proposers that only look inside each request's own context (ngram, lookup)."""
 
     contexts: ContextStore
+    index_budget: int
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_draft_tokens: int) -> Draft:
+        raise NotImplementedError
+
+    def propose_batch(self, items: Sequence[tuple[str, Sequence[int], int]]) -> list[Draft]:
+        return propose_within_budget(self.contexts, self.propose, items, self.index_budget)
 
     def start_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
         self.contexts.start(request_id, prompt_token_ids)

@@ -10,13 +10,17 @@ from __future__ import annotations
 from typing import Sequence
 
 from reasoning_engine.speculative.draft import Draft
-from reasoning_engine.speculative.index import ContextProposer, ContextStore, common_suffix, window_key
+from reasoning_engine.speculative.index import (INDEX_BUDGET, ContextProposer, ContextStore, check_index_budget,
+                                                common_suffix, window_key)
 
 
 class LookupProposer(ContextProposer):
     method = "lookup"
 
-    def __init__(self, max_match: int = 256, scan_limit: int = 32, reuse_capacity: int = 64) -> None:
+    def __init__(self, max_match: int = 256, scan_limit: int = 32, reuse_capacity: int = 64,
+                 index_budget: int = INDEX_BUDGET) -> None:
+        check_index_budget(index_budget)
+        self.index_budget = index_budget
         orders = [1]
         while orders[-1] * 2 <= max_match:
             orders.append(orders[-1] * 2)

@@ -9,15 +9,19 @@ from __future__ import annotations
 from typing import Sequence
 
 from reasoning_engine.speculative.draft import Draft
-from reasoning_engine.speculative.index import ContextProposer, ContextStore, latest_before, window_key
+from reasoning_engine.speculative.index import (INDEX_BUDGET, ContextProposer, ContextStore, check_index_budget,
+                                                latest_before, window_key)
 
 
 class NgramProposer(ContextProposer):
     method = "ngram"
 
-    def __init__(self, max_n: int = 4, min_n: int = 1, reuse_capacity: int = 64) -> None:
+    def __init__(self, max_n: int = 4, min_n: int = 1, reuse_capacity: int = 64,
+                 index_budget: int = INDEX_BUDGET) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        check_index_budget(index_budget)
+        self.index_budget = index_budget
         self.contexts = ContextStore(range(min_n, max_n + 1), reuse_capacity)
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_draft_tokens: int) -> Draft:

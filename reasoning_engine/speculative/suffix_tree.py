@@ -42,8 +42,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from reasoning_engine.speculative.draft import Draft
-from reasoning_engine.speculative.index import (OFFSET_MASK, SEGMENT_SHIFT, ContextStore, NgramIndex, common_suffix,
-                                                window_key)
+from reasoning_engine.speculative.index import (INDEX_BUDGET, OFFSET_MASK, SEGMENT_SHIFT, ContextStore, NgramIndex,
+                                                check_index_budget, common_suffix, propose_within_budget, window_key)
 
 STATE_FORMAT = 1
 # The candidate sources a draft grows from; each has its own acceptance rates.
@@ -71,7 +71,7 @@ class SuffixConfig:
     reuse_max_tokens: int = 131_072
     prior_strength: float = 20.0
     backoff: bool = True
-    index_budget: int = 4096  # context tokens one step may index before drafting (~4.5 ms on 2 CPU cores)
+    index_budget: int = INDEX_BUDGET
 
     def __post_init__(self) -> None:
         if not self.orders or min(self.orders) < 1:
@@ -84,8 +84,7 @@ class SuffixConfig:
                self.prior_strength) < 0:
             raise ValueError("global_max_tokens, prompt_tail, reuse_capacity, reuse_max_tokens and prior_strength must "
                              "be >= 0")
-        if self.index_budget < 1:
-            raise ValueError(f"index_budget must be >= 1, got {self.index_budget}")
+        check_index_budget(self.index_budget)
 
 
 def _log2_buckets(count: int) -> list[int]:
@@ -205,25 +204,9 @@ class SuffixProposer:
     # -- drafting ----------------------------------------------------------------------------------------------------
 
     def propose_batch(self, items: Sequence[tuple[str, Sequence[int], int]]) -> list[Draft]:
-        """One step's drafts, indexing at most `index_budget` new context tokens.
-
-        A request's first draft indexes its whole context (~1.1 us a token), and with drafting gated off at large
-        batches many requests come to their first draft in the same step, a stall every running request waits
-        through: in-process at 32 requests with ~1500-token agent prompts on the bundled model (median decode step
-        17 ms), the longest decode step of a run was 27-159 ms without a budget (over 150 ms in 2 of 8 runs) and
-        26-42 ms with this one. A request that needs more than the step has left drafts at a later step; the step's
-        first request always goes, so a prompt longer than the budget still gets its turn.
-        """
-        left = self.config.index_budget
-        drafts = []
-        for request_id, token_ids, limit in items:
-            need = self.contexts.unseen(request_id, len(token_ids))
-            if need > max(left, 0) and left < self.config.index_budget:
-                drafts.append(Draft.empty())
-                continue
-            left -= need
-            drafts.append(self.propose(request_id, token_ids, limit))
-        return drafts
+        """One step's drafts, indexing at most `index_budget` new context tokens (index.py's
+        `propose_within_budget`)."""
+        return propose_within_budget(self.contexts, self.propose, items, self.config.index_budget)
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_draft_tokens: int) -> Draft:
         context = self.contexts.get(request_id)

@@ -89,10 +89,11 @@ def test_suffix_learns_the_whole_output_when_its_view_lags() -> None:
     assert proposer.global_tokens == 12
 
 
-def test_suffix_indexes_at_most_its_budget_per_step() -> None:
+@pytest.mark.parametrize("method", ["suffix", "ngram", "lookup"])
+def test_text_proposers_index_at_most_their_budget_per_step(method: str) -> None:
     """A request whose context does not fit what is left of the step's indexing budget drafts at a later step; the
-    first request of a step always goes, however long its context."""
-    proposer = SuffixProposer(SuffixConfig(index_budget=10))
+    first request of a step always goes, however long its context. The option comes through `--speculative-config`."""
+    proposer = build_proposer({"method": method, "num_speculative_tokens": 4, "index_budget": 10})
     repeated = [50, 51, 52, 53] * 2
     prompts = {"a": repeated, "b": [60, 61, 62, 63] * 2, "c": [70 + i for i in range(30)] + repeated}
     for name, prompt in prompts.items():
@@ -105,7 +106,7 @@ def test_suffix_indexes_at_most_its_budget_per_step() -> None:
     drafts = proposer.propose_batch([("c", prompts["c"], 4), ("a", prompts["a"] + [50, 51], 4)])
     assert len(drafts[0]) > 0 and len(drafts[1]) == 0  # "c" (38 tokens) went first; "a" waits for its one token
     with pytest.raises(ValueError, match="index_budget"):
-        SuffixConfig(index_budget=0)
+        build_proposer({"method": method, "index_budget": 0})
 
 
 def test_suffix_scores_candidates_by_frequency():

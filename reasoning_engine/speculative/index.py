@@ -368,9 +368,9 @@ def propose_within_budget(contexts: ContextStore, propose: Callable[[str, Sequen
     through: in-process at 32 requests with ~1500-token agent prompts on the bundled model (median decode step
     17 ms), the suffix proposer's longest decode step of a run was 27-159 ms without a budget (over 150 ms in 2 of 8
     runs) and 26-42 ms with one; for 32 requests with 1500-token prompts (random tokens) coming to their first draft
-    together, ngram's indexing took 50-90 ms and lookup's 90-125 ms without one. A request that needs more than the step has
-    left drafts at a later step; the step's first request always goes, so a prompt longer than the budget still gets
-    its turn.
+    together, ngram's indexing took 50-90 ms and lookup's 90-125 ms without one. A request that needs more than the
+    step has left drafts at a later step; the step's first request always goes, so a prompt longer than the budget
+    still gets its turn.
     """
     left = budget
     drafts = []

@@ -392,8 +392,10 @@ def check_index_budget(budget: int) -> None:
 class ContextProposer(ABC):
     """The request lifecycle shared by proposers that only look inside each request's own context (ngram, lookup)."""
 
-    contexts: ContextStore
-    index_budget: int
+    def __init__(self, orders: Sequence[int], reuse_capacity: int, index_budget: int) -> None:
+        check_index_budget(index_budget)
+        self.contexts = ContextStore(orders, reuse_capacity)
+        self.index_budget = index_budget
 
     @abstractmethod
     def propose(self, request_id: str, token_ids: Sequence[int], max_draft_tokens: int) -> Draft: ...

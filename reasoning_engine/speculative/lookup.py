@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from reasoning_engine.speculative.draft import Draft
-from reasoning_engine.speculative.index import (INDEX_BUDGET, ContextProposer, ContextStore, check_index_budget,
-                                                common_suffix, window_key)
+from reasoning_engine.speculative.index import INDEX_BUDGET, ContextProposer, common_suffix, window_key
 
 
 class LookupProposer(ContextProposer):
@@ -19,14 +18,12 @@ class LookupProposer(ContextProposer):
 
     def __init__(self, max_match: int = 256, scan_limit: int = 32, reuse_capacity: int = 64,
                  index_budget: int = INDEX_BUDGET) -> None:
-        check_index_budget(index_budget)
-        self.index_budget = index_budget
         orders = [1]
         while orders[-1] * 2 <= max_match:
             orders.append(orders[-1] * 2)
         self.max_match = max_match
         self.scan_limit = scan_limit
-        self.contexts = ContextStore(orders, reuse_capacity)
+        super().__init__(orders, reuse_capacity, index_budget)
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_draft_tokens: int) -> Draft:
         context = self.contexts.sync(request_id, token_ids)

@@ -9,8 +9,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from reasoning_engine.speculative.draft import Draft
-from reasoning_engine.speculative.index import (INDEX_BUDGET, ContextProposer, ContextStore, check_index_budget,
-                                                latest_before, window_key)
+from reasoning_engine.speculative.index import INDEX_BUDGET, ContextProposer, latest_before, window_key
 
 
 class NgramProposer(ContextProposer):
@@ -20,9 +19,7 @@ class NgramProposer(ContextProposer):
                  index_budget: int = INDEX_BUDGET) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-        check_index_budget(index_budget)
-        self.index_budget = index_budget
-        self.contexts = ContextStore(range(min_n, max_n + 1), reuse_capacity)
+        super().__init__(range(min_n, max_n + 1), reuse_capacity, index_budget)
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_draft_tokens: int) -> Draft:
         context = self.contexts.sync(request_id, token_ids)

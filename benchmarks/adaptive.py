@@ -10,7 +10,8 @@ started one after another on this machine with:
 - the static grid: `--no-adaptive` with num_speculative_tokens in {0 (no speculation), 2, 4, 8, 16} x
   max_num_batched_tokens in {256, 2048}; its best configuration per level is the "best static".
 Two more experiments: agent sessions beside one-off traffic on a KV cache smaller than the agents' working set
-(adaptive retention vs plain LRU: the agents' prefix-cache hit rate and TTFT), and 16 decoding requests joined by one
+(adaptive retention vs plain LRU: the agents' prefix-cache hit rate and TTFT, and the hit rate of a cache that
+evicts nothing, the most any policy can reach), and 16 decoding requests joined by one
 long prompt (`--target-itl-ms` vs the static budget: the 16's inter-token latency while the prompt is prefilled).
 
 Reported per configuration and level: output tok/s per request (p50 of each request's output speed), total output
@@ -200,16 +201,21 @@ def kv_pressure(args: argparse.Namespace, counter: TokenCounter) -> dict[str, An
     """Agent sessions beside one-off traffic on a KV cache smaller than the agents' working set: while each agent's
     tool runs, the one-off requests cycle the cache. Adaptive retention against plain LRU, on the agents' turns, over
     `--pressure-rounds` workloads (one has a dozen turns: its hit rate alone varies by a third), the two servers
-    interleaved and the turns of all rounds pooled."""
+    interleaved and the turns of all rounds pooled. With `--ceiling-blocks`, a third server (LRU on that many
+    blocks, enough that nothing is evicted) gives the ceiling: a turn can hit only what an earlier request wrote,
+    so no eviction policy reaches a higher hit rate on the same turns."""
     agents = args.pressure_agents
     background = from_dataset("reasoning", counter, [64], 2, default_workloads_dir(), args.max_prompt_tokens)
     prompts = [s.turns[0] for s in background.levels[0]]
-    runs: dict[str, list[Any]] = {"adaptive": [], "LRU": []}
+    configs = {"adaptive": ["--kv-cache-blocks", str(args.pressure_blocks)],
+               "LRU": ["--no-adaptive", "--kv-cache-blocks", str(args.pressure_blocks)]}
+    if args.ceiling_blocks:
+        configs["no eviction"] = ["--no-adaptive", "--kv-cache-blocks", str(args.ceiling_blocks)]
+    runs: dict[str, list[Any]] = {name: [] for name in configs}
     for seed in range(1, args.pressure_rounds + 1):
         workload = from_dataset("agentic", counter, [agents], seed, default_workloads_dir(), args.max_prompt_tokens)
-        for name, flags in (("adaptive", []), ("LRU", ["--no-adaptive"])):
-            server = Server(args.model, [*flags, "--kv-cache-blocks", str(args.pressure_blocks), "--block-size", "16"],
-                            args.max_model_len)
+        for name, flags in configs.items():
+            server = Server(args.model, [*flags, "--block-size", "16"], args.max_model_len)
             try:
                 run = asyncio.run(_agents_among_traffic(server, workload, prompts, counter, args, agents,
                                                         args.pressure_streams))
@@ -382,7 +388,13 @@ def report(data: dict[str, Any], args: argparse.Namespace) -> str:
             runs = ", ".join(f"{100 * (h or 0):.0f}" for h in r["hit_rate_runs"])
             lines.append(f"| {n} | {100 * (r['hit_rate'] or 0):.0f}% ({runs}) | {r['ttft_p50'] or 0:.2f} | "
                          f"{r['requests']} |")
-        lines += ["", f"adaptive / LRU hit rate: {(p['adaptive']['hit_rate'] or 0) / max(p['LRU']['hit_rate'] or 1e-9, 1e-9):.2f}x", ""]
+        lru = max(p["LRU"]["hit_rate"] or 1e-9, 1e-9)
+        lines += ["", f"adaptive / LRU hit rate: {(p['adaptive']['hit_rate'] or 0) / lru:.2f}x"]
+        if "no eviction" in p:
+            ceiling = (p["no eviction"]["hit_rate"] or 0) / lru
+            lines += ["", f"No eviction ({args.ceiling_blocks} blocks) / LRU: {ceiling:.2f}x, the most any eviction "
+                      "policy can reach on these turns."]
+        lines.append("")
     if data.get("itl"):
         lines += ["## A long prompt among 16 decoding requests", "",
                   f"A {args.long_prompt_tokens}-token prompt arrives 2 s into 16 decodes; the decodes' inter-token gaps "
@@ -453,6 +465,8 @@ def main() -> None:
     parser.add_argument("--pressure-agents", type=int, default=3)
     parser.add_argument("--pressure-streams", type=int, default=6, help="one-off request streams beside the agents")
     parser.add_argument("--pressure-rounds", type=int, default=4, help="agent workloads (seeds) pooled")
+    parser.add_argument("--ceiling-blocks", type=int, default=8192,
+                        help="KV blocks of the no-eviction server in the pressure experiment (0: skip it)")
     parser.add_argument("--target-itl-ms", type=float, default=150.0,
                         help="for the bundled model about 14x its 16 decodes' gap on 2 cores (11 ms); a target "
                         "must exceed the decodes' gap before the prompt (the table shows it) by the chunk it allows")

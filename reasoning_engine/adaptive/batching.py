@@ -40,28 +40,46 @@ class LatencyTargets:
 
 class ChunkCost:
     """What prefill chunks cost beyond their step's decodes: seconds = a * tokens + b * attention pairs, fitted to the
-    recent steps that carried a chunk, times a high quantile of the fit's own recent errors."""
+    recent steps that carried a chunk, times a high quantile of the fit's own recent errors. The fit is redone when
+    read after new steps, not at each chunk step: only latency targets (and the snapshot) read it."""
 
     def __init__(self) -> None:
         self.steps: deque[tuple[float, float, float]] = deque(maxlen=CHUNK_WINDOW)  # (tokens, pairs, seconds)
-        self.weights = np.zeros(2)
-        self.tail = 1.0
+        self._fit: tuple[np.ndarray, float] | None = None  # (weights, tail) of the current steps, once read
 
     @property
     def ready(self) -> bool:
         return bool(self.weights.any())
 
+    @property
+    def weights(self) -> np.ndarray:
+        return self._fitted()[0]
+
+    @property
+    def tail(self) -> float:
+        return self._fitted()[1]
+
     def observe(self, tokens: int, pairs: int, extra_seconds: float) -> None:
         if tokens < MIN_CHUNK_TOKENS or extra_seconds <= 0:
             return
         self.steps.append((float(tokens), float(pairs), extra_seconds))
+        self._fit = None
+
+    def _fitted(self) -> tuple[np.ndarray, float]:
+        if self._fit is None:
+            self._fit = self._refit()
+        return self._fit
+
+    def _refit(self) -> tuple[np.ndarray, float]:
+        if not self.steps:
+            return np.zeros(2), 1.0
         x = np.array([(t, p) for t, p, _ in self.steps]) / np.array([[e] for _, _, e in self.steps])
         fits = [np.linalg.lstsq(x, np.ones(len(x)), rcond=None)[0]]  # relative errors: a short chunk counts as much
         fits += [np.array([1.0 / np.mean(x[:, 0]), 0.0]), np.array([0.0, 1.0 / np.mean(x[:, 1])])]
         fits = [w for w in fits if (w >= 0).all() and np.isfinite(w).all()]
-        self.weights = min(fits, key=lambda w: float(np.sum((x @ w - 1.0) ** 2)))
-        ratios = sorted(1.0 / max(float(r), 1e-9) for r in x @ self.weights)  # measured / fitted
-        self.tail = max(1.0, ratios[min(len(ratios) - 1, int(TAIL_QUANTILE * len(ratios)))])
+        weights = min(fits, key=lambda w: float(np.sum((x @ w - 1.0) ** 2)))
+        ratios = sorted(1.0 / max(float(r), 1e-9) for r in x @ weights)  # measured / fitted
+        return weights, max(1.0, ratios[min(len(ratios) - 1, int(TAIL_QUANTILE * len(ratios)))])
 
     def predict(self, tokens: int, context: int) -> float:
         """Seconds a chunk of `tokens` after `context` cached tokens adds to a step, at the tail of recent errors."""

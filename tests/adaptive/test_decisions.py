@@ -355,6 +355,22 @@ def test_chunk_cost_learns_tokens_and_attention_pairs_and_plans_for_its_tail() -
     assert not ignored.ready
 
 
+def test_chunk_cost_read_between_steps_fits_as_if_read_once_at_the_end() -> None:
+    """The fit is redone when read after new steps (not at each chunk step), so reading it never gives a stale one."""
+    rng = random.Random(6)
+    read_often, read_once = ChunkCost(), ChunkCost()
+    for _ in range(40):  # past CHUNK_WINDOW: the oldest steps leave the fit
+        tokens, context = rng.randint(64, 1024), rng.randint(0, 1500)
+        seconds = (2e-4 * tokens + 3e-7 * chunk_pairs(tokens, context)) * rng.uniform(0.8, 1.3)
+        for cost in (read_often, read_once):
+            cost.observe(tokens, chunk_pairs(tokens, context), seconds)
+        read_often.predict(tokens, context)
+    assert list(read_often.weights) == list(read_once.weights) and read_often.tail == read_once.tail
+    reloaded = ChunkCost()
+    reloaded.load(read_once.to_list())
+    assert list(reloaded.weights) == list(read_once.weights) and reloaded.tail == read_once.tail
+
+
 def test_the_itl_budget_sizes_chunks_by_what_chunks_cost_not_by_the_decode_fitted_model() -> None:
     """The step cost model here has never seen a chunk and thinks tokens nearly free; the chunk cost has measured
     them, and the budget follows it."""

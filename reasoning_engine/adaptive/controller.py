@@ -113,14 +113,24 @@ class AdaptiveController:
         logger.info("adaptive state loaded from %s (%d steps in the cost model)", self.state_dir, cost.observations)
 
     def save(self) -> None:
+        """Write the state. A failed write (disk full, directory removed) is logged and tried again SAVE_EVERY_S
+        later: the state is a cache of what was measured, and losing it must not fail the step that saves it."""
         if not self.state_dir:
             return
+        self._saved_at = time.monotonic()
+        try:
+            self._write()
+        except OSError as exc:
+            logger.warning("could not save the adaptive state to %s (%s): serving goes on without it", self.state_dir,
+                           exc)
+
+    def _write(self) -> None:
+        assert self.state_dir is not None
         save_state(self.state_dir, self.identity, {
             "cost_model": self.cost.to_dict(), "acceptance": self.acceptance.to_dict(),
             "return_gaps": self.retention.to_dict(), "batch_sizes": {str(k): v for k, v in self.batch_sizes.items()},
             "drafting_gate": self.gate.to_dict(), "chunk_steps": self.chunk_cost.to_list(),
             "proposed_drafts": self.proposed_drafts.to_list()})
-        self._saved_at = time.monotonic()
 
     def maybe_save(self) -> None:
         if self.state_dir and time.monotonic() - self._saved_at > SAVE_EVERY_S:

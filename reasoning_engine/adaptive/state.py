@@ -3,7 +3,8 @@
 The file names the model and device it was learned on; a file for another model or device (a cost model of a
 different GPU would mislead), or one that is corrupt or truncated, is set aside with a warning and the engine starts
 cold. Writing goes to a temporary file in the same directory, then `os.replace`, so a crash mid-write leaves the
-previous state whole.
+previous state whole. A directory that cannot be written is refused at start (`check_state_dir`); one that fails
+later (disk full, removed) costs a warning at each save, never a step or a request.
 """
 
 from __future__ import annotations
@@ -19,6 +20,17 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "adaptive_state.json"
 VERSION = 1
+
+
+def check_state_dir(state_dir: str | Path, name: str) -> None:
+    """Make the directory if needed and write a scratch file there: a ValueError naming the setting `name` if that
+    fails, at start rather than at the first save, minutes into serving."""
+    try:
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=state_dir):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{name} {str(state_dir)!r} is not a writable directory: {exc}") from None
 
 
 def save_state(state_dir: str | Path, identity: dict[str, Any], payload: dict[str, Any]) -> Path:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from reasoning_engine.adaptive.state import check_state_dir
 from reasoning_engine.config import EngineConfig
 from reasoning_engine.engine.detokenizer import IncrementalDetokenizer
 from reasoning_engine.engine.kv_cache import BlockManager, prefix_hashes
@@ -73,6 +74,10 @@ class LLMEngine:
         self.media_processor = (MediaProcessor.from_model_dir(config.model.path, self.tokenizer)
                                 if self.tokenizer is not None else None)
         spec_config = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config else None
+        for state_dir, name in ((config.state_dir, "state_dir"),
+                                (spec_config and spec_config.state_dir, "speculative_config.state_dir")):
+            if state_dir:
+                check_state_dir(state_dir, name)
         self.tuner = EngineTuner(config, spec_config, self._tool_call_ids()) if config.adaptive else None
         if self.tuner is not None and config.device.type == "cuda":
             config = self.config = dataclasses.replace(config, cuda_graph_batch_sizes=self.tuner.graph_batch_sizes())

@@ -15,6 +15,7 @@ or more of either kind and keeps, per request and step, the draft expected to ga
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from reasoning_engine.batch import ForwardBatch
     from reasoning_engine.config import EngineConfig
     from reasoning_engine.models.base import CausalLM
+
+logger = logging.getLogger(__name__)
 
 TEXT_METHODS = ("ngram", "lookup", "suffix")
 MODEL_METHODS = ("mtp", "eagle3")
@@ -354,8 +357,13 @@ class SpeculativeDecoder:
         self.draft_len.pop(seq_id, None)
 
     def save_state(self) -> None:
+        """Write what the proposer learned (at shutdown); a failed write is a warning, so the shutdown goes on."""
         if self.config.state_dir and hasattr(self.proposer, "save"):
-            self.proposer.save(self.config.state_dir)
+            try:
+                self.proposer.save(self.config.state_dir)
+            except OSError as exc:
+                logger.warning("could not save the %s proposer's state to %s: %s", self.config.method,
+                               self.config.state_dir, exc)
 
     def stats_dict(self) -> dict[str, Any]:
         """Engine metrics: totals, and per method for a hybrid."""

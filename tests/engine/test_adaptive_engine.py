@@ -200,6 +200,36 @@ def test_learned_state_survives_a_restart(llama_dir: Path, tmp_path: Path) -> No
     assert cold.engine.tuner is None and cold.engine.adaptive_snapshot() == {"enabled": False}
 
 
+def test_a_state_dir_that_cannot_be_written_is_refused_at_start_and_a_failing_save_never_fails_a_request(
+        llama_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A state directory that cannot be made is a ValueError naming the setting, before the model loads; one that
+    goes away while serving (disk full, removed) costs a warning at each save, and requests and shutdown go on."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    spec = {"method": "suffix", "num_speculative_tokens": 4}
+    with pytest.raises(ValueError, match="state_dir .*a_file/state.* is not a writable directory"):
+        LLM(llama_dir, dtype="float32", device="cpu", speculative_config=spec, state_dir=str(blocker / "state"))
+    with pytest.raises(ValueError, match="speculative_config.state_dir .* is not a writable directory"):
+        LLM(llama_dir, dtype="float32", device="cpu", speculative_config={**spec, "state_dir": str(blocker / "s")},
+            adaptive=False)
+    state_dir = tmp_path / "state"
+    prompts = _ids(mixed_prompts(3, seed=26, low=5, high=30))
+    llm = LLM(llama_dir, dtype="float32", device="cpu", speculative_config=spec, state_dir=str(state_dir))
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    for child in state_dir.iterdir():
+        child.unlink()
+    state_dir.rmdir()
+    state_dir.write_text("the directory is gone")  # every save from here on fails
+    monkeypatch.setattr("reasoning_engine.adaptive.controller.SAVE_EVERY_S", 0.0)
+    monkeypatch.setattr(tuning, "REFRESH_S", 0.0)  # refresh, and so try to save, at every step
+    with caplog.at_level("WARNING"):
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        llm.shutdown()
+    assert again == expected
+    saves = [r.getMessage() for r in caplog.records if "could not save" in r.getMessage()]
+    assert any("adaptive state" in m for m in saves) and any("suffix proposer" in m for m in saves)
+
+
 def test_drafting_time_counts_in_the_step_that_verifies_the_drafts(llama_dir: Path) -> None:
     """A step proposes the next step's drafts; the cost model sees that time in the step that verifies them (or in
     none, if that step verifies none), so a plain step among drafted ones does not look dear for drafting it never

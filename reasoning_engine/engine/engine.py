@@ -98,7 +98,8 @@ class LLMEngine:
         self.num_preemptions = 0
         self._grammars: GrammarCompiler | None = None
         self._ids = itertools.count()
-        self.spec = (SpeculativeDecoder(spec_config, self.runner.drafters, caller_lengths=self.tuner is not None)
+        self.spec = (SpeculativeDecoder(spec_config, self.runner.drafters, caller_lengths=self.tuner is not None,
+                                        vocab_size=self.model_config.vocab_size)
                      if spec_config is not None else None)
         if self.tuner is not None:
             self.tuner.calibrate(self.runner)

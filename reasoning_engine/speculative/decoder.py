@@ -142,7 +142,11 @@ def _checked_options(method: str, target: Callable[..., Any], options: dict[str,
     return options
 
 
-def _text_proposer(method: str, options: dict[str, Any], state_dir: str | None) -> Proposer:
+def _text_proposer(method: str, options: dict[str, Any], state_dir: str | None,
+                   vocab_size: int | None = None) -> Proposer:
+    """The proposer of a text method; the suffix proposer starts from the store saved in `state_dir`, if any, unless
+    that store is unusable (corrupt, or learned for a model with another vocabulary): then it starts empty, with a
+    warning, as the adaptive state does."""
     if method == "ngram":
         from reasoning_engine.speculative.ngram import NgramProposer
 
@@ -154,20 +158,27 @@ def _text_proposer(method: str, options: dict[str, Any], state_dir: str | None) 
         return LookupProposer(**_checked_options(method, LookupProposer, options))
     from reasoning_engine.speculative.suffix_tree import SuffixConfig, SuffixProposer
 
-    proposer = SuffixProposer(SuffixConfig(**_checked_options(method, SuffixConfig, options)))
+    config = SuffixConfig(**_checked_options(method, SuffixConfig, options))
+    proposer = SuffixProposer(config)
     if state_dir and (Path(state_dir) / "suffix_state.json").is_file():  # a first start has nothing saved yet
-        proposer.load(state_dir)
+        try:
+            proposer.load(state_dir, vocab_size)
+        except Exception as exc:  # noqa: BLE001 - json, zip and numpy each fail their own way on a damaged file
+            logger.warning("suffix proposer state in %s is unusable (%s): starting without it", state_dir, exc)
+            proposer = SuffixProposer(config)
     return proposer
 
 
-def make_proposer(config: SpeculativeConfig, draft_proposers: Mapping[str, Proposer] | None = None) -> Proposer:
-    """The config's proposer; `draft_proposers` are the model runner's proposers for the draft-model methods."""
+def make_proposer(config: SpeculativeConfig, draft_proposers: Mapping[str, Proposer] | None = None,
+                  vocab_size: int | None = None) -> Proposer:
+    """The config's proposer; `draft_proposers` are the model runner's proposers for the draft-model methods,
+    `vocab_size` the target's (a saved suffix store must not hold tokens beyond it)."""
     draft_proposers = draft_proposers or {}
 
     def single(method: str, options: dict[str, Any]) -> Proposer:
         if method in MODEL_METHODS:
             return draft_proposers[method]
-        return _text_proposer(method, options, config.state_dir)
+        return _text_proposer(method, options, config.state_dir, vocab_size)
 
     if config.method == "hybrid":
         return HybridProposer({m: single(m, config.options.get(m, {})) for m in config.methods})
@@ -291,11 +302,11 @@ class SpecStats:
 
 class SpeculativeDecoder:
     def __init__(self, config: SpeculativeConfig, draft_proposers: Mapping[str, Proposer] | None = None,
-                 caller_lengths: bool = False) -> None:
+                 caller_lengths: bool = False, vocab_size: int | None = None) -> None:
         """With `caller_lengths` (the adaptive engine) each item's limit is its draft length: no doubling and
-        halving here."""
+        halving here. `vocab_size`: the target model's (see `make_proposer`)."""
         self.config = config
-        self.proposer = make_proposer(config, draft_proposers)
+        self.proposer = make_proposer(config, draft_proposers, vocab_size)
         self.stats = SpecStats()
         self.draft_len: dict[str, int] = {}
         self.caller_lengths = caller_lengths

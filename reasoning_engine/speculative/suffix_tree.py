@@ -371,18 +371,27 @@ class SuffixProposer:
         tmp_meta.write_text(json.dumps(meta, indent=1))
         os.replace(tmp_meta, path / "suffix_state.json")
 
-    def load(self, directory: str | os.PathLike[str]) -> int:
-        """Replace the global store and rates with those saved in `directory`; returns the number of outputs loaded."""
+    def load(self, directory: str | os.PathLike[str], vocab_size: int | None = None) -> int:
+        """Replace the global store and rates with those saved in `directory`; returns the number of outputs loaded. A
+        store whose two files disagree, or (given the model's `vocab_size`) holding a token outside the vocabulary, is
+        a ValueError: drafted, such a token would fail the verifying forward (a store learned for another model)."""
         path = Path(directory)
         meta = json.loads((path / "suffix_state.json").read_text())
         if meta.get("format") != STATE_FORMAT:
             raise ValueError(f"{path}: unsupported suffix state format {meta.get('format')!r}")
         with np.load(path / "suffix_state.npz") as data:
-            flat, lengths = data["tokens"].tolist(), data["lengths"].tolist()
+            tokens, lengths = data["tokens"], data["lengths"]
+        if (tokens.ndim != 1 or lengths.ndim != 1 or len(lengths) != meta.get("segments") or (lengths < 0).any()
+                or int(lengths.sum()) != tokens.size):
+            raise ValueError(f"{path}: suffix_state.npz does not hold the outputs suffix_state.json lists")
+        if tokens.size and (tokens.min() < 0 or vocab_size is not None and tokens.max() >= vocab_size):
+            raise ValueError(f"{path}: tokens outside the model's vocabulary of {vocab_size} (learned for another "
+                             "model?)")
+        flat = tokens.tolist()
         self.global_index = NgramIndex(self.config.orders)
         self._global_order.clear()
         start = 0
-        for length in lengths:
+        for length in lengths.tolist():
             self.learn(flat[start:start + length])
             start += length
         self.model.load_dict(meta["acceptance"])

@@ -160,6 +160,25 @@ def test_outputs_decoded_without_drafts_still_teach_the_suffix_store(llama_dir: 
                                          for o, p in zip(outs, prompts))
 
 
+def test_a_suffix_store_learned_for_a_larger_vocabulary_is_set_aside(llama_dir: Path, tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A store in the state directory holding tokens past this model's vocabulary (learned for another model) would
+    draft them into the verifying forward; it is set aside with a warning, and outputs equal plain decoding."""
+    from reasoning_engine.speculative import SuffixProposer
+
+    prompts = _repetitive_prompts()
+    plain = _tokens(LLM(llama_dir, dtype="float32", device="cpu").generate(prompts, GREEDY))
+    foreign = SuffixProposer()
+    for prompt, output in zip(prompts, plain):  # each greedy answer's start, then ids past the embedding's rows
+        foreign.learn(prompt["prompt_token_ids"] + output[:3] + [100_000 + i for i in range(8)])
+    foreign.save(tmp_path)
+    spec = {"method": "suffix", "num_speculative_tokens": 4, "state_dir": str(tmp_path)}
+    with caplog.at_level("WARNING"):
+        llm = LLM(llama_dir, dtype="float32", device="cpu", speculative_config=spec, adaptive=False)
+    assert "vocabulary" in caplog.text and llm.engine.spec.proposer.global_tokens == 0
+    assert _tokens(llm.generate(prompts, GREEDY)) == plain
+
+
 def test_invalid_speculative_config_names_the_field(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="speculative_config.method"):
         LLM(llama_dir, dtype="float32", device="cpu", speculative_config={"method": "magic"})

@@ -4,6 +4,7 @@ import pytest
 
 from reasoning_engine.speculative import (LookupProposer, NgramProposer, Proposer, SuffixConfig, SuffixProposer,
                                           build_proposer)
+from reasoning_engine.speculative.decoder import SpeculativeConfig, make_proposer
 
 
 def propose_once(proposer, prompt, k):
@@ -201,6 +202,35 @@ def test_suffix_state_round_trips(tmp_path):
         assert propose_once(restored, sequence[:6], 12) == propose_once(proposer, sequence[:6], 12)
     reloaded = build_proposer({"method": "suffix"}, state_dir=tmp_path)
     assert reloaded.global_tokens == proposer.global_tokens
+
+
+@pytest.mark.parametrize("damage", ["truncated json", "not a zip", "files disagree", "tokens past the vocabulary"])
+def test_an_unusable_suffix_store_starts_the_proposer_empty_with_a_warning(tmp_path, caplog, damage):
+    """The engine's path (`make_proposer` with the state directory): a damaged store, or one learned for a model
+    with a smaller vocabulary, is a warning and an empty store, never a failed start."""
+    proposer = SuffixProposer()
+    for sequence in _random_workload(6, 10):
+        proposer.learn(sequence)
+    proposer.save(tmp_path)
+    config = SpeculativeConfig.from_dict({"method": "suffix", "state_dir": str(tmp_path)})
+    assert make_proposer(config, vocab_size=30).global_tokens == proposer.global_tokens  # tokens are < 30
+    vocab_size = 30
+    if damage == "truncated json":
+        meta = tmp_path / "suffix_state.json"
+        meta.write_text(meta.read_text()[:40])
+    elif damage == "not a zip":
+        (tmp_path / "suffix_state.npz").write_bytes(b"not a zip file")
+    elif damage == "files disagree":  # another store's outputs beside this one's listing
+        other = SuffixProposer()
+        other.learn([1, 2, 3, 4])
+        other.save(tmp_path / "other")
+        (tmp_path / "other" / "suffix_state.npz").replace(tmp_path / "suffix_state.npz")
+    else:
+        vocab_size = 20
+    with caplog.at_level("WARNING"):
+        restored = make_proposer(config, vocab_size=vocab_size)
+    assert restored.global_tokens == 0 and "unusable" in caplog.text
+    assert propose_once(restored, [1, 2, 3], 4).token_ids == []
 
 
 def test_suffix_learns_acceptance_rates_from_outcomes():

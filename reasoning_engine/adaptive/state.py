@@ -56,7 +56,7 @@ def load_state(state_dir: str | Path, identity: dict[str, Any]) -> dict[str, Any
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(), parse_constant=_not_finite)
         if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("state"), dict):
             raise ValueError(f"not an adaptive state of version {VERSION}")
     except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
@@ -66,3 +66,8 @@ def load_state(state_dir: str | Path, identity: dict[str, Any]) -> dict[str, Any
         logger.warning("adaptive state %s was learned on %s, not %s: starting cold", path, data.get("identity"), identity)
         return None
     return data["state"]
+
+
+def _not_finite(literal: str) -> float:
+    """json's NaN and Infinity, which no measured statistic holds: a damaged (or hand-edited) file."""
+    raise ValueError(f"{literal} in the state")

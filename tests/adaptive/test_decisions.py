@@ -493,7 +493,7 @@ def test_state_round_trips(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign", "wrong_shape", "bad_gate", "bad_chunks",
-                                    "bad_drafts"])
+                                    "bad_drafts", "not_finite"])
 def test_bad_state_starts_cold_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str) -> None:
     first = _controller(tmp_path)
     for shape in _random_shapes(random.Random(3), 20):
@@ -520,6 +520,12 @@ def test_bad_state_starts_cold_with_a_warning(tmp_path: Path, caplog: pytest.Log
     elif damage == "bad_drafts":
         data = json.loads(text)
         data["state"]["proposed_drafts"] = [[0.5, 7.0]]
+        path.write_text(json.dumps(data))
+    elif damage == "not_finite":  # every part checks its ranges, but NaN passes comparisons: the parser refuses it
+        data = json.loads(text)
+        data["state"]["return_gaps"] = {"default": [float("nan")]}
+        data["state"]["acceptance"] = {key: {"trials": [float("inf")], "accepted": [1.0]}
+                                       for key in data["state"]["acceptance"]}
         path.write_text(json.dumps(data))
     with caplog.at_level(logging.WARNING):
         second = _controller(tmp_path, model="another" if damage == "foreign" else "m")

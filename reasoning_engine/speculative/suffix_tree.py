@@ -33,6 +33,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+import math
 import os
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -138,8 +139,10 @@ class AcceptanceModel:
     def load_dict(self, data: dict[str, Any]) -> None:
         if len(data["accepted"]) != len(self.accepted) or len(data["drafted"]) != len(self.drafted):
             raise ValueError("saved acceptance statistics have another shape")
-        self.accepted = [float(x) for x in data["accepted"]]
-        self.drafted = [float(x) for x in data["drafted"]]
+        accepted, drafted = [float(x) for x in data["accepted"]], [float(x) for x in data["drafted"]]
+        if not all(0.0 <= x < math.inf for x in accepted + drafted):  # NaN fails the comparison too
+            raise ValueError("saved acceptance statistics must be finite non-negative numbers")
+        self.accepted, self.drafted = accepted, drafted
         for cell in range(len(self.rates)):
             self._refresh(cell)
 

@@ -1,3 +1,4 @@
+import json
 import random
 
 import pytest
@@ -204,7 +205,8 @@ def test_suffix_state_round_trips(tmp_path):
     assert reloaded.global_tokens == proposer.global_tokens
 
 
-@pytest.mark.parametrize("damage", ["truncated json", "not a zip", "files disagree", "tokens past the vocabulary"])
+@pytest.mark.parametrize("damage", ["truncated json", "not a zip", "files disagree", "tokens past the vocabulary",
+                                    "rates not finite"])
 def test_an_unusable_suffix_store_starts_the_proposer_empty_with_a_warning(tmp_path, caplog, damage):
     """The engine's path (`make_proposer` with the state directory): a damaged store, or one learned for a model
     with a smaller vocabulary, is a warning and an empty store, never a failed start."""
@@ -225,6 +227,11 @@ def test_an_unusable_suffix_store_starts_the_proposer_empty_with_a_warning(tmp_p
         other.learn([1, 2, 3, 4])
         other.save(tmp_path / "other")
         (tmp_path / "other" / "suffix_state.npz").replace(tmp_path / "suffix_state.npz")
+    elif damage == "rates not finite":
+        meta = tmp_path / "suffix_state.json"
+        data = json.loads(meta.read_text())
+        data["acceptance"]["drafted"][0] = float("nan")
+        meta.write_text(json.dumps(data))
     else:
         vocab_size = 20
     with caplog.at_level("WARNING"):

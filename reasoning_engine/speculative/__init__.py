@@ -9,36 +9,25 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
+from reasoning_engine.speculative.decoder import TEXT_METHODS, text_proposer
 from reasoning_engine.speculative.draft import Draft, Proposer
 from reasoning_engine.speculative.lookup import LookupProposer
 from reasoning_engine.speculative.ngram import NgramProposer
 from reasoning_engine.speculative.suffix_tree import SuffixConfig, SuffixProposer
 
-METHODS = ("ngram", "lookup", "suffix")
-
-# vLLM's names for the n-gram bounds, accepted so its configs work unchanged.
-_ALIASES = {"prompt_lookup_max": "max_n", "prompt_lookup_min": "min_n"}
+METHODS = TEXT_METHODS
 
 
 def build_proposer(config: Mapping[str, Any], state_dir: str | os.PathLike[str] | None = None) -> Proposer:
-    """Make the proposer a speculative_config names; `state_dir` (suffix only) is loaded when it holds saved state.
-
-    Keys besides method and num_speculative_tokens are the proposer's own options (e.g. min_token_prob, tree).
-    """
-    options = {_ALIASES.get(k, k): v for k, v in config.items() if k not in ("method", "num_speculative_tokens")}
+    """Make the text proposer a speculative_config names, as the engine does (`decoder.text_proposer`): vLLM's n-gram
+    option names are accepted, an unknown option is a ValueError naming it, and the suffix proposer starts from the
+    store saved in `state_dir`, if any. Keys besides method and num_speculative_tokens are the proposer's own options
+    (e.g. min_token_prob, tree)."""
     method = config.get("method")
-    if method == "ngram":
-        return NgramProposer(**options)
-    if method == "lookup":
-        return LookupProposer(**options)
-    if method == "suffix":
-        if "orders" in options:
-            options["orders"] = tuple(options["orders"])
-        proposer = SuffixProposer(SuffixConfig(**options))
-        if state_dir is not None and os.path.exists(os.path.join(state_dir, "suffix_state.json")):
-            proposer.load(state_dir)
-        return proposer
-    raise ValueError(f"speculative method must be one of {METHODS}, got {method!r}")
+    if method not in METHODS:
+        raise ValueError(f"speculative method must be one of {METHODS}, got {method!r}")
+    options = {k: v for k, v in config.items() if k not in ("method", "num_speculative_tokens")}
+    return text_proposer(method, options, None if state_dir is None else os.fspath(state_dir))
 
 
 __all__ = ["METHODS", "Draft", "LookupProposer", "NgramProposer", "Proposer", "SuffixConfig", "SuffixProposer",

@@ -142,7 +142,7 @@ def _checked_options(method: str, target: Callable[..., Any], options: dict[str,
     return options
 
 
-def _text_proposer(method: str, options: dict[str, Any], state_dir: str | None,
+def text_proposer(method: str, options: dict[str, Any], state_dir: str | None,
                    vocab_size: int | None = None) -> Proposer:
     """The proposer of a text method; the suffix proposer starts from the store saved in `state_dir`, if any, unless
     that store is unusable (corrupt, or learned for a model with another vocabulary): then it starts empty, with a
@@ -178,7 +178,7 @@ def make_proposer(config: SpeculativeConfig, draft_proposers: Mapping[str, Propo
     def single(method: str, options: dict[str, Any]) -> Proposer:
         if method in MODEL_METHODS:
             return draft_proposers[method]
-        return _text_proposer(method, options, config.state_dir, vocab_size)
+        return text_proposer(method, options, config.state_dir, vocab_size)
 
     if config.method == "hybrid":
         return HybridProposer({m: single(m, config.options.get(m, {})) for m in config.methods})

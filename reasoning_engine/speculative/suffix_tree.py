@@ -387,8 +387,10 @@ class SuffixProposer:
         if (tokens.ndim != 1 or lengths.ndim != 1 or len(lengths) != meta.get("segments") or (lengths < 0).any()
                 or int(lengths.sum()) != tokens.size):
             raise ValueError(f"{path}: suffix_state.npz does not hold the outputs suffix_state.json lists")
-        if tokens.size and (tokens.min() < 0 or vocab_size is not None and tokens.max() >= vocab_size):
-            raise ValueError(f"{path}: tokens outside the model's vocabulary of {vocab_size} (learned for another "
+        if tokens.size and tokens.min() < 0:
+            raise ValueError(f"{path}: negative token ids")
+        if tokens.size and vocab_size is not None and tokens.max() >= vocab_size:
+            raise ValueError(f"{path}: token ids past the model's vocabulary of {vocab_size} (learned for another "
                              "model?)")
         flat = tokens.tolist()
         self.global_index = NgramIndex(self.config.orders)

@@ -363,6 +363,8 @@ class LLMEngine:
             tuner.expire(self.schedulers)
             tuner.end_step(plans, shape, proposing)
             tuner.refresh(self.schedulers, force=not self.has_unfinished_requests())
+        if self.spec is not None:
+            self.spec.maybe_save()
         return [self._output(group_id) for group_id in touched if group_id in self.groups]
 
     def _propose_drafts(self) -> None:

@@ -179,6 +179,20 @@ def test_a_suffix_store_learned_for_a_larger_vocabulary_is_set_aside(llama_dir: 
     assert _tokens(llm.generate(prompts, GREEDY)) == plain
 
 
+def test_the_suffix_store_is_saved_while_serving_not_only_at_shutdown(llama_dir: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server killed without a shutdown keeps what its proposer learned up to the last periodic save."""
+    from reasoning_engine.speculative import SuffixProposer, decoder
+
+    monkeypatch.setattr(decoder, "SAVE_EVERY_S", 0.0)
+    spec = {"method": "suffix", "num_speculative_tokens": 4, "state_dir": str(tmp_path)}
+    llm = LLM(llama_dir, dtype="float32", device="cpu", speculative_config=spec, adaptive=False)
+    llm.generate(_repetitive_prompts(), GREEDY)
+    learned = llm.engine.spec.proposer.global_tokens
+    saved = SuffixProposer()
+    assert learned > 0 and saved.load(tmp_path) == 3 and saved.global_tokens == learned  # no shutdown yet
+
+
 def test_invalid_speculative_config_names_the_field(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="speculative_config.method"):
         LLM(llama_dir, dtype="float32", device="cpu", speculative_config={"method": "magic"})

@@ -119,18 +119,15 @@ class AdaptiveController:
             return
         self._saved_at = time.monotonic()
         try:
-            self._write()
+            save_state(self.state_dir, self.identity, {
+                "cost_model": self.cost.to_dict(), "acceptance": self.acceptance.to_dict(),
+                "return_gaps": self.retention.to_dict(),
+                "batch_sizes": {str(k): v for k, v in self.batch_sizes.items()},
+                "drafting_gate": self.gate.to_dict(), "chunk_steps": self.chunk_cost.to_list(),
+                "proposed_drafts": self.proposed_drafts.to_list()})
         except OSError as exc:
             logger.warning("could not save the adaptive state to %s (%s): serving goes on without it", self.state_dir,
                            exc)
-
-    def _write(self) -> None:
-        assert self.state_dir is not None
-        save_state(self.state_dir, self.identity, {
-            "cost_model": self.cost.to_dict(), "acceptance": self.acceptance.to_dict(),
-            "return_gaps": self.retention.to_dict(), "batch_sizes": {str(k): v for k, v in self.batch_sizes.items()},
-            "drafting_gate": self.gate.to_dict(), "chunk_steps": self.chunk_cost.to_list(),
-            "proposed_drafts": self.proposed_drafts.to_list()})
 
     def maybe_save(self) -> None:
         if self.state_dir and time.monotonic() - self._saved_at > SAVE_EVERY_S:

@@ -13,8 +13,9 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 logger = logging.getLogger(__name__)
 
@@ -33,20 +34,27 @@ def check_state_dir(state_dir: str | Path, name: str) -> None:
         raise ValueError(f"{name} {str(state_dir)!r} is not a writable directory: {exc}") from None
 
 
-def save_state(state_dir: str | Path, identity: dict[str, Any], payload: dict[str, Any]) -> Path:
-    folder = Path(state_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / STATE_FILE
-    fd, tmp = tempfile.mkstemp(prefix=".adaptive_state.", suffix=".tmp", dir=folder)
+def write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Call `write` on a temporary file of its own beside `path`, then move it over `path`: a crash mid-write leaves
+    the previous file whole, and two servers saving into one directory never write into the same temporary file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump({"version": VERSION, "identity": identity, "state": payload}, handle)
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def save_state(state_dir: str | Path, identity: dict[str, Any], payload: dict[str, Any]) -> Path:
+    folder = Path(state_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / STATE_FILE
+    data = json.dumps({"version": VERSION, "identity": identity, "state": payload}).encode()
+    write_atomically(path, lambda handle: handle.write(data))
     return path
 
 

@@ -42,6 +42,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from reasoning_engine.adaptive.state import write_atomically
 from reasoning_engine.speculative.draft import Draft
 from reasoning_engine.speculative.index import (INDEX_BUDGET, OFFSET_MASK, SEGMENT_SHIFT, ContextStore, NgramIndex,
                                                 check_index_budget, common_suffix, propose_within_budget, window_key)
@@ -365,14 +366,11 @@ class SuffixProposer:
         segments = [self.global_index.segments[s] for s in self._global_order]
         lengths = np.array([len(s) for s in segments], dtype=np.int64)
         flat = np.fromiter((t for s in segments for t in s), dtype=np.int64, count=int(lengths.sum()))
-        tmp = path / "suffix_state.tmp.npz"
-        np.savez(tmp, tokens=flat, lengths=lengths)
-        os.replace(tmp, path / "suffix_state.npz")
+        write_atomically(path / "suffix_state.npz", lambda handle: np.savez(handle, tokens=flat, lengths=lengths))
         meta = {"format": STATE_FORMAT, "method": self.method, "segments": len(segments), "tokens": int(lengths.sum()),
                 "acceptance": self.model.to_dict(), "config": asdict(self.config)}
-        tmp_meta = path / "suffix_state.tmp.json"
-        tmp_meta.write_text(json.dumps(meta, indent=1))
-        os.replace(tmp_meta, path / "suffix_state.json")
+        data = json.dumps(meta, indent=1).encode()
+        write_atomically(path / "suffix_state.json", lambda handle: handle.write(data))
 
     def load(self, directory: str | os.PathLike[str], vocab_size: int | None = None) -> int:
         """Replace the global store and rates with those saved in `directory`; returns the number of outputs loaded. A

@@ -1,6 +1,7 @@
 import json
 import random
 
+import numpy as np
 import pytest
 
 from reasoning_engine.speculative import (LookupProposer, NgramProposer, Proposer, SuffixConfig, SuffixProposer,
@@ -238,6 +239,30 @@ def test_an_unusable_suffix_store_starts_the_proposer_empty_with_a_warning(tmp_p
         restored = make_proposer(config, vocab_size=vocab_size)
     assert restored.global_tokens == 0 and "unusable" in caplog.text
     assert propose_once(restored, [1, 2, 3], 4).token_ids == []
+
+
+def test_two_servers_saving_into_one_directory_at_once_both_succeed(tmp_path, monkeypatch):
+    """Each save writes temporary files of its own: a save that another server's save interleaves with (here, all of
+    it between this one writing its token file and moving it into place) succeeds and leaves a store that loads."""
+    first, second = SuffixProposer(), SuffixProposer()
+    for sequence in _random_workload(7, 6):
+        first.learn(sequence)
+    second.learn([1, 2, 3, 4])
+    savez = np.savez
+    interleaved = []
+
+    def savez_then_the_other_server_saves(*args, **kwargs):
+        savez(*args, **kwargs)
+        if not interleaved:
+            interleaved.append(True)
+            second.save(tmp_path)
+
+    monkeypatch.setattr(np, "savez", savez_then_the_other_server_saves)
+    first.save(tmp_path)
+    assert interleaved
+    restored = SuffixProposer()
+    assert restored.load(tmp_path) == 6 and restored.global_tokens == first.global_tokens
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["suffix_state.json", "suffix_state.npz"]
 
 
 def test_suffix_learns_acceptance_rates_from_outcomes():

@@ -1,8 +1,8 @@
 """One-call GPU check: end-to-end greedy parity on the GPU, every Triton kernel timed against its torch reference and
 its roofline, end-to-end decode tokens/s of a random-weight Moonlight-16B-A3B-shaped deepseek_v3 (bf16 and INT4
-experts, CUDA graphs on and off) against transformers' generate, and the kernel tests compiled for the GPU. Writes a
-markdown report to benchmarks/results/gpu_check_<date>.md, rewritten after every section so a killed run keeps what
-it measured.
+experts, CUDA graphs on and off) against transformers' generate, the adaptive engine against static speculation
+settings, and the kernel tests compiled for the GPU. Writes a markdown report to benchmarks/results/gpu_check_<date>.md,
+rewritten after every section so a killed run keeps what it measured.
 
     python benchmarks/gpu_check.py [--budget-s 330] [--dry-run] [--skip-tests] [--skip-e2e] [--results-dir DIR]
                                    [--tensor-parallel-size N]
@@ -18,7 +18,9 @@ Order, each section in try/except and skipped once `--budget-s` is spent:
    overlaps the tests: neither is timed, and both spend most of their time compiling on CPU cores;
 3. the tests are joined (timeout) so nothing else runs on the GPU while timing;
 4. kernel timing; 5. end-to-end bf16 (graphs on, off); 6. transformers' generate at batch 1 (the >= 5x target);
-7. end-to-end INT4 experts (graphs on, off); 8. with --tensor-parallel-size N (N GPUs): greedy parity of TP=N and
+7. the adaptive engine against static k=0, k=4 and the static default (suffix speculation) on the bundled model at
+   1, 16 and 32 requests (issue #25: >= 1.15x the default at 16 and more, >= 0.95x the best static);
+8. end-to-end INT4 experts (graphs on, off); 9. with --tensor-parallel-size N (N GPUs): greedy parity of TP=N and
    TP=N + EP against one GPU on a saved random checkpoint, and TP=N decode tok/s.
 Sections run in a spawned worker process: one that crashes, hangs past the budget or leaves the CUDA context broken
 (an illegal address poisons it for the process) costs that section only; the next runs in a fresh worker.
@@ -131,16 +133,20 @@ class Plan:
     test_paths: tuple[str, ...]
     test_workers: int
     test_timeout_s: float
+    adaptive_levels: tuple[int, ...]  # concurrencies of the adaptive-vs-static section
+    adaptive_max_tokens: int
 
     @staticmethod
     def make(dry: bool) -> Plan:
         if dry:
             return Plan(dry=True, device="cpu", e2e_config=TINY_CONFIG, check_config=TINY_CONFIG, batch_sizes=(1, 2),
                         prompt_len=8, output_len=4, hf_output_len=4, max_model_len=64,
-                        test_paths=("tests/kernels/test_triton_norm.py",), test_workers=2, test_timeout_s=240.0)
+                        test_paths=("tests/kernels/test_triton_norm.py",), test_workers=2, test_timeout_s=240.0,
+                        adaptive_levels=(1, 4), adaptive_max_tokens=24)
         return Plan(dry=False, device="cuda", e2e_config=MOONLIGHT_CONFIG, check_config=CHECK_CONFIG, batch_sizes=(1, 8, 64),
                     prompt_len=32, output_len=64, hf_output_len=16, max_model_len=1024,
-                    test_paths=("tests/kernels",), test_workers=8, test_timeout_s=120.0)
+                    test_paths=("tests/kernels",), test_workers=8, test_timeout_s=120.0,
+                    adaptive_levels=(1, 16, 32), adaptive_max_tokens=160)
 
 
 class Budget:
@@ -1065,6 +1071,124 @@ def run_transformers(plan: Plan, budget: Budget, report: Report, batch1: dict[st
     report.add("transformers baseline", [*lines, ""])
 
 
+# ------------------------------------------------------------------------------------------------- adaptive engine
+
+ADAPTIVE_TITLE = "Adaptive vs static speculation (bundled tiny reasoner on its eval prompts, greedy, closed loop)"
+ADAPTIVE_DEFAULT_TARGET = 1.15  # adaptive / static default at 16 requests and more (issue #25)
+ADAPTIVE_BEST_TARGET = 0.95  # adaptive / the best static setting, at every concurrency
+ADAPTIVE_ROUNDS = 3
+
+
+def _suffix(k: int) -> dict[str, Any]:
+    return {"method": "suffix", "num_speculative_tokens": k}
+
+
+# name -> LLM keyword arguments; "static default" is what `--no-adaptive` serves with suffix speculation (draft length
+# doubling and halving, plain decoding above 16 requests)
+ADAPTIVE_CONFIGS: dict[str, dict[str, Any]] = {
+    "static k=0": {"adaptive": False},
+    "static k=4": {"adaptive": False, "speculative_config": _suffix(4)},
+    "static default": {"adaptive": False, "speculative_config": _suffix(8)},
+    "adaptive": {"speculative_config": _suffix(8)},
+}
+
+
+def adaptive_prompts(llm: Any, count: int) -> list[list[int]]:
+    """The bundled model's own eval problems without tools (arithmetic, sorting, letters, comparison), templated."""
+    from reasoning_engine.tiny.data import eval_samples
+
+    tokenizer = llm.get_tokenizer()
+    samples = [s for s in eval_samples(per_task=count) if s.tools is None]
+    samples = [samples[(i * 7919) % len(samples)] for i in range(count)]  # a fixed mix of the tasks
+    return [list(tokenizer.apply_chat_template(s.messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)) for s in samples]
+
+
+def closed_loop(llm: Any, prompts: list[list[int]], concurrency: int, max_tokens: int,
+                tag: str) -> tuple[float, int, list[list[int]]]:
+    """Keep `concurrency` requests running, the next one added as one finishes: (seconds, output tokens, each
+    prompt's greedy tokens)."""
+    from reasoning_engine import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    waiting = list(range(len(prompts)))
+    outputs: dict[int, list[int]] = {}
+    running = 0
+    start = time.perf_counter()
+    while waiting or running:
+        while waiting and running < concurrency:
+            i = waiting.pop(0)
+            engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompts[i]}, params)
+            running += 1
+        for out in engine.step():
+            if out.finished:
+                outputs[int(out.request_id.rsplit("-", 1)[1])] = list(out.outputs[0].token_ids)
+                running -= 1
+    seconds = time.perf_counter() - start
+    return seconds, sum(len(t) for t in outputs.values()), [outputs[i] for i in range(len(prompts))]
+
+
+def run_adaptive(plan: Plan, budget: Budget, report: Report, rounds: int = ADAPTIVE_ROUNDS) -> None:
+    """Each configuration's engine built once and warmed up (graph capture, kernel compilation; the adaptive one
+    calibrates, then learns across the rounds), then up to `rounds` rounds, each running every concurrency
+    level under every configuration in turn; total output tokens per second, medians of the rounds. The bundled model
+    is tiny, but its acceptance is a trained model's, and on a GPU its step time, like a large model's, hardly grows
+    with the tokens verified (launch-bound there, memory-bound here), which is where drafting pays at 16-32 requests.
+    Greedy outputs are compared with static k=0's: speculation must not change them (a near-tie in the logits may
+    still flip one on a GPU, where a verification step's batch shape differs from a plain step's)."""
+    from reasoning_engine import LLM
+
+    levels = plan.adaptive_levels
+    engines = {name: LLM(device=plan.device, max_num_seqs=max(levels), kv_cache_blocks=4096, **kwargs)
+               for name, kwargs in ADAPTIVE_CONFIGS.items()}
+    prompts = {level: adaptive_prompts(engines["static k=0"], max(8, 3 * level)) for level in levels}
+    for name, llm in engines.items():  # warm-up: graph capture, allocator, compilations of plain and drafted steps
+        closed_loop(llm, prompts[levels[-1]][:8], 4, 32, f"warm-{name}")
+    rates: dict[tuple[str, int], list[float]] = {}
+    tokens: dict[tuple[str, int], list[list[int]]] = {}
+    rounds_done = 0
+    for round_index in range(rounds):
+        if round_index and budget.left() < 20:
+            break
+        for level in levels:
+            for name, llm in engines.items():
+                seconds, count, outs = closed_loop(llm, prompts[level], level, plan.adaptive_max_tokens,
+                                                   f"{name}-{level}-{round_index}")
+                rates.setdefault((name, level), []).append(count / seconds)
+                tokens[(name, level)] = outs
+        rounds_done += 1
+    snapshot = engines["adaptive"].engine.adaptive_snapshot()
+    graphs = graph_info(engines["adaptive"])
+    for llm in engines.values():
+        llm.shutdown()
+    names = list(ADAPTIVE_CONFIGS)
+    lines = [f"{rounds_done} round(s); per level {', '.join(f'{lvl}: {len(prompts[lvl])}' for lvl in levels)} "
+             f"requests, at most {plan.adaptive_max_tokens} output tokens (EOS ends most sooner); total output tok/s, "
+             "median of the rounds", "",
+             f"| requests | {' | '.join(names)} | adaptive / static default | adaptive / best static | greedy outputs "
+             "equal to static k=0 |", "|---" * (len(names) + 4) + "|"]
+    for level in levels:
+        median = {name: statistics.median(rates[(name, level)]) for name in names}
+        best_name = max((n for n in names if n != "adaptive"), key=median.__getitem__)
+        to_default = median["adaptive"] / median["static default"]
+        to_best = median["adaptive"] / median[best_name]
+        reference = tokens[("static k=0", level)]
+        equal = [sum(a == b for a, b in zip(tokens[(n, level)], reference)) for n in names[1:]]
+        lines.append(f"| {level} | {' | '.join(f'{median[n]:.0f}' for n in names)} | {to_default:.2f}x | "
+                     f"{to_best:.2f}x ({best_name}) | {min(equal)}/{len(reference)} |")
+        report.target(f"adaptive ≥ {ADAPTIVE_BEST_TARGET}x the best static at {level} requests",
+                      f"{to_best:.2f}x ({best_name})", to_best >= ADAPTIVE_BEST_TARGET)
+        if level >= 16:
+            report.target(f"adaptive ≥ {ADAPTIVE_DEFAULT_TARGET}x the static default at {level} requests",
+                          f"{to_default:.2f}x", to_default >= ADAPTIVE_DEFAULT_TARGET)
+    speculation = snapshot.get("speculation", {})
+    lines += ["", f"adaptive at the end: steps decided `{json.dumps(speculation.get('decided'))}`; drafting gate "
+              f"`{json.dumps(speculation.get('gate'))}`; decode batch sizes seen "
+              f"`{json.dumps(snapshot.get('decode_batch_sizes'))}`; CUDA graphs: {graphs}", ""]
+    report.add(ADAPTIVE_TITLE, lines)
+
+
 # ------------------------------------------------------------------------------------------------------------- main
 
 
@@ -1114,6 +1238,7 @@ SECTIONS: dict[str, tuple[float, Callable[[State], None]]] = {
     "e2e decode bf16 experts, graphs on": (30, _variant(False, True)),
     "e2e decode bf16 experts, graphs off": (30, _variant(False, False)),
     "transformers generate, batch 1": (30, lambda s: run_transformers(s.plan, s.budget, s.report, s.decode_rates())),
+    "adaptive vs static speculation": (60, lambda s: run_adaptive(s.plan, s.budget, s.report)),
     "e2e decode int4 experts, graphs on": (30, _variant(True, True)),
     "e2e decode int4 experts, graphs off": (30, _variant(True, False)),
     "tensor parallel": (60, lambda s: check_tensor_parallel(s.plan, s.work, s.budget, s.report, s.tensor_parallel_size)),
@@ -1133,7 +1258,7 @@ def run_steps(skip_tests: bool, skip_e2e: bool, tensor_parallel: bool = False) -
         *(["e2e greedy parity (overlaps the kernel tests)"] if e2e else []),
         *([JOIN_TESTS] if tests else []),
         "kernel timing",
-        *([name for name in SECTIONS if name.startswith(("e2e decode", "transformers"))] if e2e else []),
+        *([name for name in SECTIONS if name.startswith(("e2e decode", "transformers", "adaptive"))] if e2e else []),
         *(["tensor parallel"] if tensor_parallel else []),
     ]
 

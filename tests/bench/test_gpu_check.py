@@ -137,7 +137,8 @@ def test_run_steps_join_the_tests_before_any_timing(gpu_check: ModuleType) -> No
     assert steps[:5] == ["ceilings", gpu_check.START_TESTS, "e2e greedy parity (overlaps the kernel tests)",
                          gpu_check.JOIN_TESTS, "kernel timing"]
     assert steps[5:] == ["e2e decode bf16 experts, graphs on", "e2e decode bf16 experts, graphs off", "transformers generate, batch 1",
-                         "e2e decode int4 experts, graphs on", "e2e decode int4 experts, graphs off"]
+                         "adaptive vs static speculation", "e2e decode int4 experts, graphs on",
+                         "e2e decode int4 experts, graphs off"]
     assert set(steps) - {gpu_check.START_TESTS, gpu_check.JOIN_TESTS} <= set(gpu_check.SECTIONS)
     assert gpu_check.run_steps(skip_tests=True, skip_e2e=True) == ["ceilings", "kernel timing"]
 
@@ -146,3 +147,29 @@ def test_tensor_parallel_section_comes_last_when_asked(gpu_check: ModuleType) ->
     steps = gpu_check.run_steps(skip_tests=True, skip_e2e=False, tensor_parallel=True)
     assert steps[-1] == "tensor parallel" and "tensor parallel" in gpu_check.SECTIONS
     assert "tensor parallel" not in gpu_check.run_steps(skip_tests=True, skip_e2e=False)
+
+
+def test_adaptive_section_runs_every_configuration_without_the_server_stack() -> None:
+    """The adaptive-vs-static section on the dry-run plan (CPU, 1 and 4 requests), with the server's packages
+    unimportable as on the GPU machine: a row per level, a ratio target per level, and every configuration's greedy
+    outputs equal to static k=0's (float32 on CPU: speculation changes no token)."""
+    code = (
+        "import sys\n"
+        "for name in ('fastapi', 'uvicorn', 'pydantic', 'openai'):\n"
+        "    sys.modules[name] = None\n"
+        "import pathlib, runpy\n"
+        f"module = runpy.run_path({str(SCRIPT)!r})\n"
+        "report = module['Report'](pathlib.Path('unused'), [])\n"
+        "module['run_adaptive'](module['Plan'].make(True), module['Budget'](300), report, rounds=1)\n"
+        "print(report.render())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| 1 |", "| 4 |"))]
+    assert len(rows) == 2
+    for row, requests in zip(rows, (8, 12)):
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert all(float(rate) > 0 for rate in cells[1:5])
+        assert cells[-1] == f"{requests}/{requests}"
+    assert proc.stdout.count("adaptive ≥ 0.95x the best static at") == 2
+    assert "the static default at" not in proc.stdout  # that target is for 16 requests and more

@@ -59,7 +59,8 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     spec_decode: dict[str, float] = field(default_factory=dict)
-    adaptive: dict[str, float] = field(default_factory=dict)
+    adaptive: dict[str, float] = field(default_factory=dict)  # the adaptive engine's gauges
+    adaptive_counters: dict[str, float] = field(default_factory=dict)  # and its counters
     # vision encoder (multimodal models): items encoded, items found already encoded, seconds spent (rank 0's)
     encoder_cache_misses: int = 0
     encoder_cache_hits: int = 0
@@ -550,6 +551,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """Over every data-parallel replica: counts summed, KV usage their mean."""
         managers = [scheduler.blocks for scheduler in self.schedulers]
+        adaptive, adaptive_counters = self._adaptive_metrics()
         return EngineStats(
             num_requests_running=sum(len(s.running) for s in self.schedulers),
             num_requests_waiting=sum(len(s.waiting) for s in self.schedulers),
@@ -558,23 +560,30 @@ class LLMEngine:
             prefix_cache_queries=sum(bm.prefix_queries for bm in managers),
             prefix_cache_hits=sum(bm.prefix_hits for bm in managers), num_preemptions=self.num_preemptions,
             spec_decode=self.spec.stats_dict() if self.spec is not None else {},
-            adaptive=self._adaptive_gauges(),
+            adaptive=adaptive, adaptive_counters=adaptive_counters,
             encoder_cache_misses=sum(plan.misses for plan in self.runner.encoder_caches),
             encoder_cache_hits=sum(plan.hits for plan in self.runner.encoder_caches),
             encoder_seconds=self.runner.worker.encoder_seconds)
 
-    def _adaptive_gauges(self) -> dict[str, float]:
-        """Numbers of the adaptive snapshot for Prometheus."""
+    def _adaptive_metrics(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Numbers of the adaptive snapshot for Prometheus: gauges (the cost model, the latest choices, blocks kept
+        now) and counters (steps by what was decided for them, turns kept, tokens reused from kept blocks), so an
+        operator sees how often drafting was verified, gated off or held back to measure plain steps."""
         snap = self.adaptive_snapshot()
         if not snap.get("enabled") or "cost_model" not in snap:
-            return {}
+            return {}, {}
         gauges = {f"cost_seconds_per_{k}": v for k, v in snap["cost_model"]["seconds_per"].items()}
         gauges["draft_length_mean"] = snap["speculation"]["last_draft_lengths"]["mean"]
         if snap["batching"]["last_token_budget"] is not None:
             gauges["token_budget"] = snap["batching"]["last_token_budget"]
         gauges["protected_blocks"] = snap["retention"]["protected_blocks"]
-        gauges["retention_hit_tokens"] = snap["retention"]["retention_hit_tokens"]
-        return gauges
+        decided = snap["speculation"]["decided"]
+        counters = {"decided_steps": decided["steps"], "verifying_steps": decided["verifying_steps"],
+                    "gated_steps": decided["gated"], "plain_check_steps": decided["plain_checks"],
+                    "probed_requests": decided["probes"], "chosen_draft_tokens": decided["draft_tokens"],
+                    "protected_turns": snap["retention"]["turns_protected"],
+                    "retention_hit_tokens": snap["retention"]["retention_hit_tokens"]}
+        return gauges, counters
 
 
 def _media_list(value: Any) -> list[Any]:

@@ -58,6 +58,9 @@ class _EngineCollector(Collector):
         for name, value in sorted(getattr(stats, "adaptive", {}).items()):
             yield self._one(GaugeMetricFamily(f"{PREFIX}adaptive_{name}", f"Adaptive engine: {name}.",
                                               labels=["model_name"]), value)
+        for name, value in sorted(getattr(stats, "adaptive_counters", {}).items()):
+            yield self._one(CounterMetricFamily(f"{PREFIX}adaptive_{name}", f"Adaptive engine: {name}.",
+                                                labels=["model_name"]), value)
 
     def _spec_decode(self, counters: Mapping[str, Any]) -> Iterator[Metric]:
         """`{"num_drafts": 3, "num_accepted_tokens_per_pos": [5, 2]}` -> spec_decode_num_drafts_total and a

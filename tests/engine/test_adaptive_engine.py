@@ -128,7 +128,12 @@ def test_greedy_outputs_with_adaptive_on_equal_plain_decoding(llama_dir: Path, p
     snapshot = engine.adaptive_snapshot()
     assert snapshot["cost_model"]["ready"] and snapshot["batching"]["last_token_budget"] is not None
     assert snapshot["retention"]["turns_protected"] == 10
-    assert engine.stats().adaptive["protected_blocks"] > 0
+    stats = engine.stats()
+    assert stats.adaptive["protected_blocks"] > 0
+    decided = snapshot["speculation"]["decided"]
+    counters = stats.adaptive_counters
+    assert counters["protected_turns"] == 10 and counters["decided_steps"] == decided["steps"] > 0
+    assert counters["verifying_steps"] + counters["gated_steps"] + counters["plain_check_steps"] <= decided["steps"]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 

@@ -220,6 +220,23 @@ def test_disconnect_frees_blocks_and_metrics(server: LiveServer, model_name: str
     assert metric_value(text, "reasoning_engine:prefix_cache_queries_total") > 0
 
 
+def test_adaptive_gauges_and_counters_in_metrics(client: openai.OpenAI, server: LiveServer, model_name: str) -> None:
+    """The adaptive engine in /metrics: gauges of what it measured and holds now, counters of what it decided. A turn
+    with a session key (`user`) has its blocks kept, which the counter of protected turns shows."""
+    before = metric_value(metrics(server), "reasoning_engine:adaptive_protected_turns_total") or 0
+    client.chat.completions.create(model=model_name, messages=MSG, max_tokens=8, user="agent-1")
+    assert wait_for(lambda: (metric_value(metrics(server), "reasoning_engine:adaptive_protected_turns_total") or 0)
+                    == before + 1, timeout=30)
+    text = metrics(server)
+    assert "# TYPE reasoning_engine:adaptive_protected_turns_total counter" in text
+    assert "# TYPE reasoning_engine:adaptive_protected_blocks gauge" in text
+    assert metric_value(text, "reasoning_engine:adaptive_protected_blocks") > 0
+    assert metric_value(text, "reasoning_engine:adaptive_cost_seconds_per_step") >= 0
+    for name in ["decided_steps", "verifying_steps", "gated_steps", "plain_check_steps", "probed_requests",
+                 "chosen_draft_tokens", "retention_hit_tokens"]:
+        assert metric_value(text, f"reasoning_engine:adaptive_{name}_total") is not None, name
+
+
 def test_chat_cli_one_shot(server: LiveServer) -> None:
     run = subprocess.run([sys.executable, "-m", "reasoning_engine.server.cli", "chat", "--base-url",
                           f"{server.url}/v1", "--max-tokens", "16", "--temperature", "0", "-m", "What is 2 + 3?"],

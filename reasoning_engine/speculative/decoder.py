@@ -148,7 +148,7 @@ def _checked_options(method: str, target: Callable[..., Any], options: dict[str,
 
 
 def text_proposer(method: str, options: dict[str, Any], state_dir: str | None,
-                   vocab_size: int | None = None) -> Proposer:
+                  vocab_size: int | None = None) -> Proposer:
     """The proposer of a text method; the suffix proposer starts from the store saved in `state_dir`, if any, unless
     that store is unusable (corrupt, or learned for a model with another vocabulary): then it starts empty, with a
     warning, as the adaptive state does."""

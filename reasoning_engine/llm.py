@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -100,13 +101,16 @@ def parse_media_limits(limits: dict[str, int] | None) -> dict[str, int]:
 class LLM:
     """Generate from a checkpoint folder in-process: `LLM(path).generate(prompts, SamplingParams(...))`. With
     tensor_parallel_size or data_parallel_size > 1 the other ranks run in child processes (or Ray actors) until
-    `shutdown()`, which a `with LLM(...) as llm:` block calls on leaving."""
+    `shutdown()`, which a `with LLM(...) as llm:` block calls on leaving; an LLM dropped without it (`del llm`)
+    stops them when it is collected."""
 
     def __init__(self, model: str | os.PathLike | None = None, *, allowed_local_media_path: str | None = None,
                  allowed_media_domains: list[str] | None = None, **kwargs: Any) -> None:
         """Media in `chat` messages: data URLs always; http(s) URLs only from `allowed_media_domains`, `file://`
         only under `allowed_local_media_path` (as the server's flags)."""
         self.engine = LLMEngine(build_engine_config(model, **kwargs))
+        # at once when the last reference goes (the engine itself lives on until a garbage collection)
+        weakref.finalize(self, self.engine.runner.executor.shutdown)
         local = Path(allowed_local_media_path).resolve() if allowed_local_media_path else None
         self.media_loader = MediaLoader(list(allowed_media_domains or []), local, MEDIA_MAX_BYTES, MEDIA_TIMEOUT_S)
 

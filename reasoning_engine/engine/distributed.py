@@ -13,14 +13,15 @@ the user's script) or as Ray actors in a placement group (`ray`), and meet at a 
 
 A rank that dies or raises is noticed by the driver's monitor (its process ends, or its Ray task does): the other
 ranks are stopped, so that no collective waits for it, and the failure callbacks run (the server fails its requests
-and exits). Each rank also ends when the driver's connection drops.
+and exits). Each rank also ends when the driver's connection drops, and a child-process rank when the driver's
+process ends, however it ends (`launch_ranks`' lifeline: whichever thread started the ranks may come and go). An
+executor collected without `shutdown()` (an `LLM` dropped in a notebook) stops its ranks and releases the process
+group, so that the next distributed engine in the process can start.
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
-import ctypes
 import dataclasses
 import logging
 import os
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -136,37 +138,162 @@ def serve_rank(rank: int, master_addr: str, master_port: int) -> None:
     dist.destroy_process_group()
 
 
-def _die_with_parent() -> None:
-    """Linux: this process gets SIGTERM when its launcher dies, so no rank outlives a killed server."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+_LIFELINES: set[int] = set()  # this process's write ends of its ranks' lifelines
 
 
-def launch_ranks(ranks: range, master_addr: str, master_port: int) -> list[subprocess.Popen]:
-    """Start these ranks as child processes of this one (the `mp` backend, and nodes other than node 0)."""
+def _close_lifelines_in_child() -> None:
+    """A fork of the driver (a DataLoader worker, say) must not hold the lifelines: its ranks would outlive it."""
+    for fd in _LIFELINES:
+        os.close(fd)
+    _LIFELINES.clear()
+
+
+os.register_at_fork(after_in_child=_close_lifelines_in_child)
+
+
+def launch_ranks(ranks: range, master_addr: str, master_port: int) -> tuple[list[subprocess.Popen], int]:
+    """Start these ranks as child processes of this one (the `mp` backend, and nodes other than node 0), and return
+    them with their lifeline: the write end of a pipe they watch (`_exit_with_driver`). Only this process holds it
+    and nothing is written to it, so it reads as closed once this process has ended, or once `close_lifeline` closes
+    it; unlike Linux's parent-death signal, which follows the thread that started a child, not its process."""
+    read_end, write_end = os.pipe()  # neither end is inherited by processes started later
+    _LIFELINES.add(write_end)
     procs = []
-    for rank in ranks:
-        cmd = [sys.executable, "-m", "reasoning_engine.engine.distributed", "--rank", str(rank),
-               "--master-addr", master_addr, "--master-port", str(master_port)]
-        procs.append(subprocess.Popen(cmd))
-    return procs
+    try:
+        for rank in ranks:
+            cmd = [sys.executable, "-m", "reasoning_engine.engine.distributed", "--rank", str(rank),
+                   "--master-addr", master_addr, "--master-port", str(master_port), "--lifeline", str(read_end)]
+            procs.append(subprocess.Popen(cmd, pass_fds=(read_end,)))
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+        close_lifeline(write_end)
+        raise
+    finally:
+        os.close(read_end)
+    return procs, write_end
+
+
+def close_lifeline(write_end: int) -> None:
+    """Ranks still running on this lifeline end now."""
+    if write_end in _LIFELINES:
+        _LIFELINES.discard(write_end)
+        os.close(write_end)
+
+
+def _exit_with_driver(lifeline: int) -> None:
+    """End this rank as soon as its lifeline reads as closed (the driver's process ended, or it let the rank go)."""
+
+    def watch() -> None:
+        while os.read(lifeline, 1):  # the driver never writes: only end-of-file comes back
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="driver-lifeline", daemon=True).start()
 
 
 def run_node(config: ParallelConfig) -> int:
     """A node other than node 0 (`serve --nnodes K --node-rank R`): start this node's ranks and wait for them; the
     exit status is the first failing rank's, else 0."""
     per_node = config.ranks_per_node
-    procs = launch_ranks(range(config.node_rank * per_node, (config.node_rank + 1) * per_node),
-                         config.master_addr, config.master_port)
+    procs, _ = launch_ranks(range(config.node_rank * per_node, (config.node_rank + 1) * per_node),
+                            config.master_addr, config.master_port)  # the lifeline is closed when this process ends
 
-    def stop(signum: int, _frame: Any) -> None:
+    def stop(_signum: int, _frame: Any) -> None:
         for proc in procs:
-            proc.send_signal(signum)
+            proc.terminate()  # ranks ignore SIGINT (see `main`)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     codes = [proc.wait() for proc in procs]
     return next((code for code in codes if code), 0)
+
+
+class _Ranks:
+    """The driver's hold on ranks 1..: their processes (or Ray actors), the store they met at, the gloo group calls
+    travel on, and why they failed. It holds nothing of the executor's, so that the executor's finalizer (and the
+    monitor thread) can keep it without keeping the executor alive."""
+
+    def __init__(self, store: dist.TCPStore, threads: int) -> None:
+        self.store: dist.TCPStore | None = store
+        self.threads = threads  # this process's torch threads before the engine started, restored at shutdown
+        self.procs: list[subprocess.Popen] = []
+        self.lifeline: int | None = None
+        self.ray_tasks: list[Any] = []
+        self.ray_actors: list[Any] = []
+        self.control: dist.ProcessGroup | None = None
+        self.failure: str | None = None
+        self.callbacks: list[Callable[[str], None]] = []
+        self.stopped = False
+
+    def watch(self) -> None:
+        """The monitor: stop every rank and run the failure callbacks once one rank has died or raised."""
+        while not self.stopped:
+            reason = self.dead_rank()
+            if reason is not None:
+                self.failure = reason
+                logger.error("%s: stopping the other ranks", reason)
+                self.kill()
+                for callback in self.callbacks:
+                    callback(reason)
+                return
+            time.sleep(0.2)
+
+    def dead_rank(self) -> str | None:
+        for rank, proc in enumerate(self.procs, start=1):
+            code = proc.poll()
+            if code is not None and not self.stopped:
+                return f"rank {rank} (pid {proc.pid}) exited with status {code}"
+        if self.ray_tasks:
+            import ray
+
+            done, _ = ray.wait(self.ray_tasks, timeout=0)
+            if done and not self.stopped:
+                rank = self.ray_tasks.index(done[0]) + 1
+                try:
+                    ray.get(done[0])
+                    return f"rank {rank} (Ray actor) stopped"
+                except Exception as exc:  # noqa: BLE001 - the actor's error is the reason
+                    return f"rank {rank} (Ray actor) failed: {exc}"
+        return None
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        if self.ray_actors:
+            import ray
+
+            for actor in self.ray_actors:
+                ray.kill(actor)
+
+    def shutdown(self) -> None:
+        """Tell every rank to stop and wait for them (killing what does not stop within 10 s), then release the
+        process group and the store. Called once, by the executor's finalizer."""
+        self.stopped = True
+        if self.failure is None and dist.is_initialized() and self.control is not None:
+            try:
+                dist.broadcast_object_list([("shutdown", (), False)], src=0, group=self.control)
+            except RuntimeError:  # a rank is already gone: it is killed below
+                logger.warning("a rank did not take the shutdown call")
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.lifeline is not None:
+            close_lifeline(self.lifeline)
+        if self.ray_tasks:
+            import ray
+
+            ray.wait(self.ray_tasks, num_returns=len(self.ray_tasks), timeout=max(0.1, deadline - time.monotonic()))
+            self.kill()
+        if dist.is_initialized() and self.failure is None:  # after a failure a thread may be stuck in a collective
+            dist.destroy_process_group()
+        self.control = self.store = None
+        torch.set_num_threads(self.threads)
 
 
 class DistributedExecutor:
@@ -178,61 +305,62 @@ class DistributedExecutor:
         if dist.is_initialized():
             raise RuntimeError("this process already runs a distributed engine (or another torch.distributed job): "
                                "shut that engine down first")
-        self.failure: str | None = None
-        self._callbacks: list[Callable[[str], None]] = []
-        self._stopped = False
         port = pc.master_port or free_port(pc.master_addr)
         config = dataclasses.replace(config, parallel=dataclasses.replace(pc, master_port=port))
-        self._threads = torch.get_num_threads()
+        threads = torch.get_num_threads()
         if config.device.type == "cpu":
             torch.set_num_threads(_threads_for(pc.ranks_per_node))
-        self._store = dist.TCPStore(pc.master_addr, port, pc.world_size, is_master=True, wait_for_workers=False,
-                                    timeout=STARTUP_TIMEOUT)
-        self._store.set(_CONFIG_KEY, pickle.dumps(config))
-        self._procs: list[subprocess.Popen] = []
-        self._ray_tasks: list[Any] = []
-        self._ray_actors: list[Any] = []
-        ranks = range(1, pc.ranks_per_node)
-        if pc.distributed_executor_backend == "ray":
-            self._start_ray(config, port)
-        else:
-            self._procs = launch_ranks(ranks, pc.master_addr, port)
-        self._monitor = threading.Thread(target=self._watch, name="rank-monitor", daemon=True)
-        self._monitor.start()
-        atexit.register(self.shutdown)  # an engine never shut down still stops its ranks when Python exits
+        store = dist.TCPStore(pc.master_addr, port, pc.world_size, is_master=True, wait_for_workers=False,
+                              timeout=STARTUP_TIMEOUT)
+        store.set(_CONFIG_KEY, pickle.dumps(config))
+        self._ranks = ranks = _Ranks(store, threads)
+        # when this executor is collected (or Python exits) without shutdown(), the ranks are stopped all the same
+        self._finalizer = weakref.finalize(self, ranks.shutdown)
         try:
+            if pc.distributed_executor_backend == "ray":
+                self._start_ray(config, port)
+            else:
+                ranks.procs, ranks.lifeline = launch_ranks(range(1, pc.ranks_per_node), pc.master_addr, port)
+            self._monitor = threading.Thread(target=ranks.watch, name="rank-monitor", daemon=True)
+            self._monitor.start()
             config = dataclasses.replace(config, device=_rank_device(config, 0))
-            backend = _init_process_group(config, self._store, 0)
-            parallel, self._control = build_parallel(0, config.parallel, backend)
-            self.local = _start_worker(config, 0, self._control, parallel)
+            backend = _init_process_group(config, store, 0)
+            parallel, ranks.control = build_parallel(0, config.parallel, backend)
+            self.local = _start_worker(config, 0, ranks.control, parallel)
         except BaseException:
             self.shutdown()
             raise
         self.num_blocks = self.local.num_blocks
 
+    @property
+    def failure(self) -> str | None:
+        """Why the ranks cannot step together any more (a rank died or raised), else None."""
+        return self._ranks.failure
+
     # ---- the calls every rank makes ----
     def _call(self, method: str, *args: Any, gather: bool = False) -> Any:
         """Rank 0's result of `method` (every rank's, with `gather`). Any failure leaves the ranks out of step: the
         executor is then dead and the other ranks are stopped."""
-        if self.failure is not None:
-            raise WorkerFailed(self.failure)
+        ranks = self._ranks
+        if ranks.failure is not None:
+            raise WorkerFailed(ranks.failure)
         try:
-            dist.broadcast_object_list([(method, args, gather)], src=0, group=self._control)
+            dist.broadcast_object_list([(method, args, gather)], src=0, group=ranks.control)
             result = getattr(self.local, method)(*args)
             if not gather:
                 return result
             results: list[Any] = [None] * dist.get_world_size()
-            dist.gather_object(result, results, dst=0, group=self._control)
+            dist.gather_object(result, results, dst=0, group=ranks.control)
             return results
         except Exception as exc:
-            if self.failure is None:
+            if ranks.failure is None:
                 # a collective that fails is most often another rank's death: name that rank if it is found
                 deadline = time.monotonic() + 1.0
-                while (reason := self._dead_rank()) is None and time.monotonic() < deadline:
+                while (reason := ranks.dead_rank()) is None and time.monotonic() < deadline:
                     time.sleep(0.05)
-                self.failure = reason or f"rank 0 failed in {method}: {exc}"
-                self._kill()
-            raise WorkerFailed(self.failure) from exc
+                ranks.failure = reason or f"rank 0 failed in {method}: {exc}"
+                ranks.kill()
+            raise WorkerFailed(ranks.failure) from exc
 
     def execute_model(self, steps: list[StepInput]) -> list[torch.Tensor]:
         return self._call("execute_model", steps)
@@ -256,73 +384,11 @@ class DistributedExecutor:
     # ---- faults and shutdown ----
     def on_failure(self, callback: Callable[[str], None]) -> None:
         """Call `callback(reason)` (from the monitor thread) when a rank dies or raises."""
-        self._callbacks.append(callback)
-
-    def _watch(self) -> None:
-        while not self._stopped:
-            reason = self._dead_rank()
-            if reason is not None:
-                self.failure = reason
-                logger.error("%s: stopping the other ranks", reason)
-                self._kill()
-                for callback in self._callbacks:
-                    callback(reason)
-                return
-            time.sleep(0.2)
-
-    def _dead_rank(self) -> str | None:
-        for rank, proc in enumerate(self._procs, start=1):
-            code = proc.poll()
-            if code is not None and not self._stopped:
-                return f"rank {rank} (pid {proc.pid}) exited with status {code}"
-        if self._ray_tasks:
-            import ray
-
-            done, _ = ray.wait(self._ray_tasks, timeout=0)
-            if done and not self._stopped:
-                rank = self._ray_tasks.index(done[0]) + 1
-                try:
-                    ray.get(done[0])
-                    return f"rank {rank} (Ray actor) stopped"
-                except Exception as exc:  # noqa: BLE001 - the actor's error is the reason
-                    return f"rank {rank} (Ray actor) failed: {exc}"
-        return None
-
-    def _kill(self) -> None:
-        for proc in self._procs:
-            if proc.poll() is None:
-                proc.kill()
-        if self._ray_actors:
-            import ray
-
-            for actor in self._ray_actors:
-                ray.kill(actor)
+        self._ranks.callbacks.append(callback)
 
     def shutdown(self) -> None:
-        """Tell every rank to stop and wait for them (killing what does not stop within 10 s); idempotent."""
-        if self._stopped:
-            return
-        self._stopped = True
-        if self.failure is None and dist.is_initialized() and hasattr(self, "_control"):
-            try:
-                dist.broadcast_object_list([("shutdown", (), False)], src=0, group=self._control)
-            except RuntimeError:  # a rank is already gone: it is killed below
-                logger.warning("a rank did not take the shutdown call")
-        deadline = time.monotonic() + 10
-        for proc in self._procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if self._ray_tasks:
-            import ray
-
-            ray.wait(self._ray_tasks, num_returns=len(self._ray_tasks), timeout=max(0.1, deadline - time.monotonic()))
-            self._kill()
-        if dist.is_initialized() and self.failure is None:  # after a failure a thread may be stuck in a collective
-            dist.destroy_process_group()
-        torch.set_num_threads(self._threads)
+        """Stop every rank and release the process group (`_Ranks.shutdown`); idempotent."""
+        self._finalizer()
 
     # ---- Ray ----
     def _start_ray(self, config: EngineConfig, port: int) -> None:
@@ -347,8 +413,8 @@ class DistributedExecutor:
         for rank in range(1, pc.world_size):
             actor = actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=group, placement_group_bundle_index=rank - 1)).remote()
-            self._ray_actors.append(actor)
-            self._ray_tasks.append(actor.run.remote(rank, master, port))
+            self._ranks.ray_actors.append(actor)
+            self._ranks.ray_tasks.append(actor.run.remote(rank, master, port))
 
 
 def _ray_cluster_running() -> bool:
@@ -369,9 +435,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--master-addr", required=True)
     parser.add_argument("--master-port", type=int, required=True)
+    parser.add_argument("--lifeline", type=int, required=True, help="file descriptor: end when it reads as closed")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"rank {args.rank} %(levelname)s %(name)s: %(message)s")
-    _die_with_parent()
+    _exit_with_driver(args.lifeline)
+    # Ctrl-C in a terminal interrupts every process of the foreground group: the driver then stops the ranks in
+    # order (its shutdown call), which a rank interrupted first could not take
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve_rank(args.rank, args.master_addr, args.master_port)
     return 0
 

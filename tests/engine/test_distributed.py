@@ -2,24 +2,33 @@
 
 Every case runs batched mixed-length prompts on a KV cache small enough to force preemption, against the same
 checkpoint in one process: greedy tokens equal, logprobs within 1e-4 relative. Ranks start as child processes (mp),
-as Ray actors of a local Ray cluster, or as two "nodes" on loopback.
+as Ray actors of a local Ray cluster, or as two "nodes" on loopback. The ranks' lifetime: they live as long as the
+driver's process (not the thread that started them), go when an LLM is dropped, and stop in order at shutdown.
 """
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from reasoning_engine import LLM, SamplingParams
+from reasoning_engine.engine.async_engine import AsyncLLM
 from reasoning_engine.engine.distributed import free_port
 
 from models.checkpoints import VOCAB, TinyCheckpoint, prompts
+from server.helpers import alive, child_pids, wait_for
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
 # 17 blocks of 4 tokens (the least a 64-token context needs): the eight prompts do not fit at once; steps of at most
@@ -263,3 +272,112 @@ def test_two_nodes_on_loopback(one_process) -> None:
     finally:
         node.kill()
     _assert_same(outs, reference)
+
+
+def _rank_pids(driver: int) -> list[int]:
+    """The rank processes `driver` started."""
+    return [pid for pid in child_pids(driver)
+            if b"reasoning_engine.engine.distributed" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def _distributed_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "reasoning_engine.engine.distributed" and r.levelno >= logging.WARNING]
+
+
+@pytest.fixture
+def no_rank_left() -> Iterator[None]:
+    """Whatever the test did, or failed to do: no rank of this process outlives it, nor its process group."""
+    yield
+    leftovers = [pid for pid in _rank_pids(os.getpid()) if alive(pid)]
+    for pid in leftovers:
+        os.kill(pid, signal.SIGKILL)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    assert not leftovers, f"rank processes left behind: {leftovers}"
+
+
+def test_ranks_started_from_a_thread_outlive_it_and_a_ctrl_c(one_process, no_rank_left,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """An LLM built in a thread that then ends keeps its ranks (they live as long as this process), a Ctrl-C that
+    reaches them (a terminal's goes to every process of its group) leaves them to the driver, and its shutdown
+    stops them in order."""
+    path, reference = one_process("llama")
+    built: list[LLM] = []
+    thread = threading.Thread(target=lambda: built.append(LLM(path, tensor_parallel_size=2, **TIGHT)))
+    thread.start()
+    thread.join()
+    llm = built.pop()
+    try:
+        ranks = _rank_pids(os.getpid())
+        assert len(ranks) == 1
+        os.kill(ranks[0], signal.SIGINT)
+        outs = llm.generate(_prompts(), GREEDY)
+    finally:
+        llm.shutdown()
+    _assert_same(outs, reference)
+    assert not any(alive(pid) for pid in ranks)
+    assert _distributed_warnings(caplog) == []
+
+
+def test_a_dropped_llm_releases_its_ranks_and_process_group(one_process, no_rank_left) -> None:
+    """`del llm` without shutdown(): its ranks end and the process group goes, so the next distributed LLM of the
+    process starts (it was refused) and gives the same tokens."""
+    path, reference = one_process("llama")
+    llm = LLM(path, tensor_parallel_size=2, **TIGHT)
+    ranks = _rank_pids(os.getpid())
+    first = llm.generate(_prompts(), GREEDY)
+    del llm
+    gc.collect()
+    assert wait_for(lambda: not any(alive(pid) for pid in ranks), timeout=15)
+    assert not dist.is_initialized()
+    with LLM(path, tensor_parallel_size=2, **TIGHT) as llm:
+        second = llm.generate(_prompts(), GREEDY)
+    _assert_same(second, first)
+    _assert_same(first, reference)
+
+
+def test_the_server_engine_stops_its_ranks_in_order(one_process, no_rank_left,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """AsyncLLM (the server's engine) builds the engine in its own thread and ends that thread before stopping
+    the ranks: they take the shutdown call (no warning) and end."""
+    path, _ = one_process("llama")
+    engine = AsyncLLM(str(path), tensor_parallel_size=2, **TIGHT)
+
+    async def serve_one_then_shut_down() -> list[int]:
+        try:
+            async for out in engine.generate(_prompts()[0], GREEDY):
+                pass
+            return out.outputs[0].token_ids
+        finally:
+            await engine.shutdown()
+
+    ranks = _rank_pids(os.getpid())
+    assert len(asyncio.run(serve_one_then_shut_down())) == GREEDY.max_tokens
+    assert engine.failure is None
+    assert not any(alive(pid) for pid in ranks)
+    assert _distributed_warnings(caplog) == []
+
+
+def test_killing_the_driver_process_takes_its_ranks_down(one_process) -> None:
+    """SIGKILL leaves the driver no time to stop anything: its ranks notice that its process ended and end."""
+    path, _ = one_process("llama")
+    script = (f"import sys\nfrom reasoning_engine import LLM\nllm = LLM({str(path)!r}, tensor_parallel_size=2, "
+              f"**{TIGHT!r})\nprint('ready', flush=True)\nsys.stdin.read()\n")
+    driver = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    ranks: list[int] = []
+    try:
+        assert driver.stdout.readline() == "ready\n"
+        ranks = _rank_pids(driver.pid)
+        assert len(ranks) == 1
+        driver.kill()
+        driver.wait(timeout=30)
+        assert wait_for(lambda: not any(alive(pid) for pid in ranks), timeout=15)
+    finally:
+        driver.kill()
+        driver.wait(timeout=30)
+        for pid in ranks:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import string
 import threading
@@ -156,6 +157,29 @@ def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> b
             return True
         time.sleep(interval)
     return predicate()
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes `pid` started that are still there (a server's or an engine's ranks)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                children.append(int(entry))
+    return children
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 MARKERS = ("<think>", "</think>", "<|tool_call", "<|im_")

@@ -24,7 +24,7 @@ import pytest
 from reasoning_engine.engine.async_engine import AsyncLLM
 from reasoning_engine.server.app import ServerConfig, build_app
 
-from .helpers import LiveServer, stream_chat, wait_for
+from .helpers import LiveServer, alive, child_pids, stream_chat, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=512, kv_cache_blocks=96, block_size=16)
@@ -87,7 +87,7 @@ class ServeProcess:
         self.lines: list[str] = []
         threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
         assert wait_for(self._healthy, timeout=120), "".join(self.lines)
-        self.ranks = _children(self.proc.pid)
+        self.ranks = child_pids(self.proc.pid)
 
     def _healthy(self) -> bool:
         try:
@@ -103,30 +103,8 @@ class ServeProcess:
             self.proc.kill()
             self.proc.wait(timeout=30)
         for pid in self.ranks:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _children(pid: int) -> list[int]:
-    """The rank processes a server started (its children)."""
-    children = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                children.append(int(entry))
-    return children
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_tensor_parallel_server_answers_as_one_process(one_process_client: openai.OpenAI) -> None:
@@ -165,7 +143,7 @@ def test_a_killed_rank_fails_the_request_and_the_server_exits() -> None:
         assert events[-1] == "data: [DONE]"
         error = json.loads(events[-2][len("data: "):])["error"]
         assert error["code"] == "engine_unavailable" and "rank 1" in error["message"]
-        assert not any(_alive(pid) for pid in server.ranks)
+        assert not any(alive(pid) for pid in server.ranks)
         assert "error: the engine stopped" in "".join(server.lines)
     finally:
         server.close()
@@ -176,6 +154,8 @@ def test_sigterm_stops_every_rank() -> None:
     try:
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=60) in (0, -signal.SIGTERM)
-        assert wait_for(lambda: not any(_alive(pid) for pid in server.ranks), timeout=15)
+        assert wait_for(lambda: not any(alive(pid) for pid in server.ranks), timeout=15)
+        assert wait_for(lambda: "Finished server process" in "".join(server.lines), timeout=5)  # all output read
+        assert "did not take the shutdown call" not in "".join(server.lines)  # the ranks stopped in order
     finally:
         server.close()

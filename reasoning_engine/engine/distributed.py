@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import queue
 import signal
 import socket
 import subprocess
@@ -401,8 +402,10 @@ class DistributedExecutor:
         except ImportError as exc:
             raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'reasoning-engine[ray]'") from exc
         if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS", "auto") if _ray_cluster_running() else None,
-                     include_dashboard=False, log_to_driver=True)
+            address = os.environ.get("RAY_ADDRESS", "auto") if _ray_cluster_running() else None
+            # the local cluster ray.init() starts dies with the thread that started it (Ray sets Linux's
+            # parent-death signal on its processes), and the engine may be built in a thread that ends first
+            _in_lasting_thread(lambda: ray.init(address=address, include_dashboard=False, log_to_driver=True))
         pc = config.parallel
         resource = {"GPU": 1} if config.device.type == "cuda" else {"CPU": 1}
         group = placement_group([resource] * (pc.world_size - 1), strategy="PACK")
@@ -415,6 +418,34 @@ class DistributedExecutor:
                 placement_group=group, placement_group_bundle_index=rank - 1)).remote()
             self._ranks.ray_actors.append(actor)
             self._ranks.ray_tasks.append(actor.run.remote(rank, master, port))
+
+
+_lasting_calls: queue.SimpleQueue[tuple[Callable[[], Any], queue.SimpleQueue]] | None = None
+_lasting_lock = threading.Lock()
+
+
+def _in_lasting_thread(call: Callable[[], Any]) -> Any:
+    """`call()`, made in a thread that lasts as long as this process (started on first use)."""
+    global _lasting_calls
+    with _lasting_lock:
+        if _lasting_calls is None:
+            _lasting_calls = queue.SimpleQueue()
+            threading.Thread(target=_serve_calls, args=(_lasting_calls,), name="lasting-calls", daemon=True).start()
+    answer: queue.SimpleQueue = queue.SimpleQueue()
+    _lasting_calls.put((call, answer))
+    ok, value = answer.get()
+    if not ok:
+        raise value
+    return value
+
+
+def _serve_calls(calls: queue.SimpleQueue[tuple[Callable[[], Any], queue.SimpleQueue]]) -> None:
+    while True:
+        call, answer = calls.get()
+        try:
+            answer.put((True, call()))
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller
+            answer.put((False, exc))
 
 
 def _ray_cluster_running() -> bool:

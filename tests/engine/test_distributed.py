@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from reasoning_engine import LLM, SamplingParams
 from reasoning_engine.engine.async_engine import AsyncLLM
-from reasoning_engine.engine.distributed import free_port
+from reasoning_engine.engine.distributed import _in_lasting_thread, free_port
 
 from models.checkpoints import VOCAB, TinyCheckpoint, prompts
 from server.helpers import alive, child_pids, wait_for
@@ -381,3 +381,25 @@ def test_killing_the_driver_process_takes_its_ranks_down(one_process) -> None:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
+
+def test_processes_ray_starts_from_a_passing_thread_outlive_it() -> None:
+    """ray.init() starts a local cluster whose processes get Linux's parent-death signal from the starting thread
+    (Ray's own preexec function): the engine starts it from a thread that lasts as long as this process."""
+    from ray._private.utils import set_kill_on_parent_death_linux
+
+    started: list[subprocess.Popen] = []
+
+    def start() -> None:
+        started.append(_in_lasting_thread(lambda: subprocess.Popen(["sleep", "60"],
+                                                                   preexec_fn=set_kill_on_parent_death_linux)))
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    thread.join()
+    proc = started[0]
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):  # still running, though the thread that asked for it ended
+            proc.wait(timeout=0.5)
+    finally:
+        proc.kill()
+        proc.wait()

@@ -1,26 +1,29 @@
 """The engine's adaptive side: what it measures each step, what it decides from that, and what it keeps.
 
-`AdaptiveController` owns the step cost model, the draft acceptance statistics, the drafting gate, the sessions' return
+`AdaptiveController` owns the step cost model, the draft acceptance statistics, the policy gate, the sessions' return
 gaps and the decode batch-size histogram; the engine feeds it every step (`observe_step`, `record_draft`, session
-arrivals and finishes) and asks it whether the next step considers drafts at all (gate.py), then for its draft lengths
-(goodput.py), its token budget (batching.py) and how long to protect a finished agent turn's blocks (retention.py).
-It saves itself to the state directory now and then and when the engine shuts down, and `snapshot()` is what
+arrivals and finishes) and asks it which drafting policy the next step runs (gate.py: the fixed default, adaptive
+lengths or none), then for adaptive draft lengths (goodput.py), its token budget (batching.py) and how long to protect
+a finished agent turn's blocks (retention.py). It counts what each step was offered, verified and accepted beside what
+the fixed default would have drafted, and how far the cost model's predictions were from the measured steps. It saves
+itself to the state directory now and then and when the engine shuts down, and `snapshot()` is what
 `GET /v1/engine/adaptive` and the metrics show.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from reasoning_engine.adaptive.acceptance import AcceptanceModel, ProposedDrafts
 from reasoning_engine.adaptive.batching import ChunkCost, LatencyTargets, token_budget
 from reasoning_engine.adaptive.cost_model import StepCostModel, StepShape, chunk_pairs
-from reasoning_engine.adaptive.gate import DraftingGate
+from reasoning_engine.adaptive.gate import ARMS, PolicyGate
 from reasoning_engine.adaptive.goodput import (DraftCandidate, choose_draft_lengths, expected_accepted,
                                                predicted_step_seconds)
 from reasoning_engine.adaptive.retention import SessionRetention
@@ -36,6 +39,24 @@ PROBE_CREDIT_STEPS = 4.0  # the probe credit saved up is at most this many steps
 REALISM_DECAY = 0.99  # weight of the older drafts in the realised / expected acceptance ratio (a memory of ~100)
 REALISM_BOUNDS = (0.2, 1.0)
 REALISM_PRIOR = 16.0  # expected tokens' worth of drafts assumed to deliver what they said (a few drafts prove little)
+TRACE_STEPS = 32  # the last steps shown one by one in the snapshot
+ERROR_RATE = 0.02  # weight of each new step in its kind's prediction error (a memory of ~50 steps)
+
+
+@dataclass
+class StepTrace:
+    """One step as the adaptive engine saw it: the policy that ran it (None: not scored), its decoding requests, the
+    draft tokens the proposer offered within their caps, those verified and accepted, what the fixed default would have
+    asked the proposer for, and the cost model's prediction against the measured seconds."""
+
+    policy: str | None = None
+    decodes: int = 0
+    offered: int = 0
+    verified: int = 0
+    accepted: int = 0
+    default_asked: int = 0
+    predicted_s: float = 0.0
+    measured_s: float = 0.0
 
 
 @dataclass
@@ -62,7 +83,7 @@ class AdaptiveController:
         self.cost = StepCostModel()
         self.acceptance = AcceptanceModel()
         self.retention = SessionRetention()
-        self.gate = DraftingGate()
+        self.gate = PolicyGate()
         self.chunk_cost = ChunkCost()
         self.batch_sizes: Counter[int] = Counter()
         self.warm = False
@@ -80,6 +101,12 @@ class AdaptiveController:
         # over the steps decided: "steps", "verifying" (with any draft), "draft_tokens", "probes" (requests probed),
         # "plain_checks" (steps left plain to measure them, see `_may_draft`), "gated" (steps the gate kept plain)
         self.decided: Counter[str] = Counter()
+        self.policy_steps: Counter[str] = Counter()  # steps run by each policy of the gate
+        # draft tokens over all steps: "offered" by the proposer, "verified", "accepted", "default_asked" (what the
+        # fixed default would have asked the proposer for at the same steps)
+        self.draft_counts: Counter[str] = Counter()
+        self.prediction_error: dict[str, list[float]] = {}  # per kind of step: decayed mean log(measured / predicted), of |.|
+        self.trace: deque[StepTrace] = deque(maxlen=TRACE_STEPS)
         self.last_budget: int | None = None
         self.retention_protected = 0  # turns whose blocks were protected
         self.snapshot_data: dict[str, Any] = {}
@@ -98,8 +125,8 @@ class AdaptiveController:
             retention = SessionRetention()
             retention.load(state["return_gaps"])
             sizes = Counter({int(k): int(v) for k, v in state["batch_sizes"].items()})
-            gate = DraftingGate()
-            gate.load(state.get("drafting_gate", {}))  # absent from states saved before the gate
+            gate = PolicyGate()
+            gate.load(state.get("policy_gate", {}))  # absent from states saved before it (theirs is not comparable)
             chunk_cost = ChunkCost()
             chunk_cost.load(state.get("chunk_steps", []))
             proposed_drafts = ProposedDrafts(self.max_draft_tokens)
@@ -123,7 +150,7 @@ class AdaptiveController:
                 "cost_model": self.cost.to_dict(), "acceptance": self.acceptance.to_dict(),
                 "return_gaps": self.retention.to_dict(),
                 "batch_sizes": {str(k): v for k, v in self.batch_sizes.items()},
-                "drafting_gate": self.gate.to_dict(), "chunk_steps": self.chunk_cost.to_list(),
+                "policy_gate": self.gate.to_dict(), "chunk_steps": self.chunk_cost.to_list(),
                 "proposed_drafts": self.proposed_drafts.to_list()})
         except OSError as exc:
             logger.warning("could not save the adaptive state to %s (%s): serving goes on without it", self.state_dir,
@@ -152,31 +179,50 @@ class AdaptiveController:
                 for draft in sorted({min(2, k), k}):
                     shapes.append(StepShape(max_seqs + draft, max_seqs, max_seqs * (1 + k), draft, draft_sequences=1))
         timed: dict[StepShape, float] = {}
-        for _ in range(2):
+        for warm in (False, True, True):  # a first round unobserved: first calls of a shape pay one-off setup
             for shape in shapes:
-                timed[shape] = run(shape)  # the second, warm round's time stays
-                self.cost.observe(shape, timed[shape])
+                timed[shape] = run(shape)
+                if warm:
+                    self.cost.observe(shape, timed[shape])
         lone = StepShape(1, 1, block_size)
         for shape, seconds in timed.items():
             if shape.sequences == 1 and shape.query_tokens > 1 and not shape.draft_tokens:
                 self.chunk_cost.observe(shape.query_tokens, shape.pairs, seconds - self.cost.predict(lone))
 
-    def observe_step(self, shape: StepShape, seconds: float, decode_batch: int, drafting: bool | None = None,
-                     tokens: int = 0, drafting_seconds: float = 0.0, decodes: StepShape | None = None) -> None:
-        """A step's measured `seconds` (as the cost model counts them). `drafting`: whether the gate let it consider
-        drafts (None: the gate was not asked); then the decodes' `tokens` and the step's seconds with all of the
-        proposing and choosing done for it (`drafting_seconds`) score that mode, against the step predicted without
-        its drafts. `decodes`: the step's decodes alone where it also carried prefill chunks."""
+    def observe_step(self, shape: StepShape, seconds: float, decode_batch: int, policy: str | None = None,
+                     tokens: int = 0, drafting_seconds: float = 0.0, decodes: StepShape | None = None,
+                     trace: StepTrace | None = None) -> None:
+        """A step's measured `seconds` (as the cost model counts them). `policy`: the gate's arm that ran it (None:
+        the gate was not asked); then the decodes' `tokens` and the step's seconds with all of the proposing and
+        choosing done for it (`drafting_seconds`) score that arm, against the step predicted without its drafts.
+        `decodes`: the step's decodes alone where it also carried prefill chunks. `trace`: what the engine noted of
+        the step's drafts, completed here and kept."""
         part = decodes if decodes is not None else shape
-        if drafting is not None and part.sequences and part.query_tokens == part.sequences + part.draft_tokens:
+        if policy is not None and part.sequences and part.query_tokens == part.sequences + part.draft_tokens:
             drafts = part.draft_tokens
             pairs = shape.pairs - part.pairs + part.context_tokens - drafts  # a plain decode's pairs: its context
             plain = self.cost.predict(StepShape(shape.query_tokens - drafts, shape.sequences,
                                                 shape.context_tokens - drafts, attention_pairs=pairs))
-            self.gate.observe(part.sequences, drafting, tokens, drafting_seconds, plain, decodes is not None)
+            self.gate.observe(part.sequences, policy, tokens, drafting_seconds, plain, decodes is not None)
+        if self.cost.ready:
+            self._prediction_error(shape, seconds, trace)
         self.cost.observe(shape, seconds)
         if decode_batch:
             self.batch_sizes[decode_batch] += 1
+
+    def _prediction_error(self, shape: StepShape, seconds: float, trace: StepTrace | None) -> None:
+        """The cost model's prediction for the step against its measured seconds, into its kind's running error and
+        the step's trace."""
+        predicted = self.cost.predict(shape)
+        if predicted > 0 and seconds > 0:
+            log_ratio = math.log(seconds / predicted)
+            kind = self.cost.kind(shape)
+            error = self.prediction_error.setdefault(kind, [log_ratio, abs(log_ratio)])
+            error[0] += ERROR_RATE * (log_ratio - error[0])
+            error[1] += ERROR_RATE * (abs(log_ratio) - error[1])
+        if trace is not None:
+            trace.predicted_s, trace.measured_s = predicted, seconds
+            self.trace.append(trace)
 
     def observe_chunk(self, decodes: StepShape, tokens: int, pairs: int, seconds: float) -> None:
         """A step ran `decodes` (perhaps none) beside prefill chunks of `tokens` scoring `pairs` attention pairs in
@@ -184,6 +230,8 @@ class AdaptiveController:
         self.chunk_cost.observe(tokens, pairs, seconds - self.cost.predict(decodes))
 
     def record_draft(self, seq_id: str, workload: str, draft_len: int, accepted: int) -> None:
+        """A verified draft of `draft_len` tokens (its deepest node) and how many of them were accepted."""
+        self.draft_counts.update(verified=draft_len, accepted=accepted)
         self.acceptance.record(seq_id, self.method or "none", workload, draft_len, accepted)
         pending = self._expected.pop(seq_id, None)
         if pending is not None:
@@ -212,17 +260,23 @@ class AdaptiveController:
         self._dropped.pop(seq_id, None)
 
     # ---- decisions ----
-    def drafting_open(self, decodes: int, beside_chunk: bool = False) -> bool | None:
-        """Whether the next step of `decodes` decoding requests (`beside_chunk`: and a prefill chunk) considers
-        drafts (gate.py); None where there is nothing to gate (no proposer, or a cost model not ready to score steps
-        by)."""
+    def policy(self, decodes: int, beside_chunk: bool = False) -> str | None:
+        """Which drafting policy the next step of `decodes` decoding requests (`beside_chunk`: and a prefill chunk)
+        runs: "default", "adaptive" or "plain" (gate.py); None where there is nothing to choose (no proposer, or a
+        cost model not ready to score steps by), and the engine runs the fixed default."""
         if self.method is None or not self.cost.ready or not decodes:
             return None
-        if self.gate.open(decodes, beside_chunk):
-            return True
-        self.decided.update(steps=1, gated=1)
-        self.last_lengths = [0] * decodes
-        return False
+        arm = self.gate.choose(decodes, beside_chunk)
+        self.policy_steps[arm] += 1
+        if arm == "plain":
+            self.decided.update(steps=1, gated=1)
+            self.last_lengths = [0] * decodes
+        return arm
+
+    def note_offer(self, offered: int, default_asked: int) -> None:
+        """The draft tokens the proposer offered for the next step, and what the fixed default would have asked it
+        for."""
+        self.draft_counts.update(offered=offered, default_asked=default_asked)
 
     def _candidate(self, ask: DraftAsk) -> tuple[DraftCandidate, str]:
         """An ask's candidate (unscaled) and which estimate its acceptance rates come from: its draft's node
@@ -345,7 +399,10 @@ class AdaptiveController:
         out of a credit that grows by PROBE_SHARE of the predicted time of each step where one is due, spent by the
         cost model's predicted extra time: all due requests probe together once the credit covers them (at a large
         batch the step's switch to verification is the dear part, so probes are bunched into few steps), or, when the
-        credit is full and still falls short, the longest-waiting as many as it covers."""
+        credit is full and still falls short, the longest-waiting as many as it covers, at least one: a model that
+        believes verification far dearer than it is would otherwise never measure it again. The credit then goes
+        into debt, at most as deep as it is high, so such probes come at most once per 2 x PROBE_CREDIT_STEPS /
+        PROBE_SHARE due steps."""
         base = predicted_step_seconds(self.cost, step, candidates, lengths)
         self._probe_credit = min(self._probe_credit + PROBE_SHARE * base, PROBE_CREDIT_STEPS * base)
         due.sort(key=lambda i: -self._undrafted[asks[i].seq_id])
@@ -367,10 +424,10 @@ class AdaptiveController:
                 low = middle
             else:
                 high = middle - 1
-        if not low:
-            return lengths
+        if not low:  # a full credit short of even one probe: the model believes probes dear; one is measured anyway
+            low = 1
         probed, extra = probing(low)
-        self._probe_credit -= max(extra, 0.0)
+        self._probe_credit = max(self._probe_credit - max(extra, 0.0), -PROBE_CREDIT_STEPS * base)
         for i in due[:low]:
             self._undrafted[asks[i].seq_id] = 0
         self.decided["probes"] += low
@@ -400,7 +457,10 @@ class AdaptiveController:
             "warm_start": self.warm,
             "state_dir": self.state_dir,
             "cost_model": {"ready": self.cost.ready, "observations": self.cost.observations,
-                           "seconds_per": self.cost.coefficients(), "corrections": dict(self.cost.corrections)},
+                           "seconds_per": self.cost.coefficients(), "corrections": dict(self.cost.corrections),
+                           "prediction_error": {kind: {"log_bias": round(e[0], 4), "log_abs": round(e[1], 4)}
+                                                for kind, e in sorted(self.prediction_error.items())}},
+            "recent_steps": [asdict(t) for t in self.trace],
             "speculation": {"method": self.method, "max_draft_tokens": self.max_draft_tokens,
                             "last_draft_lengths": {"requests": len(lengths),
                                                    "mean": sum(lengths) / len(lengths) if lengths else 0.0,
@@ -408,6 +468,9 @@ class AdaptiveController:
                             "decided": {"steps": self.decided["steps"], "verifying_steps": self.decided["verifying"],
                                         "draft_tokens": self.decided["draft_tokens"], "probes": self.decided["probes"],
                                         "plain_checks": self.decided["plain_checks"], "gated": self.decided["gated"]},
+                            "policy_steps": {arm: self.policy_steps[arm] for arm in ARMS},
+                            "draft_tokens": {key: self.draft_counts[key]
+                                             for key in ("offered", "verified", "accepted", "default_asked")},
                             "gate": self.gate.summary(),
                             "realism": {name: self.realism(name) for name in self._realised},
                             "acceptance_by_class": self.acceptance.summary(self.max_draft_tokens)},

@@ -173,6 +173,11 @@ class StepCostModel:
         for plain or plain for verifying, at the same batch size)."""
         return _dot(shape.values(), self._coefficients) * self._correction(_kind(shape))
 
+    @staticmethod
+    def kind(shape: StepShape) -> str:
+        """The kind of step `shape` is, as corrections are kept."""
+        return _kind(shape)
+
     def _correction(self, kind: str) -> float:
         other = kind.removesuffix("v") if kind.endswith("v") else kind + "v"
         return self.corrections.get(kind, self.corrections.get(other, 1.0))

@@ -1,41 +1,24 @@
-"""Whether drafting pays at all at a batch size: measured on the steps themselves, not predicted.
+"""Which drafting policy the next step runs, chosen from measured steps with the fixed default as the floor.
 
-The goodput chooser (goodput.py) prices each step's drafts with the cost model, but drafting costs more than the
-verification it prices: the proposer drafts for requests whose drafts are then dropped, the chooser itself runs for
-every decoding request, and the step's Python work competes with the server for the interpreter. On the bundled model
-at 20-31 decoding requests on 2 CPU cores, that came to 1.4-1.8 ms of a ~32 ms plain step (5%), while the steps that
-did verify drafts delivered about the tokens per second of the plain steps they replaced: the server with drafting ran
-at 0.93x one without speculation. The gate measures what drafting delivers, overhead and mispricing included, per
-decode batch size (by power of two, like the cost model's kinds), and turns it off where it does not pay.
+Three policies ("arms") compete per decode batch size (by power of two, decode-only steps apart from steps that carry a
+prefill chunk):
+- "default": what the engine does without the adaptive engine (each request's static draft length, speculation off
+  above the batch cap): the setting a user would otherwise run;
+- "adaptive": draft lengths chosen by goodput from the cost model and the acceptance estimates (goodput.py);
+- "plain": no drafts.
 
-Each decode-only step is scored by its tokens per second relative to the cost model's prediction for the same step
-without drafts: tokens x predicted plain seconds / (decodes x seconds), the seconds of a step decided with drafting on
-including the proposing and choosing done for it. A step run without drafting scores about 1 (the prediction's noise);
-one with drafting scores its real gain. Per bucket the gate keeps a decayed mean of each mode's score and runs
-drafting unless off scores higher beyond the noise, trying the other mode every EXPLORE_EVERY steps of the bucket
-(every EXPLORE_EVERY_CLEAR once one leads by CLEAR_LEAD), so a change in the workload's acceptance or in the machine's
-load is noticed. A new bucket alternates the two until both have MIN_SCORES scores, and so does one whose losing mode
-has the higher mean but not yet by SIGNIFICANCE while its own mean's variance is the larger part of the comparison's
-error (more of its scores are what would decide): tried once in 32 steps, its decayed weight settles near 6, its
-standard error stays too wide to ever clear the bar, and drafting stayed on at 0.85x (16 agentic requests on the
-bundled model: off scored 1.07 against drafting's 0.90 for 300 steps). Where the winner's scores are the noisy ones
-(drafting at one request), trying the loser more often would not narrow the error and only cost steps. A try of the
-losing mode that scores above both the winner's mean and its own by SIGNIFICANCE of their scores' standard deviations
-(it beats the winner, and the losing mode itself has changed: a drafted step's score swings with its acceptance, so
-beating the plain steps' noise alone happens by chance at large batches) is repeated at the next step, and when
-RESET_AFTER tries in a row do so, the bucket forgets both modes and measures them afresh: the first drafts of a cold
-proposer, and the first verification steps of a fresh process (on the bundled model at one request 8-10 ms against 2.8
-ms for a plain step), had turned drafting off, and with the winner scored ~30 times as often as the loser, the decayed
-means needed hundreds of steps to let the loser's better scores count. This only decides whether drafts are
-considered; verification keeps the output exact either way.
+Every step is scored by its decodes' tokens per second against the cost model's prediction for the same step without
+drafts (tokens x predicted plain seconds / (decodes x seconds)), the proposing and choosing done for it included, so
+steps of different contexts and arms compare on one scale. The arms' scores are decayed means that fade per step of the
+bucket, whichever arm ran, so they cover the same stretch of time.
 
-Steps that carry a prefill chunk beside their decodes have buckets of their own, scored the same way (the decodes'
-tokens per second against the cost model's plain prediction for the whole step): drafting beside a chunk costs and
-delivers differently, and at 8-15 decodes, where requests come and go, most steps carry one. Decided by the
-decode-only buckets and never scored, they drafted wherever plain's lead there was still within the noise: in-process
-at 16 reasoning requests, 51 of the 83 steps the gate opened carried a chunk, none of them scored. Measured apart,
-behind the server at 16 reasoning requests the gate kept 80-94% of the steps plain against 54-66% (one run 95%),
-and adaptive / static k=0 went from 0.89-0.91x to 0.96-0.97x (medians of 7 rounds side by side).
+The choice is a discounted upper-confidence-bound rule (Garivier and Moulines, "On Upper-Confidence Bound Policies for
+Switching Bandit Problems", ALT 2011) made conservative (Wu, Shariff, Lattimore and Szepesvari, "Conservative Bandits",
+ICML 2016): the arm with the highest upper bound runs, but an arm other than the default only while the bucket's
+banked surplus (every scored step adds its score less (1 - ALPHA) x the default's mean) covers that arm's lower bound
+falling short of (1 - ALPHA) x the default's mean. Whatever the cost model or the acceptance estimates believe, a
+bucket's steps therefore score at least about (1 - ALPHA) of what the fixed default scores; an arm that measures better
+takes over, and the others are tried again as their bounds widen with time.
 """
 
 from __future__ import annotations
@@ -44,20 +27,20 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-SCORE_DECAY = 0.995  # per scored step of a bucket, the weight left to each older score of either mode (~200 steps)
-MIN_SCORES = 8  # scores of each mode before the gate acts on their comparison
-FIRST_EXPLORE_EVERY = 2  # until both modes are measured (or see above), every other step tries the loser
-EXPLORE_EVERY = 8  # steps of a bucket between tries of the losing mode
-EXPLORE_EVERY_CLEAR = 32  # the same once the winner leads by CLEAR_LEAD
-CLEAR_LEAD = 0.10
-SIGNIFICANCE = 2.0  # standard errors by which off must lead to turn drafting off
+ARMS = ("default", "adaptive", "plain")
+SCORE_DECAY = 0.995  # per scored step of a bucket, the weight left to each older score of every arm (~200 steps)
+ALPHA = 0.02  # the share of the default's score that exploring other arms may cost
+MIN_DEFAULT = 8  # the default's scores before any other arm is tried
+CONFIDENCE = 2.0  # standard errors in the upper and lower bounds
+PRIOR_DEVIATION = 0.25  # a score's assumed standard deviation, worth PRIOR_WEIGHT scores, until measured
+PRIOR_WEIGHT = 2.0
+BANK_CAP = 16.0  # the surplus a bucket may bank, in default steps' scores (old luck must not pay for new exploring)
 SCORE_BOUNDS = (0.1, 10.0)  # a single step counts as if at most 10x off (a stall must not swamp the mean)
-RESET_AFTER = 2  # tries in a row of the losing mode well above both modes' means
 
 
 @dataclass
-class ModeScore:
-    """Decayed mean and variance of one mode's step scores."""
+class ArmScore:
+    """Decayed mean and variance of one arm's step scores."""
 
     total: float = 0.0
     squares: float = 0.0
@@ -68,69 +51,75 @@ class ModeScore:
     def mean(self) -> float:
         return self.total / self.weight if self.weight > 0 else 1.0
 
-    @property
     def deviation(self) -> float:
-        """The scores' standard deviation."""
-        if self.weight <= 0:
-            return 0.0
-        return math.sqrt(max(self.squares / self.weight - self.mean ** 2, 0.0))
+        """The scores' standard deviation, shrunk towards PRIOR_DEVIATION while few were measured."""
+        variance = max(self.squares / self.weight - self.mean ** 2, 0.0) if self.weight > 0 else 0.0
+        prior = PRIOR_WEIGHT * PRIOR_DEVIATION ** 2
+        return math.sqrt((variance * self.weight + prior) / (self.weight + PRIOR_WEIGHT))
 
-    def mean_variance(self) -> float:
-        """The variance of `mean` (the scores' variance over their weight)."""
-        return self.deviation ** 2 / self.weight if self.weight > 0 else 0.0
+    def error(self) -> float:
+        """CONFIDENCE standard errors of the mean."""
+        return CONFIDENCE * self.deviation() / math.sqrt(max(self.weight, 1e-9))
+
+    def fade(self) -> None:
+        self.total *= SCORE_DECAY
+        self.squares *= SCORE_DECAY
+        self.weight *= SCORE_DECAY
+
+    def add(self, score: float) -> None:
+        self.total += score
+        self.squares += score * score
+        self.weight += 1.0
+        self.count += 1
 
 
 @dataclass
 class Bucket:
-    """One batch size's scores. Both modes' scores fade per step of the bucket, whichever mode it ran, so the two
-    means cover the same stretch of time although the losing mode is scored only once in EXPLORE_EVERY steps (faded
-    per own score, its mean would reach back eight times as far, into a machine or workload that has moved on)."""
+    """One batch size's arms and banked surplus."""
 
-    on: ModeScore = field(default_factory=ModeScore)
-    off: ModeScore = field(default_factory=ModeScore)
-    decisions: int = 0
-    surprises: int = 0  # tries of the losing mode in a row that scored well above both modes' means
-    bar: float = 0.0  # the score those tries had to beat
-    resets: int = 0
+    arms: dict[str, ArmScore] = field(default_factory=lambda: {arm: ArmScore() for arm in ARMS})
+    bank: float = 0.0
+    chosen: str = "default"
 
-    def add(self, drafting: bool, score: float) -> None:
+    def upper(self, arm: str) -> float:
+        score = self.arms[arm]
+        return math.inf if not score.count else score.mean + score.error()
+
+    def lower(self, arm: str) -> float:
+        score = self.arms[arm]
+        return SCORE_BOUNDS[0] if not score.count else max(score.mean - score.error(), SCORE_BOUNDS[0])
+
+    def choose(self, allowed: tuple[str, ...] = ARMS) -> str:
+        """The arm the next step runs (the default until it has MIN_DEFAULT scores)."""
+        default = self.arms["default"]
+        if default.count < MIN_DEFAULT:
+            return "default"
+        best = max(allowed, key=self.upper)  # ties go to the earlier arm: the default first
+        if best != "default" and self.bank + self.lower(best) - (1 - ALPHA) * default.mean < 0:
+            best = "default"
+        return best
+
+    def add(self, arm: str, score: float) -> None:
         low, high = SCORE_BOUNDS
         score = min(max(score, low), high)
-        winner, loser = (self.off, self.on) if drafting else (self.on, self.off)
-        trailing = self.measured and drafting != self.winner() and winner.mean > loser.mean  # a try of a mode behind
-        if not self.surprises:  # the bar a repeated try must clear is the first's: that try itself widened it
-            self.bar = max(winner.mean + SIGNIFICANCE * winner.deviation, loser.mean + SIGNIFICANCE * loser.deviation)
-        if trailing and score > self.bar:
-            self.surprises += 1
-        else:
-            self.surprises = 0
-        if self.surprises >= RESET_AFTER:
-            self.on, self.off, self.surprises = ModeScore(), ModeScore(), 0
-            self.resets += 1
-        for mode in (self.on, self.off):
-            mode.total *= SCORE_DECAY
-            mode.squares *= SCORE_DECAY
-            mode.weight *= SCORE_DECAY
-        mode = self.on if drafting else self.off
-        mode.total += score
-        mode.squares += score * score
-        mode.weight += 1.0
-        mode.count += 1
+        for other in self.arms.values():
+            other.fade()
+        self.arms[arm].add(score)
+        default = self.arms["default"]
+        if default.count >= MIN_DEFAULT:
+            floor = (1 - ALPHA) * default.mean
+            self.bank = min(self.bank + score - floor, BANK_CAP * default.mean)
+        self.chosen = self.leader()
 
-    @property
-    def measured(self) -> bool:
-        """Both modes have MIN_SCORES scores."""
-        return min(self.on.count, self.off.count) >= MIN_SCORES
-
-    def winner(self) -> bool:
-        """Drafting on, unless both modes are measured and off scores higher by SIGNIFICANCE standard errors. At a
-        small batch a drafted step's score swings with its acceptance (on the bundled model at one request, a
-        standard deviation of 0.8 around 1.4) and the first drafts of a cold proposer are poor, so a plain lead in
-        the means would turn drafting off on noise where it pays most."""
-        if not self.measured:
-            return True
-        error = math.sqrt(self.on.mean_variance() + self.off.mean_variance())
-        return self.off.mean - self.on.mean <= SIGNIFICANCE * error
+    def leader(self) -> str:
+        """The arm with the highest mean among those measured, the default unless another leads beyond its error."""
+        default = self.arms["default"]
+        best = "default"
+        for arm in ARMS[1:]:
+            score = self.arms[arm]
+            if score.count >= MIN_DEFAULT and score.mean - score.error() > max(default.mean, self.arms[best].mean):
+                best = arm
+        return best
 
 
 def bucket_of(decodes: int) -> int:
@@ -138,9 +127,9 @@ def bucket_of(decodes: int) -> int:
     return decodes.bit_length()
 
 
-class DraftingGate:
-    """Per decode batch-size bucket, decode-only steps apart from those beside a prefill chunk, whether drafting is on
-    (`Bucket.winner`), the other mode tried now and then."""
+class PolicyGate:
+    """Per decode batch-size bucket, decode-only steps apart from those beside a prefill chunk, which drafting policy
+    runs (`Bucket.choose`)."""
 
     def __init__(self) -> None:
         self.buckets: dict[int, Bucket] = {}
@@ -154,55 +143,60 @@ class DraftingGate:
             bucket = buckets[key] = Bucket()
         return bucket
 
-    def open(self, decodes: int, beside_chunk: bool = False) -> bool:
-        """Whether the next step of `decodes` decoding requests (`beside_chunk`: and a prefill chunk) considers
-        drafts."""
-        bucket = self._bucket(decodes, beside_chunk)
-        bucket.decisions += 1
-        if bucket.surprises:  # the losing mode's last try scored well above the winner: try it again at once
-            return not bucket.winner()
-        drafting = bucket.winner()
-        winner, loser = (bucket.on, bucket.off) if drafting else (bucket.off, bucket.on)
-        if not bucket.measured or loser.mean > winner.mean and loser.mean_variance() > winner.mean_variance():
-            every = FIRST_EXPLORE_EVERY
-        else:
-            lead = (winner.mean - loser.mean) / max(loser.mean, 1e-9)
-            every = EXPLORE_EVERY_CLEAR if lead > CLEAR_LEAD else EXPLORE_EVERY
-        return drafting != (bucket.decisions % every == 0)
+    def choose(self, decodes: int, beside_chunk: bool = False, allowed: tuple[str, ...] = ARMS) -> str:
+        """The arm the next step of `decodes` decoding requests (`beside_chunk`: and a prefill chunk) runs, among
+        `allowed` (the default always is)."""
+        return self._bucket(decodes, beside_chunk).choose(allowed)
 
-    def observe(self, decodes: int, drafting: bool, tokens: int, seconds: float, plain_seconds: float,
+    def observe(self, decodes: int, arm: str, tokens: int, seconds: float, plain_seconds: float,
                 beside_chunk: bool = False) -> None:
-        """A step of `decodes` decoding requests (`beside_chunk`: and a prefill chunk) decided with drafting on or
-        off: the decodes' `tokens` in `seconds` (drafting's own time included), against `plain_seconds`, the cost
-        model's prediction for the step without drafts."""
+        """A step of `decodes` decoding requests (`beside_chunk`: and a prefill chunk) run by `arm`: the decodes'
+        `tokens` in `seconds` (drafting's own time included), against `plain_seconds`, the cost model's prediction
+        for the step without drafts."""
         if decodes <= 0 or seconds <= 0 or plain_seconds <= 0:
             return
-        self._bucket(decodes, beside_chunk).add(drafting, tokens * plain_seconds / (decodes * seconds))
+        self._bucket(decodes, beside_chunk).add(arm, tokens * plain_seconds / (decodes * seconds))
 
     def summary(self) -> dict[str, dict[str, Any]]:
-        """Per bucket (its decoding requests, as "16-31", and "16-31 beside a chunk"): each mode's mean score and
-        count, and the winner."""
-        return {f"{(1 << b) >> 1}-{(1 << b) - 1}{suffix}": {
-                    "on": round(s.on.mean, 4), "on_steps": s.on.count, "off": round(s.off.mean, 4),
-                    "off_steps": s.off.count, "drafting": s.winner(), "resets": s.resets}
-                for buckets, suffix in ((self.buckets, ""), (self.chunk_buckets, " beside a chunk"))
-                for b, s in sorted(buckets.items())}
+        """Per bucket (its decoding requests, as "16-31", and "16-31 beside a chunk"): each arm's mean score and
+        steps, the leading arm and the banked surplus."""
+        out: dict[str, dict[str, Any]] = {}
+        for buckets, suffix in ((self.buckets, ""), (self.chunk_buckets, " beside a chunk")):
+            for b, bucket in sorted(buckets.items()):
+                row: dict[str, Any] = {}
+                for arm, score in bucket.arms.items():
+                    row[arm] = round(score.mean, 4)
+                    row[f"{arm}_steps"] = score.count
+                row["leader"] = bucket.chosen
+                row["bank"] = round(bucket.bank, 4)
+                out[f"{(1 << b) >> 1}-{(1 << b) - 1}{suffix}"] = row
+        return out
 
     def to_dict(self) -> dict[str, list[float]]:
-        """Bucket b's scores under "b", and those beside a chunk under "cb"."""
-        return {f"{prefix}{b}": [value for m in (s.on, s.off) for value in (m.total, m.squares, m.weight, m.count)]
-                for buckets, prefix in ((self.buckets, ""), (self.chunk_buckets, "c")) for b, s in buckets.items()}
+        """Bucket b under "b", and beside a chunk under "cb": per arm (ARMS order) total, squares, weight, count,
+        then the bank."""
+        return {f"{prefix}{b}": [*(v for arm in ARMS for v in _values(bucket.arms[arm])), bucket.bank]
+                for buckets, prefix in ((self.buckets, ""), (self.chunk_buckets, "c")) for b, bucket in buckets.items()}
 
     def load(self, data: dict[str, list[float]]) -> None:
         buckets: dict[int, Bucket] = {}
         chunk_buckets: dict[int, Bucket] = {}
+        low, high = SCORE_BOUNDS
         for key, values in data.items():
-            on, off = (ModeScore(float(t), float(q), float(w), int(c)) for t, q, w, c in (values[:4], values[4:]))
-            low, high = SCORE_BOUNDS
-            if any(m.weight < 0 or m.count < 0 or (m.weight and not low <= m.mean <= high) for m in (on, off)):
-                raise ValueError(f"drafting gate bucket {key} out of range")
+            if len(values) != 4 * len(ARMS) + 1:
+                raise ValueError(f"policy gate bucket {key} has {len(values)} values")
+            arms = {arm: ArmScore(float(values[4 * i]), float(values[4 * i + 1]), float(values[4 * i + 2]),
+                                  int(values[4 * i + 3])) for i, arm in enumerate(ARMS)}
+            if any(s.weight < 0 or s.count < 0 or (s.weight and not low <= s.mean <= high) for s in arms.values()):
+                raise ValueError(f"policy gate bucket {key} out of range")
+            bucket = Bucket(arms, float(values[-1]))
+            bucket.chosen = bucket.leader()
             if key.startswith("c"):
-                chunk_buckets[int(key[1:])] = Bucket(on, off)
+                chunk_buckets[int(key[1:])] = bucket
             else:
-                buckets[int(key)] = Bucket(on, off)
+                buckets[int(key)] = bucket
         self.buckets, self.chunk_buckets = buckets, chunk_buckets
+
+
+def _values(score: ArmScore) -> tuple[float, float, float, int]:
+    return score.total, score.squares, score.weight, score.count

@@ -373,12 +373,15 @@ class LLMEngine:
         from it."""
         running: list[Request] = []
         cap = self.spec.batch_cap
+        backed_off: set[str] = set()  # requests of replicas where the fixed setting drafts nothing (too many running)
         for scheduler in self.schedulers:
             if cap is not None and len(scheduler.running) > cap:
                 for request in scheduler.running:
                     request.draft = None
             else:
                 running += scheduler.running
+                if len(scheduler.running) > self.spec.static_batch_cap:
+                    backed_off.update(r.seq_id for r in scheduler.running)
         asking: list[Request] = []
         limits: list[int] = []
         for request in running:
@@ -394,12 +397,17 @@ class LLMEngine:
             asking.append(request)
             limits.append(limit)
         keep = None
+        offered = 0  # draft tokens the proposer made, before the adaptive engine kept part of them
         if self.tuner is not None:
             # seeded sampling stays reproducible: its draft lengths (which decide the random draws) must not depend
             # on measured timings, so those requests keep the static per-request length
             seeded = [r.params.seed is not None and not r.params.greedy for r in asking]
             static = [min(self.spec.draft_len.get(r.seq_id, 1), n) for r, n in zip(asking, limits)]
-            if not self.tuner.drafting(asking, self.schedulers):  # drafting does not pay here (adaptive/gate.py)
+            default = [0 if r.seq_id in backed_off else s for r, s in zip(asking, static)]
+            policy = self.tuner.policy(asking, self.schedulers)  # adaptive/gate.py
+            if policy == "default":  # the fixed setting: what the engine drafts without the adaptive engine
+                limits = [s if seed else d for s, d, seed in zip(static, default, seeded)]
+            elif policy == "plain":
                 limits = [s if seed else 0 for s, seed in zip(static, seeded)]
             elif self.spec.config.method in TEXT_METHODS:
                 # text proposers say how far they are confident, so each request drafts up to the longest that could
@@ -410,15 +418,23 @@ class LLMEngine:
                 limits = [s if seed else min(n, c) for s, n, c, seed in zip(static, limits, caps, seeded)]
 
                 def keep(drafts: list) -> list[int]:
+                    nonlocal offered
+                    offered = sum(len(d) for d in drafts)
                     chosen = self.tuner.draft_lengths(asking, [len(d) for d in drafts], self.schedulers,
                                                       [d.probs for d in drafts])
                     return [len(d) if seed else c for d, c, seed in zip(drafts, chosen, seeded)]
             else:  # a draft model pays per drafted position: choose the lengths first
                 chosen = self.tuner.draft_lengths(asking, limits, self.schedulers)
                 limits = [s if seed else c for s, c, seed in zip(static, chosen, seeded)]
-        if keep is None and not any(limits):
+            if keep is None and not any(limits):
+                self.tuner.offered(0, sum(default))
+                return
+            drafts = self.spec.propose_batch([(r.seq_id, r.all_token_ids, n) for r, n in zip(asking, limits)], keep)
+            self.tuner.offered(offered if keep is not None else sum(len(d) for d in drafts), sum(default))
+        elif not any(limits):
             return  # nothing to draft: spare building every request's sequence
-        drafts = self.spec.propose_batch([(r.seq_id, r.all_token_ids, n) for r, n in zip(asking, limits)], keep)
+        else:
+            drafts = self.spec.propose_batch([(r.seq_id, r.all_token_ids, n) for r, n in zip(asking, limits)])
         for request, draft in zip(asking, drafts):
             if request.grammar is not None and len(draft):
                 # nodes the grammar rejects could never be accepted: do not spend verification on them
@@ -567,8 +583,10 @@ class LLMEngine:
 
     def _adaptive_metrics(self) -> tuple[dict[str, float], dict[str, float]]:
         """Numbers of the adaptive snapshot for Prometheus: gauges (the cost model, the latest choices, blocks kept
-        now) and counters (steps by what was decided for them, turns kept, tokens reused from kept blocks), so an
-        operator sees how often drafting was verified, gated off or held back to measure plain steps."""
+        now, the cost model's error by kind of step) and counters (steps by the policy that ran them and by what was
+        decided for them, draft tokens offered / verified / accepted beside what the fixed default would have asked
+        for, turns kept, tokens reused from kept blocks), so an operator sees how often drafting was verified, gated
+        off or held back to measure plain steps, and whether the adaptive engine runs its own choices or the default."""
         snap = self.adaptive_snapshot()
         if not snap.get("enabled") or "cost_model" not in snap:
             return {}, {}
@@ -583,6 +601,10 @@ class LLMEngine:
                     "probed_requests": decided["probes"], "chosen_draft_tokens": decided["draft_tokens"],
                     "protected_turns": snap["retention"]["turns_protected"],
                     "retention_hit_tokens": snap["retention"]["retention_hit_tokens"]}
+        counters.update({f"{policy}_policy_steps": n for policy, n in snap["speculation"]["policy_steps"].items()})
+        counters.update({f"{kind}_draft_tokens": n for kind, n in snap["speculation"]["draft_tokens"].items()})
+        for kind, error in snap["cost_model"]["prediction_error"].items():
+            gauges[f"cost_log_error_{kind}"] = error["log_abs"]
         return gauges, counters
 
 

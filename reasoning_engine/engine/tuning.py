@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from reasoning_engine.adaptive.batching import LatencyTargets
-from reasoning_engine.adaptive.controller import AdaptiveController, DraftAsk, choose_graph_batch_sizes
+from reasoning_engine.adaptive.controller import AdaptiveController, DraftAsk, StepTrace, choose_graph_batch_sizes
 from reasoning_engine.adaptive.cost_model import StepShape, chunk_pairs
 from reasoning_engine.config import EngineConfig
 from reasoning_engine.engine.kv_cache import BlockManager
@@ -53,8 +53,10 @@ class EngineTuner:
             LatencyTargets(config.target_itl_ms, config.target_ttft_ms))
         self._step_start = 0.0
         self._proposing = 0.0  # seconds the last step spent proposing (and choosing) the next step's drafts
-        self._drafting: bool | None = None  # the gate's decision for this step (None: not asked)
-        self._next_drafting: bool | None = None  # and for the next one
+        self._policy: str | None = None  # the gate's policy for this step (None: not asked)
+        self._next_policy: str | None = None  # and for the next one
+        self._trace: StepTrace | None = None  # what this step's drafts were (offered, the default's ask)
+        self._next_trace: StepTrace | None = None
         self._accepted = 0  # draft tokens accepted in this step
         self._chunks: tuple[StepShape, int, int] | None = None  # this step's decodes, chunk tokens and pairs
         self._refreshed = 0.0
@@ -107,7 +109,8 @@ class EngineTuner:
 
     def begin_step(self) -> None:
         self._step_start = time.perf_counter()
-        self._drafting, self._next_drafting = self._next_drafting, None
+        self._policy, self._next_policy = self._next_policy, None
+        self._trace, self._next_trace = self._next_trace, None
         self._accepted = 0
 
     def end_step(self, plans: list[SchedulerOutput], shape: StepShape, proposing: float) -> None:
@@ -124,9 +127,12 @@ class EngineTuner:
         if self._chunks is not None:
             self.controller.observe_chunk(*self._chunks, seconds)
             decodes = self._chunks[0]
-        tokens = (decodes if decodes is not None else shape).sequences + self._accepted
-        self.controller.observe_step(shape, seconds, decode_batch, self._drafting, tokens, own + self._proposing,
-                                     decodes)
+        part = decodes if decodes is not None else shape
+        tokens = part.sequences + self._accepted
+        trace = self._trace or StepTrace()
+        trace.decodes, trace.verified, trace.accepted = part.sequences, part.draft_tokens, self._accepted
+        self.controller.observe_step(shape, seconds, decode_batch, self._policy, tokens, own + self._proposing,
+                                     decodes, trace)
         self._proposing = proposing
 
     def shape(self, plans: list[SchedulerOutput]) -> StepShape:
@@ -142,12 +148,18 @@ class EngineTuner:
         return _shape_of(items)
 
     # ---- speculation ----
-    def drafting(self, requests: list[Request], schedulers: list[Scheduler]) -> bool:
-        """Whether the next step considers drafts for these decoding requests (the drafting gate), told whether the
-        schedulers will likely add a prefill chunk to it."""
+    def policy(self, requests: list[Request], schedulers: list[Scheduler]) -> str:
+        """Which drafting policy the next step runs for these decoding requests (adaptive/gate.py): "default" (the
+        fixed setting's lengths), "adaptive" or "plain", told whether the schedulers will likely add a prefill chunk
+        to it; the fixed default where the gate has nothing to go by yet."""
         beside_chunk = any(self._next_chunk(s) is not None for s in schedulers)
-        self._next_drafting = self.controller.drafting_open(len(requests), beside_chunk)
-        return self._next_drafting is not False
+        self._next_policy = self.controller.policy(len(requests), beside_chunk)
+        return self._next_policy or "default"
+
+    def offered(self, offered: int, default_asked: int) -> None:
+        """The draft tokens proposed for the next step, and what the fixed default would have asked for."""
+        self._next_trace = StepTrace(self._next_policy, offered=offered, default_asked=default_asked)
+        self.controller.note_offer(offered, default_asked)
 
     def draft_lengths(self, requests: list[Request], limits: list[int], schedulers: list[Scheduler],
                       probs: list[list[float] | None] | None = None) -> list[int]:

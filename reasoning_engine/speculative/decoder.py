@@ -319,12 +319,15 @@ class SpeculativeDecoder:
         self._saved_at = time.monotonic()
 
     @property
-    def batch_cap(self) -> int | None:
-        """Above this many running requests of a replica, no drafts: the static back-off (16 unless set), or the
-        adaptive engine's optional cap."""
-        if self.caller_lengths:
-            return self.config.max_batch_size
+    def static_batch_cap(self) -> int:
+        """Above this many running requests of a replica the static setting drafts nothing (16 unless set)."""
         return 16 if self.config.max_batch_size is None else self.config.max_batch_size
+
+    @property
+    def batch_cap(self) -> int | None:
+        """Above this many running requests of a replica, no drafts: the static back-off, or the adaptive engine's
+        optional cap."""
+        return self.config.max_batch_size if self.caller_lengths else self.static_batch_cap
 
     def start(self, seq_id: str, prompt_token_ids: Sequence[int]) -> None:
         self.proposer.start_request(seq_id, prompt_token_ids)

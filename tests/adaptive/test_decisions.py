@@ -311,11 +311,12 @@ def test_a_step_beside_a_chunk_scores_its_decodes_against_the_whole_step_predict
     plain = controller.cost.predict(StepShape(16 + 400, 17, 16 * 500 + 400,
                                               attention_pairs=16 * 500 + chunk_pairs(400, 0)))
     for _ in range(3):  # 24 tokens from 16 decodes in the time the plain step was predicted to take: 1.5
-        controller.observe_step(step, plain, 16, drafting=True, tokens=24, drafting_seconds=plain, decodes=decodes)
+        controller.observe_step(step, plain, 16, policy="adaptive", tokens=24, drafting_seconds=plain,
+                                decodes=decodes)
     summary = controller.gate.summary()
     assert "8-15" not in summary and "16-31" not in summary
-    assert summary["16-31 beside a chunk"]["on"] == pytest.approx(1.5)
-    assert summary["16-31 beside a chunk"]["on_steps"] == 3
+    assert summary["16-31 beside a chunk"]["adaptive"] == pytest.approx(1.5)
+    assert summary["16-31 beside a chunk"]["adaptive_steps"] == 3
 
 
 def test_token_budget_keeps_decodes_under_the_itl_target() -> None:
@@ -470,9 +471,9 @@ def test_state_round_trips(tmp_path: Path) -> None:
         first.record_draft("r", "agent", 4, 3)
     first.retention.finished("s", "agent/tool_call", 0.0)
     first.retention.arrived("s", 4.0)
-    for drafting in (True, False) * 10:
-        first.gate.observe(24, drafting, 30 if drafting else 24, 0.03, 0.028)
-        first.gate.observe(12, drafting, 14 if drafting else 12, 0.03, 0.03, beside_chunk=True)
+    for arm in ("default", "adaptive", "plain") * 10:
+        first.gate.observe(24, arm, 30 if arm == "adaptive" else 24, 0.03, 0.028)
+        first.gate.observe(12, arm, 14 if arm == "default" else 12, 0.03, 0.03, beside_chunk=True)
     for tokens in (100, 300, 900):
         first.observe_chunk(StepShape(8, 8, 800), tokens, chunk_pairs(tokens, 50), 0.005 + 2e-4 * tokens)
     assert first.chunk_cost.ready
@@ -485,8 +486,8 @@ def test_state_round_trips(tmp_path: Path) -> None:
     assert second.acceptance.to_dict() == first.acceptance.to_dict()
     assert second.retention.to_dict() == first.retention.to_dict()
     assert second.batch_sizes == first.batch_sizes
-    assert second.gate.summary() == first.gate.summary() and second.gate.summary()["16-31"]["on_steps"] == 10
-    assert second.gate.summary()["8-15 beside a chunk"]["off_steps"] == 10
+    assert second.gate.summary() == first.gate.summary() and second.gate.summary()["16-31"]["adaptive_steps"] == 10
+    assert second.gate.summary()["8-15 beside a chunk"]["plain_steps"] == 10
     assert list(second.chunk_cost.weights) == pytest.approx(list(first.chunk_cost.weights))
     assert second.proposed_drafts.survival() == pytest.approx(first.proposed_drafts.survival())
     assert second.proposed_drafts.survival()[:2] == pytest.approx([0.9, 0.7])
@@ -511,7 +512,7 @@ def test_bad_state_starts_cold_with_a_warning(tmp_path: Path, caplog: pytest.Log
         path.write_text(json.dumps(data))
     elif damage == "bad_gate":
         data = json.loads(text)
-        data["state"]["drafting_gate"] = {"5": [1e9, 3, 1.0]}
+        data["state"]["policy_gate"] = {"5": [1e9, 3, 1.0]}
         path.write_text(json.dumps(data))
     elif damage == "bad_chunks":
         data = json.loads(text)

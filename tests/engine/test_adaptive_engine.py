@@ -89,8 +89,8 @@ def test_a_step_is_charged_the_proposing_of_the_drafts_it_verifies_and_no_other(
     seen: list[float] = []
     gated: list[float] = []
 
-    def observe(shape: StepShape, seconds: float, batch: int, drafting: bool | None, tokens: int,
-                drafting_seconds: float, decodes: StepShape | None) -> None:
+    def observe(shape: StepShape, seconds: float, batch: int, policy: str | None, tokens: int,
+                drafting_seconds: float, decodes: StepShape | None, trace: object) -> None:
         seen.append(round(seconds, 6))
         gated.append(round(drafting_seconds, 6))
     monkeypatch.setattr(tuner.controller, "observe_step", observe)
@@ -134,21 +134,31 @@ def test_greedy_outputs_with_adaptive_on_equal_plain_decoding(llama_dir: Path, p
     counters = stats.adaptive_counters
     assert counters["protected_turns"] == 10 and counters["decided_steps"] == decided["steps"] > 0
     assert counters["verifying_steps"] + counters["gated_steps"] + counters["plain_check_steps"] <= decided["steps"]
+    # what each step was offered, verified and accepted beside the fixed default's ask, and the policy that ran it
+    drafts = snapshot["speculation"]["draft_tokens"]
+    assert drafts["verified"] <= drafts["offered"] and drafts["accepted"] <= drafts["verified"]
+    assert drafts["default_asked"] > 0
+    assert counters["verified_draft_tokens"] == drafts["verified"]
+    assert sum(snapshot["speculation"]["policy_steps"].values()) > 0
+    recent = snapshot["recent_steps"]
+    assert recent and all(step["measured_s"] > 0 and step["predicted_s"] > 0 for step in recent)
+    assert all(step["accepted"] <= step["verified"] for step in recent)
+    assert snapshot["cost_model"]["prediction_error"]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_where_the_gate_finds_drafting_does_not_pay_only_seeded_requests_draft(llama_dir: Path,
-                                                                             plain: list[list[int]]) -> None:
-    """With the drafting gate closed the proposer is asked for nothing the engine chooses lengths for, and greedy
-    outputs stay exact; seeded sampling keeps its static draft lengths (its random draws depend on them, so they must
-    not depend on measured timings)."""
+def test_where_the_gate_chooses_no_drafts_only_seeded_requests_draft(llama_dir: Path,
+                                                                     plain: list[list[int]]) -> None:
+    """With the policy gate choosing plain steps the proposer is asked for nothing the engine chooses lengths for,
+    and greedy outputs stay exact; seeded sampling keeps its static draft lengths (its random draws depend on them,
+    so they must not depend on measured timings)."""
     prompts = mixed_prompts(10, seed=21, low=5, high=40)
     llm = LLM(llama_dir, dtype="float32", device="cpu",
               speculative_config={"method": "suffix", "num_speculative_tokens": 8})
     engine = llm.engine
     controller = engine.tuner.controller
     gate_asked: list[int] = []
-    controller.gate.open = lambda decodes, beside_chunk: gate_asked.append(decodes) and False
+    controller.gate.choose = lambda decodes, beside_chunk: gate_asked.append(decodes) or "plain"
     asked: list[str] = []
     propose_batch = engine.spec.propose_batch
 
@@ -286,3 +296,43 @@ def test_draft_decisions_expect_the_next_steps_prefill_chunk(llama_dir: Path) ->
     with_prompt = engine.tuner.expected_step(decoding, engine.schedulers)
     assert (with_prompt.query_tokens, with_prompt.sequences) == (1 + 31, 2)  # the budget less the decode
     assert with_prompt.pairs == alone.pairs + 31 * 32 // 2
+
+
+def test_a_learned_policy_made_wrong_on_purpose_falls_back_to_the_fixed_default(llama_dir: Path) -> None:
+    """The safety net (adaptive/gate.py): the gate starts out believing the adaptive policy far ahead of the fixed
+    default at one request (a learned state), while the cost model is forced to price every draft as a thousand times
+    dearer than it is, so the adaptive policy verifies nothing on outputs where drafting pays (the random model's
+    greedy outputs repeat). Its measured steps drain the bank of surplus that lets it run, and the engine runs the
+    fixed default for the rest, within a bounded number of steps; greedy outputs stay exact."""
+    import numpy as np
+
+    from reasoning_engine.adaptive.gate import BANK_CAP, ArmScore, Bucket
+
+    prompts = _ids(mixed_prompts(3, seed=5, low=5, high=20))
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    plain = LLM(llama_dir, dtype="float32", device="cpu", adaptive=False, max_num_seqs=1).generate(prompts, params)
+    llm = LLM(llama_dir, dtype="float32", device="cpu", max_num_seqs=1,
+              speculative_config={"method": "suffix", "num_speculative_tokens": 8})
+    controller = llm.engine.tuner.controller
+    cost = controller.cost
+    real = cost.predict_with_drafts
+    cost.predict_with_drafts = lambda step, drafts, verifying, pairs: (
+        real(step, drafts, verifying, pairs) * np.where(verifying > 0, 1000.0, 1.0))
+
+    def believed(mean: float) -> ArmScore:
+        return ArmScore(mean * 40, (mean * mean + 0.01) * 40, 40.0, 40)
+    controller.gate.buckets[1] = Bucket({"default": believed(1.2), "adaptive": believed(4.0), "plain": believed(1.0)},
+                                        bank=BANK_CAP * 1.2)
+    chosen: list[str] = []
+    choose = controller.gate.choose
+    controller.gate.choose = lambda *args: chosen.append(choose(*args)) or chosen[-1]
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert chosen[0] == "adaptive"  # what it had learned
+    first_default = chosen.index("default")
+    assert first_default < 150  # the bank (at most BANK_CAP default steps' scores) pays for a bounded loss
+    late = chosen[len(chosen) // 2:]
+    assert late.count("default") >= 0.75 * len(late)
+    assert controller.gate.summary()["1-1"]["leader"] == "default"
+    adaptive_steps = [s for s in controller.trace if s.policy == "adaptive"]
+    assert all(s.verified == 0 for s in adaptive_steps)

@@ -233,7 +233,9 @@ def test_adaptive_gauges_and_counters_in_metrics(client: openai.OpenAI, server: 
     assert metric_value(text, "reasoning_engine:adaptive_protected_blocks") > 0
     assert metric_value(text, "reasoning_engine:adaptive_cost_seconds_per_step") >= 0
     for name in ["decided_steps", "verifying_steps", "gated_steps", "plain_check_steps", "probed_requests",
-                 "chosen_draft_tokens", "retention_hit_tokens"]:
+                 "chosen_draft_tokens", "retention_hit_tokens", "default_policy_steps", "adaptive_policy_steps",
+                 "plain_policy_steps", "offered_draft_tokens", "verified_draft_tokens", "accepted_draft_tokens",
+                 "default_asked_draft_tokens"]:
         assert metric_value(text, f"reasoning_engine:adaptive_{name}_total") is not None, name
 
 

@@ -75,6 +75,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_MEDIA_MAX_BYTES = 20 * 1024 * 1024
 DEFAULT_MEDIA_FETCH_TIMEOUT_S = 10.0
+DEFAULT_MEDIA_REQUEST_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -88,11 +89,16 @@ class ServerConfig:
     max_thinking_tokens: int | None = None  # default thinking budget for requests that set none
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # where chat image and video URLs may point: data: URLs always, http(s) only to these hosts (and their
-    # subdomains), file:// only under this folder; each item capped in bytes and (remote) in fetch seconds
+    # subdomains), file:// only under this folder; each item capped in bytes, (remote) in fetch seconds and in the
+    # pixels it decodes (None: derived from the model's largest input, multimodal/loading.py default_pixel_limits);
+    # a request's media all fetched, decoded and preprocessed within media_request_timeout
     allowed_media_domains: list[str] | None = None
     allowed_local_media_path: str | None = None
     media_max_bytes: int = DEFAULT_MEDIA_MAX_BYTES
     media_fetch_timeout: float = DEFAULT_MEDIA_FETCH_TIMEOUT_S
+    max_image_pixels: int | None = None
+    max_video_pixels: int | None = None
+    media_request_timeout: float = DEFAULT_MEDIA_REQUEST_TIMEOUT_S
     public_paths: tuple[str, ...] = ("/health", *PLAYGROUND_PUBLIC_PATHS)  # reachable without the API key
     shutdown_engine: bool = True  # shut the engine down when the app stops (False when apps share an engine)
     # stored Responses API responses (previous_response_id, GET): at most this many, each kept this long
@@ -219,11 +225,11 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         tool_parser=resolve_tool_parser(config.tool_call_parser, model_config.model_type, vocab,
                                         getattr(tokenizer, "chat_template", None)),
         max_thinking_tokens=config.max_thinking_tokens,
-        media_loader=MediaLoader(
-            list(config.allowed_media_domains or []),
+        media_loader=MediaLoader.for_model(
+            engine.media_processor if engine.supports_media else None, list(config.allowed_media_domains or []),
             Path(config.allowed_local_media_path).resolve() if config.allowed_local_media_path else None,
-            config.media_max_bytes, config.media_fetch_timeout),
-        tokenizer=tokenizer)
+            config.media_max_bytes, config.media_fetch_timeout, config.max_image_pixels, config.max_video_pixels),
+        media_timeout=config.media_request_timeout, tokenizer=tokenizer)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -37,7 +37,6 @@ from reasoning_engine.server.chat_template import (
     check_template_kwargs,
     read_chat_template,
     render_chat,
-    template_messages,
     with_chat_template,
 )
 from reasoning_engine.server.errors import APIError, bad_request
@@ -66,6 +65,7 @@ from reasoning_engine.server.serving import (
     EngineStreamResponse,
     OpenAIServing,
     new_request_id,
+    placeholder_messages,
     shielded,
     unless_disconnected,
 )
@@ -330,10 +330,11 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         if tokenizer is None:
             raise bad_request("this model has no tokenizer")
         if req.messages is not None:
-            rendered = render_chat(tokenizer, template_messages(req.messages), tools=req.tools,
+            refs = serving.media_refs(req.messages)
+            rendered = render_chat(tokenizer, placeholder_messages(req.messages, refs), tools=req.tools,
                                    template_kwargs=check_template_kwargs(dict(req.chat_template_kwargs or {})),
                                    add_generation_prompt=req.add_generation_prompt)
-            ids = rendered.token_ids
+            ids = await serving.media_prompt_ids(rendered.token_ids, refs)  # an image counts as all its tokens
         else:
             ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         body: dict[str, Any] = {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids}

@@ -580,6 +580,18 @@ class OpenAIServing:
                 refs.append(ref)
         return refs
 
+    async def media_prompt_ids(self, token_ids: list[int], refs: list[MediaRef]) -> list[int]:
+        """The prompt's token ids as the engine runs them: its media loaded as for a chat and each placeholder
+        widened to its item's tokens; what /tokenize and count_tokens count."""
+        if not refs:
+            return token_ids
+        prompt = {"prompt_token_ids": token_ids, "multi_modal_data": await self._media_data(refs)}
+        try:
+            ids, _ = await self.engine.expand_prompt(prompt)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages", code="invalid_media") from exc
+        return ids
+
     async def _media_data(self, refs: list[MediaRef]) -> dict[str, list[Any]]:
         """vLLM's multi_modal_data for the parts: each kind's items in prompt order."""
         data: dict[str, list[Any]] = {}

@@ -4,7 +4,7 @@ usage, the media flags (allowed hosts on a local http.server, the local folder, 
 limit), every bad-media case as a 400 naming the part, hostile media refused before anything large is decoded
 (tests/multimodal/hostile_media.py), slow hosts that hold no thread, and the encoder-cache metrics. One server for
 the module, started with the flags under test; greedy decoding, a few tokens per request. The bundled model (images,
-no video) runs in-process for the checks that need a model without video.
+no video) runs in-process for the checks that need a model without video and the token counts.
 """
 
 from __future__ import annotations
@@ -412,3 +412,25 @@ def test_media_request_deadline(bundled_server: str, http_media: str) -> None:
     assert error["param"] == "messages[0].content[1]" and error["code"] == "media_timeout"
     assert f"longer than {BUNDLED_REQUEST_TIMEOUT_S:g} s" in error["message"]
 
+
+def test_token_counts_include_each_image_run(bundled_server: str) -> None:
+    """/tokenize and Anthropic's count_tokens count an image as the run of tokens the engine gives it: equal to the
+    chat's prompt_tokens and to the Messages API's input tokens."""
+    text = "describe what you see in the picture"
+    messages = user(text, image_part(data_url(IMAGE)))
+    chat_usage = httpx.post(f"{bundled_server}/v1/chat/completions", timeout=60,
+                            json={"messages": messages, "max_tokens": 1}).json()["usage"]
+    assert chat_usage["prompt_tokens_details"]["image_tokens"] > 1
+    tokenized = httpx.post(f"{bundled_server}/tokenize", json={"messages": messages}, timeout=60).json()
+    assert tokenized["count"] == len(tokenized["tokens"]) == chat_usage["prompt_tokens"]
+
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(IMAGE).decode()}
+    anthropic_messages = [{"role": "user", "content": [{"type": "text", "text": text},
+                                                       {"type": "image", "source": source}]}]
+    counted = httpx.post(f"{bundled_server}/v1/messages/count_tokens", timeout=60,
+                         json={"model": "tiny-reasoner", "messages": anthropic_messages}).json()
+    reply = httpx.post(f"{bundled_server}/v1/messages", timeout=60,
+                       json={"model": "tiny-reasoner", "messages": anthropic_messages, "max_tokens": 1}).json()
+    usage = reply["usage"]
+    assert counted["input_tokens"] == usage["input_tokens"] + usage["cache_read_input_tokens"]
+    assert counted["input_tokens"] > chat_usage["prompt_tokens_details"]["image_tokens"]

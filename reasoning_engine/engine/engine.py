@@ -315,16 +315,22 @@ class LLMEngine:
                 return True
         return False
 
-    def abort_request(self, request_id: str) -> None:
-        for request in self.groups.pop(request_id, []):
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop the request and free its blocks at once. Returns its final output (what it produced so far, each
+        unfinished sample with finish_reason "abort"), so a caller streaming it can end the stream; None when the id
+        is unknown or already finished."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return None
+        for request in group:
             if not request.is_finished:
                 self.schedulers[request.replica].finish(request)
-                request.finish_reason = "abort"
+                self._finish(request, "abort", None)
                 if self.spec is not None:
                     self.spec.finish(request.seq_id, learn=False, token_ids=request.all_token_ids)
                 if self.tuner is not None:
                     self.tuner.controller.forget(request.seq_id)
-            self.detokenizers.pop(request.seq_id, None)
+        return self._output(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return any(scheduler.has_unfinished for scheduler in self.schedulers)

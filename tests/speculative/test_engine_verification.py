@@ -242,3 +242,37 @@ def test_a_seeded_request_draws_the_same_tokens_alone_in_any_batch_and_with_or_w
     assert drafted > 0
     assert engines["preempted"].engine.num_preemptions > 0
 
+
+def test_speculation_counters_count_only_verified_drafts(llama_dir: Path) -> None:
+    """Drafts the scheduler drops (a one-token budget drops them all) or the grammar trims are not counted as
+    drafted: the counters (and a hybrid's per method) agree with what verification saw, so the acceptance rate is
+    that of verified tokens."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 4}
+    prompts = _repetitive_prompts()[:2]
+    budget = LLM(llama_dir, dtype="float32", device="cpu", adaptive=False, speculative_config=ngram,
+                 max_num_batched_tokens=1)
+    outs = budget.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    stats = budget.engine.stats().spec_decode
+    assert stats["drafts"] == stats["draft_tokens"] == stats["accepted_tokens"] == 0
+    assert all(o.spec_draft_tokens == 0 for o in outs)
+
+    llm = LLM(llama_dir, dtype="float32", device="cpu", adaptive=False,
+              speculative_config={"method": "hybrid", "methods": ["ngram", "suffix"], "num_speculative_tokens": 4})
+    proposed: list[int] = []
+    propose_batch = llm.engine.spec.propose_batch
+
+    def recording(items: list, keep=None) -> list[Draft]:
+        drafts = propose_batch(items, keep)
+        proposed.extend(len(d) for d in drafts)
+        return drafts
+    llm.engine.spec.propose_batch = recording
+    text_prompts = [{"prompt_token_ids": llm.tokenizer.encode(t)} for t in ("abcabcabc ", "xyz xyz ", "0101 ")]
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": "(ab|abc|[0-9]){1,20}"})
+    outs = llm.generate(text_prompts, params)
+    stats = llm.engine.stats().spec_decode
+    verified = sum(o.spec_draft_tokens for o in outs)
+    assert 0 < verified < sum(proposed)  # the grammar trimmed some drafts
+    assert stats["draft_tokens"] == verified
+    assert stats["accepted_tokens"] == sum(o.spec_accepted_tokens for o in outs)
+    assert stats["acceptance_rate"] == pytest.approx(stats["accepted_tokens"] / verified)
+    assert sum(m["draft_tokens"] for m in stats["per_method"].values()) == verified

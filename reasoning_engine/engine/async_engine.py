@@ -90,7 +90,8 @@ class AsyncLLM:
     # ---- client side ----
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
                        session_id: str | None = None, workload: str = "default") -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs as tokens arrive; the last one has finished=True. Cancelling aborts the request.
+        """Yield cumulative outputs as tokens arrive; the last one has finished=True. Cancelling aborts the request;
+        `abort(request_id)` ends the stream with a last output whose unfinished samples say finish_reason "abort".
         `session_id` and `workload`: see LLMEngine.add_request."""
         if self._stopped or self.failure is not None:
             raise EngineDeadError(self.failure or "the engine is shut down")
@@ -154,6 +155,8 @@ class AsyncLLM:
         return self._thread.is_alive() and not self._stopped and self.failure is None
 
     async def abort(self, request_id: str) -> None:
+        """Stop the request and free its KV blocks; its `generate` stream ends with a final output (finish_reason
+        "abort"), so no consumer waits for tokens that will never come."""
         self._send("abort", request_id)
 
     def stats(self) -> EngineStats:
@@ -225,7 +228,9 @@ class AsyncLLM:
             if kind == "stop":
                 return False
             if kind == "abort":
-                self.engine.abort_request(payload)
+                final = self.engine.abort_request(payload)
+                if final is not None:
+                    self._deliver(payload, final)
                 continue
             request_id, prompt, params, session_id, workload, media = payload
             try:

@@ -223,6 +223,8 @@ def parse_memory(value: str | int) -> int:
 
 
 EXECUTOR_BACKENDS = ("mp", "ray")
+# images and videos one prompt may carry when limit_mm_per_prompt leaves a kind out
+DEFAULT_LIMIT_MM_PER_PROMPT = {"image": 16, "video": 2}
 
 
 @dataclass
@@ -352,7 +354,7 @@ class EngineConfig:
     # multimodal models: vision-encoder output rows kept per replica for reuse by content hash (a step's own images
     # may exceed it), and the most images / videos one prompt may carry (vLLM's limit_mm_per_prompt)
     encoder_cache_tokens: int = 16384
-    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_LIMIT_MM_PER_PROMPT))
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

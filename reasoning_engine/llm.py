@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from reasoning_engine.config import EngineConfig, ParallelConfig, load_model_config, parse_dtype, parse_memory
+from reasoning_engine.config import (DEFAULT_LIMIT_MM_PER_PROMPT, EngineConfig, ParallelConfig, load_model_config,
+                                     parse_dtype, parse_memory)
 from reasoning_engine.engine.engine import LLMEngine, PromptType, default_device
 from reasoning_engine.kernels import triton_available
 from reasoning_engine.models.chat_templates import arguments_as_mappings, iterates_arguments
@@ -87,15 +88,20 @@ def build_engine_config(model: str | os.PathLike | None = None, *, dtype: str | 
         limit_mm_per_prompt=parse_media_limits(limit_mm_per_prompt), encoder_cache_tokens=encoder_cache_tokens)
 
 
+def _refuse_video(url: str) -> Any:
+    raise ValueError("this model's tokenizer has no video placeholder: it takes no video")
+
+
 def parse_media_limits(limits: dict[str, int] | None) -> dict[str, int]:
-    """vLLM's limit_mm_per_prompt: {"image": N, "video": M}; a kind left out is unlimited."""
+    """vLLM's limit_mm_per_prompt: {"image": N, "video": M}; a kind left out keeps its default
+    (DEFAULT_LIMIT_MM_PER_PROMPT)."""
     limits = dict(limits or {})
     for kind, value in limits.items():
         if kind not in ("image", "video"):
             raise ValueError(f"limit_mm_per_prompt: unknown media kind {kind!r} (image, video)")
-        if not isinstance(value, int) or value < 0:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"limit_mm_per_prompt: {kind} must be a count >= 0, got {value!r}")
-    return limits
+    return {**DEFAULT_LIMIT_MM_PER_PROMPT, **limits}
 
 
 class LLM:
@@ -112,7 +118,8 @@ class LLM:
         # at once when the last reference goes (the engine itself lives on until a garbage collection)
         weakref.finalize(self, self.engine.runner.executor.shutdown)
         local = Path(allowed_local_media_path).resolve() if allowed_local_media_path else None
-        self.media_loader = MediaLoader(list(allowed_media_domains or []), local, MEDIA_MAX_BYTES, MEDIA_TIMEOUT_S)
+        self.media_loader = MediaLoader.for_model(self.engine.media_processor, list(allowed_media_domains or []),
+                                                  local, MEDIA_MAX_BYTES, MEDIA_TIMEOUT_S)
 
     def __enter__(self) -> LLM:
         return self
@@ -153,8 +160,12 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts: list[PromptType] = []
         walks_arguments = iterates_arguments(str(self.tokenizer.chat_template or ""))
+        processor = self.engine.media_processor
+        load_video = self.media_loader.load_video
+        if processor is not None and not processor.supports_video:
+            load_video = _refuse_video  # before fetching and decoding it
         for conversation in conversations:
-            media = extract_media(conversation, self.media_loader.load_image, self.media_loader.load_video)
+            media = extract_media(conversation, self.media_loader.load_image, load_video)
             turns = arguments_as_mappings(media.messages) if walks_arguments else media.messages
             ids = self.tokenizer.apply_chat_template(turns, tools=tools, add_generation_prompt=add_generation_prompt,
                                                      tokenize=True, return_dict=False, **(chat_template_kwargs or {}))

@@ -5,6 +5,10 @@ The model's forward pass releases the GIL inside torch, so the server's event lo
 Requests are validated in the caller (so bad input fails at once with ValueError) and handed to the engine thread,
 which alone touches the scheduler and the KV cache.
 
+Media work (decoding, preprocessing, placeholder expansion) runs on the engine's own bounded pool of
+`MEDIA_THREADS` threads (`run_media`), never on asyncio's default pool, so it neither waits behind nor delays
+unrelated blocking work.
+
 The engine thread also builds the engine (loading, calibration, warm-up), so all of the model's torch work runs in one
 thread. OpenMP keeps a team of worker threads per thread that runs parallel regions; with a second team (the loading
 thread's) libgomp manages more threads than there are CPUs and stops spinning between regions, and every small op then
@@ -15,19 +19,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from reasoning_engine.config import EngineConfig
 from reasoning_engine.engine.engine import EngineStats, LLMEngine, PromptType
 from reasoning_engine.llm import build_engine_config
+from reasoning_engine.multimodal.inputs import MediaItem
+from reasoning_engine.multimodal.processing import MediaProcessor
 from reasoning_engine.outputs import RequestOutput
 from reasoning_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+# items decoded and preprocessed at once: with the loader's per-item pixel limits, this bounds their memory
+MEDIA_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 class EngineDeadError(RuntimeError):
@@ -46,6 +57,7 @@ class AsyncLLM:
         self._stopped = False
         self.failure: str | None = None  # why the engine died, if it did
         self._dead_callbacks: list[Callable[[], None]] = []
+        self.media_pool = ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="reasoning-engine-media")
         built: queue.SimpleQueue[LLMEngine | BaseException] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._build_and_loop, args=(config, built), name="reasoning-engine-loop",
                                         daemon=True)
@@ -78,15 +90,13 @@ class AsyncLLM:
     # ---- client side ----
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
                        session_id: str | None = None, workload: str = "default") -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs as tokens arrive; the last one has finished=True. Cancelling aborts the request.
+        """Yield cumulative outputs as tokens arrive; the last one has finished=True. Cancelling aborts the request;
+        `abort(request_id)` ends the stream with a last output whose unfinished samples say finish_reason "abort".
         `session_id` and `workload`: see LLMEngine.add_request."""
         if self._stopped or self.failure is not None:
             raise EngineDeadError(self.failure or "the engine is shut down")
         request_id = request_id or uuid.uuid4().hex
-        _, token_ids = self.engine.tokenize(prompt)
-        media: tuple = ()
-        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):  # image processing off the event loop
-            token_ids, media = await asyncio.to_thread(self.engine.expand_media, prompt, token_ids)
+        token_ids, media = await self.expand_prompt(prompt)
         self.engine.validate(token_ids, params, media)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
@@ -112,6 +122,23 @@ class AsyncLLM:
             if not finished:
                 self._send("abort", request_id)
 
+    async def expand_prompt(self, prompt: PromptType) -> tuple[list[int], tuple[MediaItem, ...]]:
+        """The token ids `generate` submits for `prompt`: each media placeholder widened to its item's run of tokens
+        (preprocessing on the media pool), with the items."""
+        _, token_ids = self.engine.tokenize(prompt)
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            return await self.run_media(self.engine.expand_media, prompt, token_ids)
+        return token_ids, ()
+
+    async def run_media(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the media pool: blocking media work (decoding, preprocessing) off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.media_pool, fn, *args)
+
+    @property
+    def media_processor(self) -> MediaProcessor | None:
+        """The model's image and video preprocessing (None for a text model)."""
+        return self.engine.media_processor
+
     @property
     def supports_media(self) -> bool:
         """Whether prompts may carry images and video (a vision tower and a tokenizer to place them with)."""
@@ -119,7 +146,7 @@ class AsyncLLM:
 
     @property
     def media_limits(self) -> dict[str, int]:
-        """At most this many items of each kind per prompt (limit_mm_per_prompt); a kind left out is unlimited."""
+        """At most this many items of each kind per prompt (limit_mm_per_prompt)."""
         return dict(self.engine.config.limit_mm_per_prompt)
 
     @property
@@ -128,6 +155,8 @@ class AsyncLLM:
         return self._thread.is_alive() and not self._stopped and self.failure is None
 
     async def abort(self, request_id: str) -> None:
+        """Stop the request and free its KV blocks; its `generate` stream ends with a final output (finish_reason
+        "abort"), so no consumer waits for tokens that will never come."""
         self._send("abort", request_id)
 
     def stats(self) -> EngineStats:
@@ -148,6 +177,7 @@ class AsyncLLM:
         self._stopped = True
         self._send("stop", None)
         self._thread.join(timeout=2 if self.failure is not None else 30)
+        self.media_pool.shutdown(wait=False, cancel_futures=True)
         self.engine.shutdown()
 
     # ---- engine thread ----
@@ -198,7 +228,9 @@ class AsyncLLM:
             if kind == "stop":
                 return False
             if kind == "abort":
-                self.engine.abort_request(payload)
+                final = self.engine.abort_request(payload)
+                if final is not None:
+                    self._deliver(payload, final)
                 continue
             request_id, prompt, params, session_id, workload, media = payload
             try:

@@ -50,13 +50,12 @@ class IncrementalDetokenizer:
         return self._check_stop(start) if check_stop else None
 
     def _check_stop(self, new_start: int) -> str | None:
-        if not self.stop_strings:
-            return None
-        longest = max(len(s) for s in self.stop_strings)
-        search_from = max(0, new_start - longest + 1)
+        """The earliest stop string that ends in the new text (from `new_start` on). Each is looked for from
+        len(stop) - 1 characters back, so one that completes only now is found, and one that was complete before
+        (while stop checks were off) is not."""
         best: tuple[int, str] | None = None
         for stop in self.stop_strings:
-            pos = self.text.find(stop, search_from)
+            pos = self.text.find(stop, max(0, new_start - len(stop) + 1))
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, stop)
         if best is None:

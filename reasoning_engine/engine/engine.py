@@ -315,16 +315,22 @@ class LLMEngine:
                 return True
         return False
 
-    def abort_request(self, request_id: str) -> None:
-        for request in self.groups.pop(request_id, []):
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop the request and free its blocks at once. Returns its final output (what it produced so far, each
+        unfinished sample with finish_reason "abort"), so a caller streaming it can end the stream; None when the id
+        is unknown or already finished."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return None
+        for request in group:
             if not request.is_finished:
                 self.schedulers[request.replica].finish(request)
-                request.finish_reason = "abort"
+                self._finish(request, "abort", None)
                 if self.spec is not None:
                     self.spec.finish(request.seq_id, learn=False, token_ids=request.all_token_ids)
                 if self.tuner is not None:
                     self.tuner.controller.forget(request.seq_id)
-            self.detokenizers.pop(request.seq_id, None)
+        return self._output(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return any(scheduler.has_unfinished for scheduler in self.schedulers)
@@ -398,34 +404,30 @@ class LLMEngine:
             limits.append(limit)
         keep = None
         offered = 0  # draft tokens the proposer made, before the adaptive engine kept part of them
+        # seeded sampling needs no care here: its draws do not depend on drafts (speculative/verify.py)
         if self.tuner is not None:
-            # seeded sampling stays reproducible: its draft lengths (which decide the random draws) must not depend
-            # on measured timings, so those requests keep the static per-request length
-            seeded = [r.params.seed is not None and not r.params.greedy for r in asking]
             static = [min(self.spec.draft_len.get(r.seq_id, 1), n) for r, n in zip(asking, limits)]
             default = [0 if r.seq_id in backed_off else s for r, s in zip(asking, static)]
             policy = self.tuner.policy(asking, self.schedulers)  # adaptive/gate.py
             if policy == "default":  # the fixed setting: what the engine drafts without the adaptive engine
-                limits = [s if seed else d for s, d, seed in zip(static, default, seeded)]
+                limits = default
             elif policy == "plain":
-                limits = [s if seed else 0 for s, seed in zip(static, seeded)]
+                limits = [0] * len(asking)
             elif self.spec.config.method in TEXT_METHODS:
                 # text proposers say how far they are confident, so each request drafts up to the longest that could
                 # pay (its cap), then the goodput-optimal part of each real draft is verified; the cap spares the
                 # proposer's work where no draft would be verified (a suffix tree growing 8-token drafts for 32
                 # requests took ~18 ms of a ~125 ms step on the bundled model)
                 caps = self.tuner.draft_caps(asking, limits, self.schedulers)
-                limits = [s if seed else min(n, c) for s, n, c, seed in zip(static, limits, caps, seeded)]
+                limits = [min(n, c) for n, c in zip(limits, caps)]
 
                 def keep(drafts: list) -> list[int]:
                     nonlocal offered
                     offered = sum(len(d) for d in drafts)
-                    chosen = self.tuner.draft_lengths(asking, [len(d) for d in drafts], self.schedulers,
-                                                      [d.probs for d in drafts])
-                    return [len(d) if seed else c for d, c, seed in zip(drafts, chosen, seeded)]
+                    return self.tuner.draft_lengths(asking, [len(d) for d in drafts], self.schedulers,
+                                                    [d.probs for d in drafts])
             else:  # a draft model pays per drafted position: choose the lengths first
-                chosen = self.tuner.draft_lengths(asking, limits, self.schedulers)
-                limits = [s if seed else c for s, c, seed in zip(static, chosen, seeded)]
+                limits = self.tuner.draft_lengths(asking, limits, self.schedulers)
             if keep is None and not any(limits):
                 self.tuner.offered(0, sum(default))
                 return

@@ -26,7 +26,7 @@ from reasoning_engine.outputs import Logprob
 from reasoning_engine.sampling_params import SamplingParams
 from reasoning_engine.speculative.decoder import ProposeItem
 from reasoning_engine.speculative.draft import Draft
-from reasoning_engine.speculative.verify import verify_greedy, verify_sampled
+from reasoning_engine.speculative.verify import verify_draft
 from reasoning_engine.structured.matcher import allocate_bitmask, unpack_bitmask
 
 logger = logging.getLogger(__name__)
@@ -271,11 +271,7 @@ class ModelRunner:
         paths = [[]] + [[draft.token_ids[n] for n in draft.path_to(node)] for node in range(len(draft))]
         meta = self._metadata([request] * len(paths), [None] * len(paths), logits.device, paths,
                               self._draft_bitmask(request, draft))
-        processed = self.sampler.process(logits, meta)
-        if request.params.greedy:
-            accepted, bonus = verify_greedy(draft, processed.argmax(dim=-1).tolist())
-        else:
-            accepted, bonus = verify_sampled(draft, self.sampler.probabilities(processed, meta), request.generator)
+        accepted, bonus = verify_draft(draft, self.sampler.choose(self.sampler.process(logits, meta), meta))
         tokens = [draft.token_ids[n] for n in accepted] + [bonus]
         rows = [0] + [n + 1 for n in accepted]  # the row each emitted token was drawn from
         raw = logits[rows].log_softmax(dim=-1)
@@ -338,8 +334,9 @@ class ModelRunner:
 
     def _metadata(self, requests: list[Request], forced: list[int | None], device: torch.device,
                   paths: list[list[int]] | None = None, bitmask: torch.Tensor | None = None) -> SamplingMetadata:
-        """Per-row settings. `paths` (verification) extends each row's output with the draft tokens above it;
-        `bitmask`: packed grammar masks, one row each."""
+        """Per-row settings. `paths` (verification) extends each row's output with the draft tokens above it (and
+        so moves a seeded row's draw to the output position it decides); `bitmask`: packed grammar masks, one row
+        each."""
         paths = paths or [[] for _ in requests]
         params = [r.params for r in requests]
         greedy = [p.greedy for p in params]
@@ -351,7 +348,8 @@ class ModelRunner:
             top_k=torch.tensor([p.top_k for p in params], device=device),
             min_p=torch.tensor([p.min_p for p in params], device=device),
             greedy=greedy,
-            generators=[r.generator for r in requests],
+            streams=[(r.stream_seed, len(r.output_token_ids) + len(path)) if r.stream_seed is not None else None
+                     for r, path in zip(requests, paths)],
             num_logprobs=[p.logprobs for p in params],
             all_greedy=all(greedy),
             needs_filters=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),

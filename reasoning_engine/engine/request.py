@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from reasoning_engine.layers.sampler import stream_seed
 from reasoning_engine.multimodal.inputs import MediaItem
 from reasoning_engine.outputs import Logprob, RequestMetrics
 from reasoning_engine.sampling_params import SamplingParams
@@ -46,7 +47,7 @@ class Request:
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     cumulative_logprob: float = 0.0
-    generator: torch.Generator | None = None
+    stream_seed: int | None = None  # seeded sampling: its draws' random stream (layers/sampler.py stream_seed)
     thinking: bool = False  # inside a <think> section: counts against thinking_token_budget
     thinking_tokens: int = 0
     grammar: StructuredMatcher | None = None  # structured output: constrains every token emitted outside thinking
@@ -69,7 +70,7 @@ class Request:
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # the first prompt token has no logprob
         if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed + self.index)
+            self.stream_seed = stream_seed(self.params.seed, self.index)
 
     @property
     def num_prompt_tokens(self) -> int:

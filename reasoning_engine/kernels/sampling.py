@@ -52,10 +52,15 @@ def uniform(keys: torch.Tensor, index: torch.Tensor | int) -> torch.Tensor:
     return ((h >> 8).float() + 0.5) * (2.0**-24)
 
 
+def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """keys [...] -> Exp(1) noise [..., V] in float32: E = -log U. Its Gumbel form is G = -log E, so
+    argmax_j p_j / E_j (the exponential race, layers/sampler.py) picks the token argmax_j log p_j + G_j does."""
+    return -torch.log(uniform(keys.unsqueeze(-1), torch.arange(vocab_size, device=keys.device)))
+
+
 def gumbel_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """keys [...] -> Gumbel(0, 1) noise [..., V] in float32."""
-    u = uniform(keys.unsqueeze(-1), torch.arange(vocab_size, device=keys.device))
-    return -torch.log(-torch.log(u))
+    return -torch.log(exponential_noise(keys, vocab_size))
 
 
 def apply_sampling_filters(

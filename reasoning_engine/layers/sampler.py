@@ -3,17 +3,29 @@
 Order of operations (as vLLM applies them): penalties, logit bias, min_tokens and bad-word masking, the allowed-token
 mask (structured output's grammar, allowed_token_ids), then greedy argmax or temperature, top-k, top-p, min-p and a
 draw. Logprobs are reported from the model's raw distribution. A draw uses the
-exponential-race form of Gumbel-max (argmax p_i / E_i with E_i ~ Exp(1)), which lets each seeded request draw its
-noise from its own generator, so its samples do not depend on what else is in the batch.
+exponential-race form of Gumbel-max (argmax p_i / E_i with E_i ~ Exp(1)). A seeded request's noise for the token at
+output position t is a pure function of (its stream seed, t): kernels/sampling.py's counter-based stream, so its
+token there depends only on that and the distribution it sees, not on the batch, on earlier steps, or on whether the
+token comes from a plain step or from verifying a draft (speculative/verify.py draws it the same way).
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
 
+from reasoning_engine.kernels.sampling import exponential_noise, stream_key
 from reasoning_engine.outputs import Logprob
+
+
+def stream_seed(seed: int, sample: int) -> int:
+    """The 64-bit seed of the random stream of sample `sample` (n > 1) of a request with `seed` (any integer): a
+    BLAKE2b digest of both, so streams of different seeds and samples are unrelated (seed + sample would give seed
+    6's stream to seed 5's second sample). As a signed int64, as torch holds it."""
+    digest = hashlib.blake2b(f"{seed}/{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
 @dataclass
@@ -25,7 +37,7 @@ class SamplingMetadata:
     top_k: torch.Tensor  # 0 = off
     min_p: torch.Tensor
     greedy: list[bool]
-    generators: list[torch.Generator | None]
+    streams: list[tuple[int, int] | None]  # a seeded row's (stream seed, output position it draws); None: unseeded
     num_logprobs: list[int | None]
     all_greedy: bool
     needs_filters: bool
@@ -130,24 +142,37 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         raw_logprobs = logits.log_softmax(dim=-1)
-        logits = self.process(logits, meta)
-        if meta.all_greedy:
-            token_ids = logits.argmax(dim=-1).tolist()
-        else:
-            token_ids = self._draw(logits, meta)
+        token_ids = self.choose(self.process(logits, meta), meta)
         if meta.forced is not None:
             token_ids = [f if f is not None else t for t, f in zip(token_ids, meta.forced)]
         index = torch.tensor(token_ids, device=logits.device).unsqueeze(1)
         sampled = raw_logprobs.gather(1, index).squeeze(1).tolist()
         return SamplerOutput(token_ids, top_logprobs(raw_logprobs, token_ids, meta.num_logprobs), sampled)
 
-    def _draw(self, logits: torch.Tensor, meta: SamplingMetadata) -> list[int]:
-        greedy_ids = logits.argmax(dim=-1)
-        probs = self.probabilities(logits, meta)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator) if probs.device.type == "cpu" else torch.empty_like(probs).exponential_()
-        for row, generator in enumerate(meta.generators):
-            if generator is not None and not meta.greedy[row]:
-                noise[row] = torch.empty(probs.shape[1]).exponential_(generator=generator).to(probs.device)
-        drawn = (probs / noise).argmax(dim=-1)
-        greedy = torch.tensor(meta.greedy, device=logits.device)
+    def choose(self, processed: torch.Tensor, meta: SamplingMetadata) -> list[int]:
+        """Each row's token from its processed logits: the argmax for greedy rows, a draw for the others."""
+        greedy_ids = processed.argmax(dim=-1)
+        if meta.all_greedy:
+            return greedy_ids.tolist()
+        probs = self.probabilities(processed, meta)
+        drawn = (probs / self._noise(probs, meta)).argmax(dim=-1)
+        greedy = torch.tensor(meta.greedy, device=processed.device)
         return torch.where(greedy, greedy_ids, drawn).tolist()
+
+    def _noise(self, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Exp(1) noise per row and token: a seeded row's from its stream at its output position (on the logits'
+        device; rows of one draft tree at the same depth share it), an unseeded row's from the sampler's generator
+        (CPU) or the device's; greedy rows get none."""
+        noise = torch.ones_like(probs)
+        rows, vocab = range(probs.shape[0]), probs.shape[1]
+        unseeded = [row for row in rows if not meta.greedy[row] and meta.streams[row] is None]
+        if unseeded:
+            drawn = torch.empty(len(unseeded), vocab, dtype=probs.dtype, device=probs.device)
+            noise[unseeded] = (drawn.exponential_(generator=self.generator) if probs.device.type == "cpu"
+                               else drawn.exponential_())
+        seeded = [row for row in rows if not meta.greedy[row] and meta.streams[row] is not None]
+        if seeded:
+            streams = torch.tensor([meta.streams[row] for row in seeded], device=probs.device)
+            unique, which = streams.unique(dim=0, return_inverse=True)
+            noise[seeded] = exponential_noise(stream_key(*unique.unbind(1)), vocab).to(noise.dtype)[which]
+        return noise

@@ -127,6 +127,23 @@ class VideoChunk:
     timestamp: float
 
 
+@dataclass(frozen=True)
+class ProcessedImage:
+    """An image already cut into patch rows (`MediaProcessor.preprocess_image`); `expand` takes it in place of the
+    image. The server preprocesses each image as soon as it is decoded, so a request holds model-size patches, never
+    more than one full-size decode."""
+
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class ProcessedVideo:
+    """A video already cut into chunks (`MediaProcessor.preprocess_video`); `expand` takes it in place of the video."""
+
+    chunks: tuple[VideoChunk, ...]
+
+
 def timestamp_text(seconds: float) -> str:
     """`HH:MM:SS.mmm` exactly as the processor writes it (whole seconds as `time.gmtime` counts them, so hours wrap
     at a day, and milliseconds truncated)."""
@@ -210,6 +227,18 @@ def patch_rows(frames: torch.Tensor, settings: PixelSettings) -> tuple[torch.Ten
     mean = (torch.tensor(settings.image_mean, dtype=torch.float32) * scale).view(-1, 1, 1)
     std = (torch.tensor(settings.image_std, dtype=torch.float32) * scale).view(-1, 1, 1)
     return rows.sub_(mean).div_(std), grid_h, grid_w
+
+
+def _check_rows(rows: torch.Tensor, grid: tuple[int, int, int], settings: PixelSettings, max_frames: int) -> None:
+    """Preprocessed patches must be what these settings make: one row per grid cell, patch-sized, whole merge
+    windows."""
+    frames, grid_h, grid_w = grid
+    patch, merge = settings.patch_size, settings.merge_size
+    if not 1 <= frames <= max_frames or grid_h % merge or grid_w % merge or grid_h <= 0 or grid_w <= 0:
+        raise ValueError(f"preprocessed media has grid {tuple(grid)}, not one these settings make")
+    if rows.dim() != 4 or rows.shape[0] != frames * grid_h * grid_w or tuple(rows.shape[2:]) != (patch, patch):
+        raise ValueError(f"preprocessed media has {tuple(rows.shape)} patch rows for grid {tuple(grid)}, expected "
+                         f"[{frames * grid_h * grid_w}, channels, {patch}, {patch}]")
 
 
 def _load_json(path: Path) -> dict[str, Any] | None:
@@ -370,6 +399,18 @@ class MediaProcessor:
         per_frame = height * width // (pixels.patch_size * pixels.merge_size) ** 2
         return math.ceil(num_frames / self.video.temporal_patch_size) * per_frame
 
+    @property
+    def supports_video(self) -> bool:
+        """Whether prompts may carry videos: the tokenizer has the video placeholder."""
+        return self.tokens.video is not None
+
+    def preprocess_image(self, image: Image.Image) -> ProcessedImage:
+        (rows, grid), = self.process_images([image])
+        return ProcessedImage(rows, grid)
+
+    def preprocess_video(self, video: VideoInput) -> ProcessedVideo:
+        return ProcessedVideo(tuple(self.process_video(video)))
+
     def process_images(self, images: Sequence[Image.Image]) -> list[tuple[torch.Tensor, tuple[int, int, int]]]:
         """Each image's patch rows and grid `(1, grid_h, grid_w)`."""
         processed = []
@@ -395,6 +436,19 @@ class MediaProcessor:
             chunks.append(VideoChunk(rows, (len(chunk), grid_h, grid_w), indices[start] / video.fps))
         return chunks
 
+    def _image_rows(self, image: Image.Image | ProcessedImage) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        if not isinstance(image, ProcessedImage):
+            return self.process_images([image])[0]
+        _check_rows(image.pixel_values, image.grid_thw, self.image, 1)
+        return image.pixel_values, image.grid_thw
+
+    def _video_chunks(self, video: VideoInput | ProcessedVideo) -> list[VideoChunk]:
+        if not isinstance(video, ProcessedVideo):
+            return self.process_video(video)
+        for chunk in video.chunks:
+            _check_rows(chunk.pixel_values, chunk.grid_thw, self.video.pixels, self.video.temporal_patch_size)
+        return list(video.chunks)
+
     def _chunk_prefix(self, timestamp: float) -> list[int]:
         """Ids before a chunk's placeholder run. The timestamp is tokenized on its own, as the processor's text has it
         after `<|media_end|>`; for the first chunk it follows whatever preceded the video placeholder, which tokenizes
@@ -402,10 +456,11 @@ class MediaProcessor:
         text_ids = self.tokenizer.encode(timestamp_text(timestamp), add_special_tokens=False)
         return [*text_ids, self.tokens.begin, *self.tokens.video_word, self.tokens.content]
 
-    def expand(self, prompt_token_ids: Sequence[int], images: Sequence[Image.Image],
-               videos: Sequence[VideoInput]) -> tuple[list[int], list[MediaItem]]:
+    def expand(self, prompt_token_ids: Sequence[int], images: Sequence[Image.Image | ProcessedImage],
+               videos: Sequence[VideoInput | ProcessedVideo]) -> tuple[list[int], list[MediaItem]]:
         """Replace each image / video placeholder (in order) by its token run; one `MediaItem` per image and per video
-        chunk, with offsets into the returned ids. Raises ValueError when placeholders and media don't pair up."""
+        chunk, with offsets into the returned ids. Media may come preprocessed (`preprocess_image` /
+        `preprocess_video` with these settings). Raises ValueError when placeholders and media don't pair up."""
         merge = self.image.merge_size ** 2
         video_merge = self.video.pixels.merge_size ** 2
         num_image_slots = sum(1 for token in prompt_token_ids if token == self.tokens.image)
@@ -419,8 +474,8 @@ class MediaProcessor:
             raise ValueError(f"the prompt has {num_video_slots} video placeholder(s) ({VIDEO_TOKEN}) but "
                              f"{len(videos)} video(s) were given")
 
-        processed_images = iter(self.process_images(images))
-        processed_videos = iter([self.process_video(video) for video in videos])
+        processed_images = iter([self._image_rows(image) for image in images])
+        processed_videos = iter([self._video_chunks(video) for video in videos])
         ids: list[int] = []
         items: list[MediaItem] = []
         for token in prompt_token_ids:

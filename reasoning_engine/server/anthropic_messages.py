@@ -432,11 +432,11 @@ def _thinking(config: ThinkingEnabled | ThinkingAdaptive | ThinkingDisabled | No
     return out
 
 
-def count_prompt_tokens(serving: OpenAIServing, chat: ChatCompletionRequest) -> int:
+async def count_prompt_tokens(serving: OpenAIServing, chat: ChatCompletionRequest) -> int:
     """The prompt's token count as prepare_chat renders it (tools unless tool_choice is none, thinking off for a zero
-    budget); media are not loaded, so each counts as its placeholder in the template."""
-    rendered, _, _ = serving.render_prompt(chat, tools_active=bool(chat.tools) and chat.tool_choice != "none")
-    return len(rendered.token_ids)
+    budget); media are loaded, so each counts as all the tokens the engine gives it."""
+    rendered, refs, _ = serving.render_prompt(chat, tools_active=bool(chat.tools) and chat.tool_choice != "none")
+    return len(await serving.media_prompt_ids(rendered.token_ids, refs))
 
 
 # ---- replies ----------------------------------------------------------------------------------------------
@@ -689,7 +689,7 @@ def register_anthropic_routes(app: FastAPI, serving: OpenAIServing) -> None:
         translation = translate(req)
         try:
             serving.check_model(req.model)
-            return JSONResponse({"input_tokens": count_prompt_tokens(serving, translation.chat)})
+            return JSONResponse({"input_tokens": await count_prompt_tokens(serving, translation.chat)})
         except APIError as exc:
             raise translation.names.error(exc) from exc
 

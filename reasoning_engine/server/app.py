@@ -37,7 +37,6 @@ from reasoning_engine.server.chat_template import (
     check_template_kwargs,
     read_chat_template,
     render_chat,
-    template_messages,
     with_chat_template,
 )
 from reasoning_engine.server.errors import APIError, bad_request
@@ -66,6 +65,7 @@ from reasoning_engine.server.serving import (
     EngineStreamResponse,
     OpenAIServing,
     new_request_id,
+    placeholder_messages,
     shielded,
     unless_disconnected,
 )
@@ -75,6 +75,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_MEDIA_MAX_BYTES = 20 * 1024 * 1024
 DEFAULT_MEDIA_FETCH_TIMEOUT_S = 10.0
+DEFAULT_MEDIA_REQUEST_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -88,11 +89,16 @@ class ServerConfig:
     max_thinking_tokens: int | None = None  # default thinking budget for requests that set none
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # where chat image and video URLs may point: data: URLs always, http(s) only to these hosts (and their
-    # subdomains), file:// only under this folder; each item capped in bytes and (remote) in fetch seconds
+    # subdomains), file:// only under this folder; each item capped in bytes, (remote) in fetch seconds and in the
+    # pixels it decodes (None: derived from the model's largest input, multimodal/loading.py default_pixel_limits);
+    # a request's media all fetched, decoded and preprocessed within media_request_timeout
     allowed_media_domains: list[str] | None = None
     allowed_local_media_path: str | None = None
     media_max_bytes: int = DEFAULT_MEDIA_MAX_BYTES
     media_fetch_timeout: float = DEFAULT_MEDIA_FETCH_TIMEOUT_S
+    max_image_pixels: int | None = None
+    max_video_pixels: int | None = None
+    media_request_timeout: float = DEFAULT_MEDIA_REQUEST_TIMEOUT_S
     public_paths: tuple[str, ...] = ("/health", *PLAYGROUND_PUBLIC_PATHS)  # reachable without the API key
     shutdown_engine: bool = True  # shut the engine down when the app stops (False when apps share an engine)
     # stored Responses API responses (previous_response_id, GET): at most this many, each kept this long
@@ -219,11 +225,11 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         tool_parser=resolve_tool_parser(config.tool_call_parser, model_config.model_type, vocab,
                                         getattr(tokenizer, "chat_template", None)),
         max_thinking_tokens=config.max_thinking_tokens,
-        media_loader=MediaLoader(
-            list(config.allowed_media_domains or []),
+        media_loader=MediaLoader.for_model(
+            engine.media_processor if engine.supports_media else None, list(config.allowed_media_domains or []),
             Path(config.allowed_local_media_path).resolve() if config.allowed_local_media_path else None,
-            config.media_max_bytes, config.media_fetch_timeout),
-        tokenizer=tokenizer)
+            config.media_max_bytes, config.media_fetch_timeout, config.max_image_pixels, config.max_video_pixels),
+        media_timeout=config.media_request_timeout, tokenizer=tokenizer)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -324,10 +330,11 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         if tokenizer is None:
             raise bad_request("this model has no tokenizer")
         if req.messages is not None:
-            rendered = render_chat(tokenizer, template_messages(req.messages), tools=req.tools,
+            refs = serving.media_refs(req.messages)
+            rendered = render_chat(tokenizer, placeholder_messages(req.messages, refs), tools=req.tools,
                                    template_kwargs=check_template_kwargs(dict(req.chat_template_kwargs or {})),
                                    add_generation_prompt=req.add_generation_prompt)
-            ids = rendered.token_ids
+            ids = await serving.media_prompt_ids(rendered.token_ids, refs)  # an image counts as all its tokens
         else:
             ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         body: dict[str, Any] = {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids}

@@ -16,6 +16,7 @@ from reasoning_engine.server.tool_parsers import TOOL_PARSER_CHOICES
 API_KEY_ENV = "REASONING_ENGINE_API_KEY"
 MEDIA_MAX_BYTES = 20 * 1024 * 1024
 MEDIA_FETCH_TIMEOUT_S = 10.0
+MEDIA_REQUEST_TIMEOUT_S = 30.0
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -97,11 +98,21 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                        help="folder that file:// image and video URLs may point into (default: none)")
     media.add_argument("--limit-mm-per-prompt", type=parse_media_limits_flag, default=None, metavar="LIMITS",
                        help='most images and videos one request may carry: \'{"image": 2, "video": 1}\' or '
-                            "image=2,video=1 (default: no limit)")
+                            "image=2,video=1 (default: 16 images, 2 videos)")
     media.add_argument("--media-max-bytes", type=int, default=MEDIA_MAX_BYTES,
                        help=f"largest image or video file (default: {MEDIA_MAX_BYTES >> 20} MiB)")
-    media.add_argument("--media-fetch-timeout", type=float, default=MEDIA_FETCH_TIMEOUT_S, metavar="SECONDS",
-                       help=f"time allowed to fetch one http(s) media URL (default: {MEDIA_FETCH_TIMEOUT_S:g})")
+    media.add_argument("--max-image-pixels", type=_positive(int), default=None, metavar="PIXELS",
+                       help="largest image, width x height, checked from its header before decoding (default: 16x "
+                            "the model's largest input, at least 16 megapixels)")
+    media.add_argument("--max-video-pixels", type=_positive(int), default=None, metavar="PIXELS",
+                       help="most pixels one video may decode, frames x width x height: every frame of an animated "
+                            "image, the sampled frames of a video file (default: 4x --max-image-pixels' default)")
+    media.add_argument("--media-fetch-timeout", type=_positive(float), default=MEDIA_FETCH_TIMEOUT_S,
+                       metavar="SECONDS", help="time allowed to fetch one http(s) media URL, all of it: redirects, "
+                                               f"headers and body (default: {MEDIA_FETCH_TIMEOUT_S:g})")
+    media.add_argument("--media-request-timeout", type=_positive(float), default=MEDIA_REQUEST_TIMEOUT_S,
+                       metavar="SECONDS", help="time allowed for all of one request's media: fetching, decoding and "
+                                               f"preprocessing (default: {MEDIA_REQUEST_TIMEOUT_S:g})")
     responses = serve.add_argument_group("responses", "stored responses of /v1/responses (store: true), which "
                                          "previous_response_id continues; kept in memory, least recently used first out")
     responses.add_argument("--max-stored-responses", type=_positive(int), default=None, metavar="N",
@@ -252,7 +263,9 @@ def serve_command(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser, max_thinking_tokens=args.max_thinking_tokens,
         max_body_bytes=args.max_body_bytes, allowed_media_domains=args.allowed_media_domains,
         allowed_local_media_path=args.allowed_local_media_path, media_max_bytes=args.media_max_bytes,
-        media_fetch_timeout=args.media_fetch_timeout, chat_template=chat_template,
+        media_fetch_timeout=args.media_fetch_timeout, max_image_pixels=args.max_image_pixels,
+        max_video_pixels=args.max_video_pixels, media_request_timeout=args.media_request_timeout,
+        chat_template=chat_template,
         **{name: value for name, value in (("max_stored_responses", args.max_stored_responses),
                                            ("stored_response_ttl_s", args.stored_response_ttl)) if value is not None}))
     serving = app.state.serving

@@ -25,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 from reasoning_engine.engine.async_engine import EngineDeadError
 from reasoning_engine.engine.engine import PromptType
 from reasoning_engine.multimodal.chat import extract_media
-from reasoning_engine.multimodal.loading import MediaLoader
+from reasoning_engine.multimodal.loading import Fetched, MediaLoader, is_remote
 from reasoning_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from reasoning_engine.sampling_params import SamplingParams
 from reasoning_engine.server.chat_template import (
@@ -45,6 +45,7 @@ from reasoning_engine.server.parsing import (
 )
 from reasoning_engine.server.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     ImagePart,
     NamedToolChoice,
@@ -278,6 +279,13 @@ def _response_format_constraint(fmt: ResponseFormat) -> Constraint:
                       param)
 
 
+def placeholder_messages(messages: list[ChatMessage], refs: list[MediaRef]) -> list[dict[str, Any]]:
+    """The messages as the chat template reads them, media parts as the template's own image / video parts (the
+    URLs are loaded separately)."""
+    rendered = template_messages(messages)
+    return extract_media(rendered, lambda url: url, lambda url: url).messages if refs else rendered
+
+
 @dataclass(frozen=True)
 class MediaRef:
     """An image or video part of a chat request: where it is (the error `param`), its kind and URL."""
@@ -327,7 +335,7 @@ class OpenAIServing:
 
     def __init__(self, engine: Any, metrics: ServerMetrics, *, model_names: list[str], reasoning_parser: str | None,
                  tool_parser: str | None, max_thinking_tokens: int | None, media_loader: MediaLoader,
-                 tokenizer: Any) -> None:
+                 media_timeout: float, tokenizer: Any) -> None:
         self.engine = engine
         self.metrics = metrics
         self.model_names = model_names
@@ -341,7 +349,9 @@ class OpenAIServing:
         self.token_bytes = TokenBytes(self.tokenizer)
         self._reasoning_end_ids, self._think_end_id = self._marker_ids()
         self.media_loader = media_loader
+        self.media_timeout = media_timeout  # seconds for all of a request's media: fetch, decode, preprocess
         self.vision: bool = engine.supports_media
+        self.media_processor = engine.media_processor if self.vision else None
         self.media_limits: dict[str, int] = engine.media_limits
 
     # ---- shared validation -------------------------------------------------------------------------------
@@ -516,9 +526,7 @@ class OpenAIServing:
         if not refs:
             return Prepared([rendered.token_ids], params, new_parser, workload,
                             _constraint_error_param(constraint, _param_of))
-        data: dict[str, list[Any]] = {}  # vLLM's multi_modal_data: each kind in prompt order
-        for ref, item in zip(refs, await self._load_media(refs), strict=True):
-            data.setdefault(ref.kind, []).append(item)
+        data = await self._media_data(refs)
         aliases = {"max_tokens": max_param, "prompt": "messages", "prompt_token_ids": "messages"}
         return Prepared([{"prompt_token_ids": rendered.token_ids, "multi_modal_data": data}], params, new_parser,
                         workload, _constraint_error_param(
@@ -534,23 +542,20 @@ class OpenAIServing:
         budget = req.thinking_token_budget if req.thinking_token_budget is not None else self.max_thinking_tokens
         if budget == 0 and thinking_switch(kwargs) is not False:
             kwargs = disable_thinking(kwargs)  # a zero budget means no thinking: render the prompt that way
-        refs = self._media_refs(req)
-        messages = template_messages(req.messages)
-        # media parts become the template's own image / video parts; the URLs are loaded by prepare_chat
-        media = extract_media(messages, lambda url: url, lambda url: url) if refs else None
+        refs = self.media_refs(req.messages)
         # with tool_choice "none" the prompt offers no tools, so the model answers in text instead of a call
-        rendered = render_chat(self.tokenizer, media.messages if media else messages,
+        rendered = render_chat(self.tokenizer, placeholder_messages(req.messages, refs),
                                tools=req.tools if tools_active else None, template_kwargs=kwargs,
                                add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message)
         return rendered, refs, budget
 
-    def _media_refs(self, req: ChatCompletionRequest) -> list[MediaRef]:
-        """The request's image and video parts in prompt order, after the checks that need no fetching: the model
-        has a vision tower, and no kind is over its `--limit-mm-per-prompt`."""
+    def media_refs(self, messages: list[ChatMessage]) -> list[MediaRef]:
+        """The messages' image and video parts in prompt order, after the checks that need no fetching: the model
+        has a vision tower (and a video placeholder, for a video), and no kind is over its `--limit-mm-per-prompt`."""
         refs: list[MediaRef] = []
         counts = {"image": 0, "video": 0}
-        for i, message in enumerate(req.messages):
+        for i, message in enumerate(messages):
             if not message.has_media:
                 continue
             for j, part in enumerate(message.content):  # type: ignore[arg-type]
@@ -563,6 +568,10 @@ class OpenAIServing:
                 if not self.vision:
                     raise bad_request(f"{ref.param}: the model `{self.model_names[0]}` has no vision tower; it takes "
                                       "text only", param=ref.param, code="media_not_supported")
+                if ref.kind == "video" and not self.media_processor.supports_video:
+                    raise bad_request(f"{ref.param}: the model `{self.model_names[0]}` takes images but no video (its "
+                                      "tokenizer has no video placeholder)", param=ref.param,
+                                      code="media_not_supported")
                 counts[ref.kind] += 1
                 limit = self.media_limits.get(ref.kind)
                 if limit is not None and counts[ref.kind] > limit:
@@ -571,18 +580,63 @@ class OpenAIServing:
                 refs.append(ref)
         return refs
 
+    async def media_prompt_ids(self, token_ids: list[int], refs: list[MediaRef]) -> list[int]:
+        """The prompt's token ids as the engine runs them: its media loaded as for a chat and each placeholder
+        widened to its item's tokens; what /tokenize and count_tokens count."""
+        if not refs:
+            return token_ids
+        prompt = {"prompt_token_ids": token_ids, "multi_modal_data": await self._media_data(refs)}
+        try:
+            ids, _ = await self.engine.expand_prompt(prompt)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages", code="invalid_media") from exc
+        return ids
+
+    async def _media_data(self, refs: list[MediaRef]) -> dict[str, list[Any]]:
+        """vLLM's multi_modal_data for the parts: each kind's items in prompt order."""
+        data: dict[str, list[Any]] = {}
+        for ref, item in zip(refs, await self._load_media(refs), strict=True):
+            data.setdefault(ref.kind, []).append(item)
+        return data
+
     async def _load_media(self, refs: list[MediaRef]) -> list[Any]:
-        """Fetch and decode every item concurrently, off the event loop; the first bad one (in prompt order) is a
-        400 naming its part."""
-        loader = self.media_loader
-        results = await asyncio.gather(*((loader.aload_image if ref.kind == "image" else loader.aload_video)(ref.url)
-                                         for ref in refs), return_exceptions=True)
-        for ref, result in zip(refs, results, strict=True):
-            if isinstance(result, ValueError):
-                raise bad_request(f"{ref.param}: {result}", param=ref.param, code="invalid_media") from result
-            if isinstance(result, BaseException):
-                raise result
-        return results
+        """Every item preprocessed, within the request's media deadline: http(s) fetches start at once and run on the
+        event loop (no thread waits on a slow host); then, in prompt order, each item is decoded and preprocessed on
+        the engine's media pool, one at a time, so the request holds one full-size decode at most. The first bad
+        item (in prompt order) is a 400 naming its part."""
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + self.media_timeout
+        fetches = [loop.create_task(self.media_loader.afetch(ref.url)) if is_remote(ref.url) else None
+                   for ref in refs]
+        items: list[Any] = []
+        try:
+            async with asyncio.timeout(self.media_timeout):
+                for ref, fetch in zip(refs, fetches, strict=True):
+                    try:
+                        source = await fetch if fetch is not None else ref.url
+                        items.append(await self.engine.run_media(self._preprocess, source, ref.kind, deadline))
+                    except ValueError as exc:
+                        raise bad_request(f"{ref.param}: {exc}", param=ref.param, code="invalid_media") from exc
+        except TimeoutError as exc:
+            late = refs[min(len(items), len(refs) - 1)]
+            raise bad_request(f"{late.param}: loading the request's media took longer than {self.media_timeout:g} s",
+                              param=late.param, code="media_timeout") from exc
+        finally:
+            for fetch in fetches:
+                if fetch is None:
+                    continue
+                if fetch.done() and not fetch.cancelled():
+                    fetch.exception()  # retrieved: a fetch failed after an earlier part's error is not logged
+                fetch.cancel()
+        return items
+
+    def _preprocess(self, source: str | Fetched, kind: str, deadline: float) -> Any:
+        """Decode an item and cut it into the model's patches (on the media pool): the full-size pixels live only
+        here."""
+        decoded = self.media_loader.decode(source, kind, deadline)
+        if kind == "image":
+            return self.media_processor.preprocess_image(decoded)
+        return self.media_processor.preprocess_video(decoded)
 
     def _check_tools(self, req: ChatCompletionRequest) -> bool:
         """Whether the prompt offers the tools and calls are parsed into `tool_calls` for this request."""

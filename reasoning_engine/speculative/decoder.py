@@ -267,6 +267,13 @@ class HybridProposer:
             drafts.append(draft)
         return drafts
 
+    def verified(self, request_id: str, draft: Draft) -> None:
+        """The engine verifies `draft`: what is left of the chosen draft once cut to the length the engine chose and
+        trimmed by the grammar. The method's estimate counts that, not what was proposed."""
+        chosen = self.chosen.get(request_id)
+        if chosen is not None:
+            self.chosen[request_id] = (chosen[0], draft)
+
     def on_tokens_accepted(self, request_id: str, new_token_ids: Sequence[int]) -> None:
         chosen = self.chosen.pop(request_id, None)
         if chosen is not None:
@@ -351,14 +358,14 @@ class SpeculativeDecoder:
             drafts[i] = draft
         if keep is not None:
             drafts = [d.truncated(n) for d, n in zip(drafts, keep(drafts))]
-        for draft in drafts:
-            if len(draft):
-                self.stats.drafts += 1
-                self.stats.draft_tokens += len(draft)
         return drafts
 
     def record(self, seq_id: str, draft: Draft, accepted: list[int], new_tokens: Sequence[int]) -> None:
-        """After verification: update statistics, the adaptive length and the proposer's view of the sequence."""
+        """After verification: update statistics, the adaptive length and the proposer's view of the sequence.
+        `draft` is what was verified: the statistics count no draft that the grammar trimmed or the scheduler
+        dropped before verification."""
+        self.stats.drafts += 1
+        self.stats.draft_tokens += len(draft)
         self.stats.verify_steps += 1
         self.stats.accepted_tokens += len(accepted)
         per_position = self.stats.accepted_per_position
@@ -370,6 +377,8 @@ class SpeculativeDecoder:
         reached_bottom = bool(accepted) and len(accepted) == max(draft.depths())
         grown = min(self.config.num_speculative_tokens, current * 2)
         self.draft_len[seq_id] = grown if reached_bottom else max(1, len(accepted) + 1)
+        if isinstance(self.proposer, HybridProposer):
+            self.proposer.verified(seq_id, draft)
         self.proposer.on_tokens_accepted(seq_id, new_tokens)
 
     def finish(self, seq_id: str, learn: bool, token_ids: Sequence[int]) -> None:

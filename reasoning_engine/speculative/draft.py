@@ -137,8 +137,9 @@ class Draft:
             current = nxt
         return accepted
 
-    def greedy_accept(self, root_choice: int, node_choices: Sequence[int]) -> tuple[list[int], int]:
-        """Greedy verification: `root_choice` is the target's argmax after the root, `node_choices[i]` after node i.
+    def accept(self, root_choice: int, node_choices: Sequence[int]) -> tuple[list[int], int]:
+        """Verification (speculative/verify.py): `root_choice` is the target's pick after the root (its argmax, or
+        its draw), `node_choices[i]` after node i. Follows the child equal to each pick.
 
         Returns the accepted node indices and the bonus token (the target's choice after the last accepted node).
         """

@@ -1,42 +1,24 @@
-"""Lossless verification of a draft tree against the target model's distributions.
+"""Lossless verification of a draft tree against the target model.
 
 Row 0 of a request's verification rows holds the target's distribution after the root (the last accepted token),
-row i + 1 the distribution after draft node i. Our proposers' drafts are deterministic given the context, i.e. the
-draft distribution q is a point mass on each proposed token. Multi-candidate speculative sampling (SpecInfer,
-Miao et al., 2023, arXiv:2305.09781; the single-candidate rule is Leviathan et al., 2023, arXiv:2211.17192) then reads:
-at a node, try its children in turn; accept child x with probability p(x) / sum(p) (= min(1, p/q) for a point mass
-q); on rejection set p(x) = 0 (the residual max(p - q, 0)) and try the next sibling; when no child is accepted, draw the
-next token from what is left of p. Every emitted token is therefore distributed exactly as the target's.
-Greedy decoding is the limit: follow the child equal to the target's argmax.
+row i + 1 the distribution after draft node i. Our proposers' drafts are deterministic given the context (the draft
+distribution q is a point mass on each proposed token), and verification couples them with the target's own choice:
+at every row the target picks its token exactly as a plain step at that output position would (the argmax for
+greedy decoding, the sampler's draw with that position's noise for sampling: layers/sampler.py), and the walk follows
+the child equal to that pick; the first pick that no child matches is the next token.
+
+Every emitted token is the target's own pick given the tokens before it, so outputs are distributed exactly as
+plain decoding's, and a seeded request's are the very same tokens, with or without drafts, alone or in any batch.
+For point-mass drafts this accepts as often as speculative sampling (Leviathan et al., 2023, arXiv:2211.17192) and
+its multi-candidate form (SpecInfer, Miao et al., 2023, arXiv:2305.09781): a child x is taken with probability p(x),
+and when no child is, the token follows p without the children, renormalised (their residual).
 """
 
 from __future__ import annotations
 
-import torch
-
 from reasoning_engine.speculative.draft import Draft
 
 
-def verify_greedy(draft: Draft, choices: list[int]) -> tuple[list[int], int]:
-    """choices[r]: the target's greedy token at row r. Returns (accepted node indices, bonus token)."""
-    return draft.greedy_accept(choices[0], choices[1:])
-
-
-def verify_sampled(draft: Draft, probs: torch.Tensor, generator: torch.Generator | None) -> tuple[list[int], int]:
-    """probs [1 + len(draft), V]: the target's processed distributions. Returns (accepted nodes, next token)."""
-    kids = draft.children()
-    accepted: list[int] = []
-    node = -1
-    while True:
-        p = probs[node + 1].double().cpu().clone()
-        chosen = None
-        for child in kids[node + 1]:
-            token = draft.token_ids[child]
-            if float(torch.rand((), generator=generator, dtype=torch.float64)) * float(p.sum()) < float(p[token]):
-                chosen = child
-                break
-            p[token] = 0.0  # residual after rejecting a point-mass proposal
-        if chosen is None:
-            return accepted, int(torch.multinomial(p / p.sum(), 1, generator=generator))
-        accepted.append(chosen)
-        node = chosen
+def verify_draft(draft: Draft, choices: list[int]) -> tuple[list[int], int]:
+    """choices[r]: the target's pick at row r. Returns (accepted node indices, root to leaf; the next token)."""
+    return draft.accept(choices[0], choices[1:])

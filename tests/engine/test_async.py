@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 from pathlib import Path
 
@@ -58,6 +59,44 @@ def test_concurrent_requests_and_cancellation_free_blocks(engine: AsyncLLM) -> N
         return results[:6]
 
     assert asyncio.run(run()) == [8] * 6
+    stats = engine.stats()
+    assert stats.free_blocks == stats.total_blocks and stats.num_requests_running == 0
+
+
+def test_abort_ends_the_stream_of_every_consumer(engine: AsyncLLM) -> None:
+    """abort(request_id) ends the request's generate() stream with a final output, each unfinished sample saying
+    finish_reason "abort" with the tokens it had: aborts at random moments (before the first token, mid-stream,
+    after the end, twice), greedy and sampled, n = 1 and 2, leave no consumer waiting and no block held."""
+    rng = random.Random(0)
+    count = 24
+    limits = [rng.choice([3, 400]) for _ in range(count)]
+
+    async def consume(i: int) -> list:
+        params = SamplingParams(temperature=0.0 if i % 3 else 0.8, seed=i, n=1 if i % 4 else 2,
+                                max_tokens=limits[i], ignore_eos=True)
+        return [out async for out in engine.generate(f"abort {i}", params, f"abort-{i}")]
+
+    async def abort_later(i: int) -> None:
+        await asyncio.sleep(rng.uniform(0.0, 0.4))
+        for _ in range(1 + i % 2):
+            await engine.abort(f"abort-{i}")
+
+    async def run() -> list[list]:
+        consumers = [asyncio.ensure_future(consume(i)) for i in range(count)]  # each submits before any abort
+        await asyncio.gather(*(abort_later(i) for i in range(count)))
+        return await asyncio.wait_for(asyncio.gather(*consumers), timeout=30)
+
+    streams = asyncio.run(run())
+    reasons: list[str] = []
+    for i, outs in enumerate(streams):
+        final = outs[-1]
+        assert final.finished and all(not o.finished for o in outs[:-1])
+        for sample in final.outputs:
+            reasons.append(sample.finish_reason)
+            assert sample.finish_reason in ("abort", "length")
+            assert (sample.finish_reason == "length") == (len(sample.token_ids) == limits[i])
+            assert sample.text == engine.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+    assert "abort" in reasons and "length" in reasons
     stats = engine.stats()
     assert stats.free_blocks == stats.total_blocks and stats.num_requests_running == 0
 

@@ -103,3 +103,24 @@ def test_thinking_budget_forces_end_of_thinking(llm: LLM) -> None:
 def test_invalid_sampling_values_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_a_stop_string_completed_before_min_tokens_is_not_found_later(llm: LLM) -> None:
+    """With stop strings of different lengths, each is looked for only len(stop) - 1 characters back: a short one
+    that was complete while stop checks were off (before min_tokens) does not end the output later, and text and
+    token ids stay consistent."""
+    from reasoning_engine.engine.detokenizer import IncrementalDetokenizer
+
+    tok = llm.tokenizer
+    detok = IncrementalDetokenizer(tok, tok.encode("Q"), True, ["=", "\x0b" * 4], False)
+    ids = tok.encode("ab=cdefgh=ij", add_special_tokens=False)
+    found = [detok.append([t], check_stop=i + 1 >= 6) for i, t in enumerate(ids)]
+    assert found == [None] * 9 + ["=", None, None] and detok.text == "ab=cdefgh"  # the second "=", not the first
+
+    free = llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    early = next(c for c in free.text[:3] if c not in free.text[3:])  # complete before min_tokens, never again
+    for stop in ([early], [early, "\x0b" * 4]):
+        out = llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=stop,
+                                                min_tokens=6))[0].outputs[0]
+        assert (out.finish_reason, out.token_ids, out.text) == ("length", free.token_ids, free.text), stop
+        assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)

@@ -45,7 +45,7 @@ def test_penalties_match_reference() -> None:
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
     meta = SamplingMetadata(
         temperature=torch.ones(1), top_p=torch.ones(1), top_k=torch.zeros(1, dtype=torch.long), min_p=torch.zeros(1),
-        greedy=[False], generators=[None], num_logprobs=[None], all_greedy=False, needs_filters=False,
+        greedy=[False], streams=[None], num_logprobs=[None], all_greedy=False, needs_filters=False,
         presence=torch.tensor([0.5]), frequency=torch.tensor([0.25]), repetition=torch.tensor([2.0]),
         prompt_ids=[[1]], output_ids=[[0, 0, 3]])
     out = apply_penalties(logits, meta)[0].tolist()

@@ -195,6 +195,9 @@ def test_bad_media_is_a_value_error_naming_it(kimi: KimiK25Checkpoint, llm: LLM,
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
         limited.generate({"prompt": rendered(kimi, user(IMAGE, IMAGE)), "multi_modal_data": {"image": [image, image]}},
                          params)
+    many = [image] * 17  # past the default limit_mm_per_prompt (16 images), refused before any is processed
+    with pytest.raises(ValueError, match="17 images in one prompt, at most 16"):
+        llm.generate({"prompt": rendered(kimi, user(*[IMAGE] * 17)), "multi_modal_data": {"image": many}}, params)
     with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]"):
         llm.chat(user({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}), params)
     with pytest.raises(ValueError, match="not allowed|allowed"):

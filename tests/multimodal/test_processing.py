@@ -30,6 +30,8 @@ from reasoning_engine.multimodal.processing import (
     VIDEO_TOKEN,
     MediaProcessor,
     PixelSettings,
+    ProcessedImage,
+    ProcessedVideo,
     VideoInput,
     VideoSettings,
     timestamp_text,
@@ -199,6 +201,28 @@ def test_content_hash_follows_pixels(media: MediaProcessor) -> None:
     assert items[2].content_hash != items[0].content_hash
     _, (alone,) = media.expand(media.tokenizer(IMAGE_TOKEN)["input_ids"], [second], [])
     assert alone.content_hash == items[0].content_hash  # batching with other images does not change the pixels
+
+
+def test_preprocessed_media_expand_alike(media: MediaProcessor) -> None:
+    """What the server hands the engine (each item cut into patches as soon as it is decoded) expands exactly as the
+    decoded media would; patches these settings could not have made are refused."""
+    text = f"compare {IMAGE_TOKEN} with {VIDEO_TOKEN} now"
+    image = noise_image(24, 31, seed=4)
+    video = VideoInput(noise_frames(9, 30, 20, seed=5), fps=2.0, frame_indices=tuple(range(9)))
+    prompt = media.tokenizer(text)["input_ids"]
+    ids, items = media.expand(prompt, [image], [video])
+    pre_image, pre_video = media.preprocess_image(image), media.preprocess_video(video)
+    assert isinstance(pre_image, ProcessedImage) and isinstance(pre_video, ProcessedVideo)
+    pre_ids, pre_items = media.expand(prompt, [pre_image], [pre_video])
+    assert pre_ids == ids
+    assert [(i.kind, i.content_hash, i.offset, i.length, i.grid_thw) for i in pre_items] == \
+        [(i.kind, i.content_hash, i.offset, i.length, i.grid_thw) for i in items]
+    one_image = media.tokenizer(IMAGE_TOKEN)["input_ids"]
+    rows, grid = pre_image.pixel_values, pre_image.grid_thw
+    for bad in (ProcessedImage(rows[1:], grid), ProcessedImage(rows, (1, grid[1] + 1, grid[2])),
+                ProcessedImage(rows[..., :2], grid), ProcessedImage(rows, (2, grid[1], grid[2]))):
+        with pytest.raises(ValueError, match="preprocessed media"):
+            media.expand(one_image, [bad], [])
 
 
 def test_placeholder_count_mismatch(media: MediaProcessor) -> None:

@@ -2,12 +2,14 @@
 tool calls and thinking splits can be checked deterministically through the real app, server and clients.
 
 Only the contract the server uses is implemented: tokenizer, model_config, generate, abort, stats, shutdown.
-KV blocks are simulated so aborts are visible in /metrics; stop strings end a choice as the real engine's do.
+KV blocks are simulated so aborts are visible in /metrics; stop strings end a choice as the real engine's do, and an
+abort ends the stream with a final output whose unfinished choices say finish_reason "abort", as AsyncLLM's does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -70,6 +72,10 @@ class FakeEngine:
             while True:
                 await asyncio.sleep(self.delay)
                 if request_id in self._aborted:
+                    outputs = [o if o.finished else dataclasses.replace(o, finish_reason="abort")
+                               for o in (self._output(i, s, produced, params) for i, s in enumerate(scripts))]
+                    yield RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=list(prompt),
+                                        outputs=outputs, finished=True)
                     return
                 produced = min(produced + self.tokens_per_step, limit)
                 outputs = [self._output(i, s, produced, params) for i, s in enumerate(scripts)]

@@ -1,20 +1,25 @@
 """Images through the real `reasoning-engine serve` on the tiny Kimi K2.5 checkpoint (tests/multimodal/
 kimi_checkpoint.py): the unmodified openai client against the offline `LLM.chat`, streaming against non-streaming,
 usage, the media flags (allowed hosts on a local http.server, the local folder, the per-request limit, the size
-limit), every bad-media case as a 400 naming the part, and the encoder-cache metrics. One server for the module,
-started with the flags under test; greedy decoding, a few tokens per request.
+limit), every bad-media case as a 400 naming the part, hostile media refused before anything large is decoded
+(tests/multimodal/hostile_media.py), slow hosts that hold no thread, and the encoder-cache metrics. One server for
+the module, started with the flags under test; greedy decoding, a few tokens per request. The bundled model (images,
+no video) runs in-process for the checks that need a model without video and the token counts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
 import io
+import os
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -25,6 +30,7 @@ import httpx
 import openai
 import pytest
 
+from multimodal.hostile_media import canvas_gif, huge_png
 from multimodal.kimi_checkpoint import KimiK25Checkpoint, build_kimi_k25, noise_image
 from reasoning_engine import LLM, SamplingParams
 from reasoning_engine.server.app import ServerConfig, build_app
@@ -34,6 +40,9 @@ from .helpers import LiveServer, metric_value, save_random_checkpoint, wait_for
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 6
 MEDIA_MAX_BYTES = 64 * 1024
+FETCH_TIMEOUT_S = 3.0
+MAX_IMAGE_PIXELS = 4_000_000
+SLOW_S = 12.0  # how long /slow.png keeps sending its header, a byte every 0.25 s
 PREFIX = "reasoning_engine:"
 MODEL = "kimi-k25-tiny"
 
@@ -76,6 +85,27 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class _QuietHandler(SimpleHTTPRequestHandler):
+    """The folder's files, and /slow.png: a header sent a byte every 0.25 s for SLOW_S (`slow_requests` counts
+    them), which no per-read timeout ever ends."""
+
+    slow_requests = 0
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if self.path != "/slow.png":
+            super().do_GET()
+            return
+        _QuietHandler.slow_requests += 1
+        start = time.monotonic()
+        try:
+            for byte in b"HTTP/1.0 200 OK\r\nContent-Type: image/png\r\nX-Padding: " + b"a" * 200:
+                if time.monotonic() - start > SLOW_S:
+                    break
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(0.25)
+        except OSError:  # the fetch gave up and hung up
+            pass
+
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
@@ -113,7 +143,8 @@ def server(kimi: KimiK25Checkpoint, media_dir: Path) -> Iterator[str]:
          "--port", str(port), "--served-model-name", MODEL, *engine_flags, "--reasoning-parser", "none",
          "--tool-call-parser", "none", "--allowed-media-domains", "127.0.0.1",
          "--allowed-local-media-path", str(media_dir), "--limit-mm-per-prompt", "image=1",
-         "--media-max-bytes", str(MEDIA_MAX_BYTES), "--log-level", "warning"],
+         "--media-max-bytes", str(MEDIA_MAX_BYTES), "--media-fetch-timeout", str(FETCH_TIMEOUT_S),
+         "--max-image-pixels", str(MAX_IMAGE_PIXELS), "--log-level", "warning"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
 
@@ -288,3 +319,118 @@ def test_text_model_refuses_images(text_server: str) -> None:
     text = httpx.post(f"{text_server}/v1/chat/completions", timeout=60, json={
         "messages": user("What is 2 + 2?"), "max_tokens": 2})
     assert text.status_code == 200 and "image_tokens" not in text.json()["usage"]["prompt_tokens_details"]
+
+
+def video_part(url: str) -> dict[str, Any]:
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
+def test_huge_image_refused_from_its_header(server: str) -> None:
+    """A 21 KB PNG of 13000 x 13000 (169 M pixels) is refused from its header, well within the time a decode would
+    take, naming the part."""
+    start = time.monotonic()
+    error = refused(server, user("describe", image_part(data_url(huge_png(13000, 13000)))))
+    assert time.monotonic() - start < 10.0  # two requests (streamed and not); a decode takes seconds each
+    assert error["param"] == "messages[0].content[1]" and error["code"] == "invalid_media"
+    assert error["message"] == ("messages[0].content[1]: image is 13000x13000 (169000000 pixels), over the limit of "
+                                f"{MAX_IMAGE_PIXELS} pixels")
+
+
+def test_animated_gif_canvas_refused_before_decoding(server: str) -> None:
+    """60 one-pixel frames on a 2000 x 2000 canvas (1.4 KB) as a video: its frames x canvas pixels are over the
+    limit, refused from the frame headers."""
+    error = refused(server, user("describe", video_part(data_url(canvas_gif(2000, 2000, 60, 100), "image/gif"))))
+    assert error["param"] == "messages[0].content[1]" and error["code"] == "invalid_media"
+    assert "60 frames of 2000x2000 is 240000000 pixels" in error["message"]
+
+
+def test_slow_hosts_hold_no_thread(server: str, http_media: str) -> None:
+    """More slow fetches than asyncio's default pool has threads, each held by a host that sends a header byte every
+    0.25 s: an image request by data URL is still answered at once, and every slow fetch ends at the fetch timeout
+    with a 400 naming its part."""
+    slow_count = min(32, (os.cpu_count() or 1) + 4) + 2
+    slow_body = {"messages": user("describe", image_part(f"{http_media}/slow.png")), "max_tokens": 2}
+    quick_body = {"messages": user("describe", image_part(data_url(IMAGE))), "max_tokens": 2}
+
+    async def run() -> tuple[float, list[httpx.Response], httpx.Response]:
+        async with httpx.AsyncClient(base_url=server, timeout=120) as http:
+            before = _QuietHandler.slow_requests
+            slow = [asyncio.create_task(http.post("/v1/chat/completions", json=slow_body))
+                    for _ in range(slow_count)]
+            deadline = time.monotonic() + SLOW_S / 2
+            while _QuietHandler.slow_requests - before < slow_count and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert _QuietHandler.slow_requests - before == slow_count, "the slow fetches did not all start"
+            start = time.monotonic()
+            quick = await http.post("/v1/chat/completions", json=quick_body)
+            elapsed = time.monotonic() - start
+            return elapsed, await asyncio.gather(*slow), quick
+
+    elapsed, slow, quick = asyncio.run(run())
+    assert quick.status_code == 200, quick.text
+    assert elapsed < SLOW_S / 2, f"a data-URL image waited {elapsed:.1f} s behind slow fetches"
+    for response in slow:
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "messages[0].content[1]" and error["code"] == "invalid_media"
+        assert f"took longer than {FETCH_TIMEOUT_S:g} s" in error["message"]
+
+
+BUNDLED_REQUEST_TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def bundled_server(http_media: str) -> Iterator[str]:
+    """The bundled model (a vision tower; its tokenizer has no video placeholder), in-process, with a short
+    per-request media deadline and a long fetch timeout."""
+    from reasoning_engine.engine.async_engine import AsyncLLM
+
+    engine = AsyncLLM(device="cpu", kv_cache_blocks=64, block_size=16, max_model_len=1024)
+    config = ServerConfig(shutdown_engine=False, allowed_media_domains=["127.0.0.1"], media_fetch_timeout=30.0,
+                          media_request_timeout=BUNDLED_REQUEST_TIMEOUT_S)
+    try:
+        with LiveServer(build_app(engine, config)) as live:
+            yield live.url
+    finally:
+        engine.shutdown_sync()
+
+
+def test_video_refused_before_loading_by_a_model_without_video(bundled_server: str) -> None:
+    """A model without a video placeholder refuses a video part before fetching or decoding it: bytes that are no
+    video at all get the same answer as a real one."""
+    for url in (data_url(b"\0" * 64, "video/mp4"), data_url(canvas_gif(8, 8, 3, 500), "image/gif")):
+        error = refused(bundled_server, user("describe", video_part(url)))
+        assert error["param"] == "messages[0].content[1]" and error["code"] == "media_not_supported"
+        assert "no video" in error["message"]
+
+
+def test_media_request_deadline(bundled_server: str, http_media: str) -> None:
+    """The per-request media deadline ends a fetch that its own (longer) fetch timeout would still allow."""
+    start = time.monotonic()
+    error = refused(bundled_server, user("describe", image_part(f"{http_media}/slow.png")))
+    assert time.monotonic() - start < 2 * BUNDLED_REQUEST_TIMEOUT_S + SLOW_S / 2
+    assert error["param"] == "messages[0].content[1]" and error["code"] == "media_timeout"
+    assert f"longer than {BUNDLED_REQUEST_TIMEOUT_S:g} s" in error["message"]
+
+
+def test_token_counts_include_each_image_run(bundled_server: str) -> None:
+    """/tokenize and Anthropic's count_tokens count an image as the run of tokens the engine gives it: equal to the
+    chat's prompt_tokens and to the Messages API's input tokens."""
+    text = "describe what you see in the picture"
+    messages = user(text, image_part(data_url(IMAGE)))
+    chat_usage = httpx.post(f"{bundled_server}/v1/chat/completions", timeout=60,
+                            json={"messages": messages, "max_tokens": 1}).json()["usage"]
+    assert chat_usage["prompt_tokens_details"]["image_tokens"] > 1
+    tokenized = httpx.post(f"{bundled_server}/tokenize", json={"messages": messages}, timeout=60).json()
+    assert tokenized["count"] == len(tokenized["tokens"]) == chat_usage["prompt_tokens"]
+
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(IMAGE).decode()}
+    anthropic_messages = [{"role": "user", "content": [{"type": "text", "text": text},
+                                                       {"type": "image", "source": source}]}]
+    counted = httpx.post(f"{bundled_server}/v1/messages/count_tokens", timeout=60,
+                         json={"model": "tiny-reasoner", "messages": anthropic_messages}).json()
+    reply = httpx.post(f"{bundled_server}/v1/messages", timeout=60,
+                       json={"model": "tiny-reasoner", "messages": anthropic_messages, "max_tokens": 1}).json()
+    usage = reply["usage"]
+    assert counted["input_tokens"] == usage["input_tokens"] + usage["cache_read_input_tokens"]
+    assert counted["input_tokens"] > chat_usage["prompt_tokens_details"]["image_tokens"]

@@ -42,7 +42,7 @@ def test_ancestor_mask():
     assert not with_root[0, 1:].any()
 
 
-def test_match_and_greedy_accept():
+def test_match_and_accept():
     draft = tree()
     assert draft.match([10, 11, 13, 99]) == [0, 1, 3]
     assert draft.match([10, 14]) == [0, 4]
@@ -50,8 +50,8 @@ def test_match_and_greedy_accept():
     assert draft.match([99]) == []
     # Target argmax: after root 10, after node0 14, after node4 7 -> accepts 0, 4 and adds bonus 7.
     choices = [14, 0, 0, 0, 7]
-    assert draft.greedy_accept(10, choices) == ([0, 4], 7)
-    assert draft.greedy_accept(42, choices) == ([], 42)
+    assert draft.accept(10, choices) == ([0, 4], 7)
+    assert draft.accept(42, choices) == ([], 42)
 
 
 def test_invalid_parents_rejected():

@@ -111,18 +111,19 @@ def _two_sample_chi2_pvalue(a: Counter, b: Counter) -> float:
 
 
 def test_sampled_outputs_follow_the_target_distribution(llama_dir: Path) -> None:
-    """Per-position token frequencies with speculation match plain sampling (chi-square over many seeds). The drafts
-    are trees whose first sibling is wrong and second is the greedy continuation, so both acceptance and the residual
-    after a rejected sibling are exercised."""
+    """Per-position token frequencies with speculation match plain sampling (chi-square over many unseeded samples:
+    a seeded request's tokens are the same with and without drafts). The drafts are trees whose first sibling is
+    wrong and second is the greedy continuation, so both acceptance and the residual after a rejected sibling are
+    exercised."""
     prompt = {"prompt_token_ids": [11, 12, 13, 14, 15]}
     count = 600
 
     def sample(llm: LLM) -> list[list[int]]:
-        params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=4, ignore_eos=True) for s in range(count)]
+        params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=4, ignore_eos=True)
         return _tokens(llm.generate([prompt] * count, params))
 
     plain = sample(LLM(llama_dir, dtype="float32", device="cpu", max_num_seqs=128))
-    spec_llm = LLM(llama_dir, dtype="float32", device="cpu", max_num_seqs=128,
+    spec_llm = LLM(llama_dir, dtype="float32", device="cpu", max_num_seqs=128, adaptive=False,  # verify every step
                    speculative_config={"method": "ngram", "num_speculative_tokens": 6, "max_batch_size": 1000})
     greedy = _tokens(LLM(llama_dir, dtype="float32", device="cpu").generate([prompt], GREEDY))[0]
     spec_llm.engine.spec.proposer = OracleTree({tuple(prompt["prompt_token_ids"]): greedy})
@@ -198,3 +199,80 @@ def test_invalid_speculative_config_names_the_field(llama_dir: Path) -> None:
         LLM(llama_dir, dtype="float32", device="cpu", speculative_config={"method": "magic"})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(llama_dir, dtype="float32", device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+
+
+def test_a_seeded_request_draws_the_same_tokens_alone_in_any_batch_and_with_or_without_drafts(llama_dir: Path) -> None:
+    """A seeded request's draw at output position t depends on (seed, sample, t) and the distribution there only:
+    verifying a draft draws as a plain step does. So its tokens are the same without speculation, alone with ngram
+    drafts verified, beside 16 greedy requests (above the batch cap: no drafts), under a one-token budget (every
+    draft dropped), preempted on a small cache, and with the adaptive engine choosing the lengths. The two samples
+    of n = 2 have streams of their own (seed + index gave sample 1 of seed s the stream of seed s + 1)."""
+    prompt = {"prompt_token_ids": [20, 21, 22, 23, 24] * 6}  # repetitive: the ngram proposer drafts
+    crowd = [{"prompt_token_ids": [30 + i, 40, 50 + i]} for i in range(16)]
+    long = [{"prompt_token_ids": [30 + i, 40, 50 + i] * 10} for i in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    ngram = {"method": "ngram", "num_speculative_tokens": 4}
+    engines = {
+        "plain": LLM(llama_dir, dtype="float32", device="cpu", adaptive=False),
+        "drafts": LLM(llama_dir, dtype="float32", device="cpu", adaptive=False, speculative_config=ngram),
+        "budget": LLM(llama_dir, dtype="float32", device="cpu", adaptive=False, speculative_config=ngram,
+                      max_num_batched_tokens=1),
+        "preempted": LLM(llama_dir, dtype="float32", device="cpu", adaptive=False, speculative_config=ngram,
+                         block_size=4, kv_cache_blocks=24, max_model_len=64),
+        "adaptive": LLM(llama_dir, dtype="float32", device="cpu", speculative_config=ngram),
+    }
+    drafted = 0
+    for seed in range(3):
+        params = SamplingParams(temperature=0.8, top_p=0.95, seed=seed, n=2, max_tokens=20, ignore_eos=True)
+        want = [s.token_ids for s in engines["plain"].generate(prompt, params)[0].outputs]
+        assert want[0] != want[1]
+        alone = engines["drafts"].generate(prompt, params)[0]
+        drafted += alone.spec_draft_tokens
+        assert [s.token_ids for s in alone.outputs] == want, seed
+        beside = engines["drafts"].generate([prompt] + crowd, [params] + [greedy] * 16)[0]
+        assert beside.spec_draft_tokens == 0 and [s.token_ids for s in beside.outputs] == want, seed
+        budget = engines["budget"].generate(prompt, params)[0]
+        assert [s.token_ids for s in budget.outputs] == want, seed
+        for name in ("preempted", "adaptive"):
+            out = engines[name].generate([prompt] + long, [params] + [greedy] * 3)[0]
+            assert [s.token_ids for s in out.outputs] == want, (name, seed)
+        if seed:
+            assert want[0] != previous[1]  # seed s sample 0 against seed s - 1 sample 1
+        previous = want
+    assert drafted > 0
+    assert engines["preempted"].engine.num_preemptions > 0
+
+
+def test_speculation_counters_count_only_verified_drafts(llama_dir: Path) -> None:
+    """Drafts the scheduler drops (a one-token budget drops them all) or the grammar trims are not counted as
+    drafted: the counters (and a hybrid's per method) agree with what verification saw, so the acceptance rate is
+    that of verified tokens."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 4}
+    prompts = _repetitive_prompts()[:2]
+    budget = LLM(llama_dir, dtype="float32", device="cpu", adaptive=False, speculative_config=ngram,
+                 max_num_batched_tokens=1)
+    outs = budget.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    stats = budget.engine.stats().spec_decode
+    assert stats["drafts"] == stats["draft_tokens"] == stats["accepted_tokens"] == 0
+    assert all(o.spec_draft_tokens == 0 for o in outs)
+
+    llm = LLM(llama_dir, dtype="float32", device="cpu", adaptive=False,
+              speculative_config={"method": "hybrid", "methods": ["ngram", "suffix"], "num_speculative_tokens": 4})
+    proposed: list[int] = []
+    propose_batch = llm.engine.spec.propose_batch
+
+    def recording(items: list, keep=None) -> list[Draft]:
+        drafts = propose_batch(items, keep)
+        proposed.extend(len(d) for d in drafts)
+        return drafts
+    llm.engine.spec.propose_batch = recording
+    text_prompts = [{"prompt_token_ids": llm.tokenizer.encode(t)} for t in ("abcabcabc ", "xyz xyz ", "0101 ")]
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": "(ab|abc|[0-9]){1,20}"})
+    outs = llm.generate(text_prompts, params)
+    stats = llm.engine.stats().spec_decode
+    verified = sum(o.spec_draft_tokens for o in outs)
+    assert 0 < verified < sum(proposed)  # the grammar trimmed some drafts
+    assert stats["draft_tokens"] == verified
+    assert stats["accepted_tokens"] == sum(o.spec_accepted_tokens for o in outs)
+    assert stats["acceptance_rate"] == pytest.approx(stats["accepted_tokens"] / verified)
+    assert sum(m["draft_tokens"] for m in stats["per_method"].values()) == verified

@@ -136,8 +136,10 @@ def test_sampled_outputs_follow_the_target_distribution(tiny_mtp) -> None:
     count = 400
 
     def sample(config: dict | None) -> tuple[list[list[int]], dict]:
-        llm = LLM(tiny_mtp[0], dtype="float32", device="cpu", max_num_seqs=128, speculative_config=config)
-        params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=4, ignore_eos=True) for s in range(count)]
+        llm = LLM(tiny_mtp[0], dtype="float32", device="cpu", max_num_seqs=128, speculative_config=config,
+                  adaptive=False)  # static lengths: drafts verified every step
+        # unseeded: a seeded request draws the very same tokens with drafts as without
+        params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=4, ignore_eos=True)
         return _tokens(llm.generate([prompt] * count, params)), llm.engine.stats().spec_decode
 
     plain, _ = sample(None)

@@ -132,14 +132,16 @@ def test_greedy_outputs_with_adaptive_on_equal_plain_decoding(llama_dir: Path, p
     assert stats.adaptive["protected_blocks"] > 0
     decided = snapshot["speculation"]["decided"]
     counters = stats.adaptive_counters
-    assert counters["protected_turns"] == 10 and counters["decided_steps"] == decided["steps"] > 0
+    assert counters["protected_turns"] == 10 and counters["decided_steps"] == decided["steps"]
     assert counters["verifying_steps"] + counters["gated_steps"] + counters["plain_check_steps"] <= decided["steps"]
     # what each step was offered, verified and accepted beside the fixed default's ask, and the policy that ran it
     drafts = snapshot["speculation"]["draft_tokens"]
     assert drafts["verified"] <= drafts["offered"] and drafts["accepted"] <= drafts["verified"]
     assert drafts["default_asked"] > 0
     assert counters["verified_draft_tokens"] == drafts["verified"]
-    assert sum(snapshot["speculation"]["policy_steps"].values()) > 0
+    policy_steps = snapshot["speculation"]["policy_steps"]
+    assert sum(policy_steps.values()) > 0 and counters["adaptive_policy_steps"] == policy_steps["adaptive"]
+    assert decided["steps"] >= policy_steps["adaptive"]  # the adaptive policy's steps, and the chooser's probes
     recent = snapshot["recent_steps"]
     assert recent and all(step["measured_s"] > 0 and step["predicted_s"] > 0 for step in recent)
     assert all(step["accepted"] <= step["verified"] for step in recent)

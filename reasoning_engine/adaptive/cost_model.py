@@ -68,6 +68,8 @@ class StepShape:
 CORRECTION_RATE = 0.05  # weight of each new step in its kind's correction (a memory of ~20 steps)
 CORRECTION_BOUND = 5.0  # a single step moves its kind's correction as if it were at most 5x off
 PLAIN_EVERY = 32  # verifying steps of a kind after which a plain one is due, to keep its correction current
+REFIT_EVERY = 16  # steps between fits once the model is warm
+SURPRISE_REFIT_AFTER = 4  # a surprising step refits at once, but at most once per this many steps
 
 
 def _dot(a: tuple[float, ...], b: tuple[float, ...]) -> float:
@@ -115,8 +117,8 @@ class StepCostModel:
         values = shape.values()
         linear = _dot(values, self._coefficients)
         kind = _kind(shape)
-        # a kind of step it predicts badly even after its kind's correction (with the linear prediction alone, half of
-        # the steps at 4 requests on 2 CPU cores were surprises, and solving after each took ~2% of the step's time)
+        # a kind of step it predicts badly even after its kind's correction; on a loaded machine most steps are, and a
+        # fit after each would cost a few percent of a small model's step, so they refit at most every few steps
         surprise = abs(linear * self._correction(kind) - seconds) > 0.25 * seconds
         if self.ready and linear > 0:
             ratio = min(max(seconds / linear, 1 / CORRECTION_BOUND), CORRECTION_BOUND)
@@ -126,7 +128,8 @@ class StepCostModel:
         self._verified_since_plain[plain] = self._verified_since_plain.get(plain, 0) + 1 if shape.verifying else 0
         self._pending.append((values, seconds))
         self.observations += 1
-        if self.observations <= 64 or self.observations % 16 == 0 or surprise:
+        due = len(self._pending) >= (SURPRISE_REFIT_AFTER if surprise else REFIT_EVERY)
+        if self.observations <= 64 or due:
             self._set_weights(self._solve())
 
     def _fold(self) -> None:

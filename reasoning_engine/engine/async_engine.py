@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from reasoning_engine.config import EngineConfig
-from reasoning_engine.engine.engine import EngineStats, LLMEngine, PromptType
+from reasoning_engine.engine.engine import EngineStats, LLMEngine, PromptType, prompt_cache_salt
 from reasoning_engine.llm import build_engine_config
 from reasoning_engine.outputs import RequestOutput
 from reasoning_engine.sampling_params import SamplingParams
@@ -79,10 +79,11 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
                        session_id: str | None = None, workload: str = "default") -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs as tokens arrive; the last one has finished=True. Cancelling aborts the request.
-        `session_id` and `workload`: see LLMEngine.add_request."""
+        `session_id` and `workload`, and a prompt dict's `cache_salt`: see LLMEngine.add_request."""
         if self._stopped or self.failure is not None:
             raise EngineDeadError(self.failure or "the engine is shut down")
         request_id = request_id or uuid.uuid4().hex
+        cache_salt = prompt_cache_salt(prompt)
         _, token_ids = self.engine.tokenize(prompt)
         media: tuple = ()
         if isinstance(prompt, dict) and prompt.get("multi_modal_data"):  # image processing off the event loop
@@ -94,8 +95,9 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = (loop, outputs)
-        self._send("add", (request_id, {"prompt_token_ids": token_ids, "prompt": prompt if isinstance(prompt, str) else None},
-                           params, session_id, workload, media))
+        resolved = {"prompt_token_ids": token_ids, "prompt": prompt if isinstance(prompt, str) else None,
+                    "cache_salt": cache_salt}
+        self._send("add", (request_id, resolved, params, session_id, workload, media))
         finished = False
         try:
             while not finished:

@@ -38,7 +38,7 @@ from starlette.responses import JSONResponse, Response
 from reasoning_engine.server.chat_template import disable_thinking
 from reasoning_engine.server.errors import APIError, bad_request, param_from_loc
 from reasoning_engine.server.parsing import ParsedDelta
-from reasoning_engine.server.protocol import ChatCompletionRequest
+from reasoning_engine.server.protocol import CacheSalt, ChatCompletionRequest
 from reasoning_engine.server.routing import json_body, session_key, start_or_close
 from reasoning_engine.server.serving import (
     ChatRun,
@@ -237,6 +237,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(default=None, ge=0)
     metadata: Metadata | None = None
     stream: bool = False
+    cache_salt: CacheSalt = None  # vLLM's, as on the OpenAI routes (Anthropic's API has no such field)
 
 
 # ---- request translation ----------------------------------------------------------------------------------
@@ -330,7 +331,8 @@ def translate(req: CountTokensRequest) -> Translation:
     chat.update(_thinking(req.thinking))
     if isinstance(req, MessagesRequest):
         chat.update(max_tokens=None, stream=req.stream, stop=req.stop_sequences, temperature=req.temperature,
-                    top_p=req.top_p, top_k=req.top_k, user=req.metadata.user_id if req.metadata else None)
+                    top_p=req.top_p, top_k=req.top_k, user=req.metadata.user_id if req.metadata else None,
+                    cache_salt=req.cache_salt)
     try:
         return Translation(ChatCompletionRequest.model_validate(chat), names)
     except ValidationError as exc:

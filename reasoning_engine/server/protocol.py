@@ -16,12 +16,19 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from reasoning_engine.engine.kv_cache import MAX_CACHE_SALT_LENGTH
+
 logger = logging.getLogger(__name__)
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 MAX_LOGGED_UNKNOWN_FIELDS = 256  # distinct names; a client inventing new ones per request cannot grow the set further
 _logged_unknown_fields: set[str] = set()
 _logged_lock = threading.Lock()
+# vLLM's `cache_salt` (chat, completions, responses, messages): prompts share prefix-cache blocks only with equal salts
+CacheSalt = Annotated[str | None, Field(
+    min_length=1, max_length=MAX_CACHE_SALT_LENGTH,
+    description="Mixed into the prompt's prefix-cache keys: cached KV is shared only between requests with the same "
+                "salt (e.g. one per tenant), so other requests cannot read or time this request's prefix.")]
 
 
 class _Body(BaseModel):
@@ -217,6 +224,7 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=512)  # OpenAI's end-user id: a session key for KV retention
     prompt_cache_key: str | None = Field(default=None, max_length=512)  # OpenAI's cache-routing key: the same
+    cache_salt: CacheSalt = None
     # constrained decoding: one of response_format (json_object / json_schema), structured_outputs or a guided_*
     # field (vLLM's older names) per request
     response_format: ResponseFormat | None = None

@@ -34,6 +34,7 @@ from reasoning_engine.server.chat_template import disable_thinking
 from reasoning_engine.server.errors import APIError, bad_request
 from reasoning_engine.server.parsing import ParsedDelta
 from reasoning_engine.server.protocol import (
+    CacheSalt,
     ChatCompletionRequest,
     ChatMessage,
     FunctionCall,
@@ -261,6 +262,7 @@ class ResponsesRequest(_Body):
     top_p: float | None = None
     user: str | None = Field(default=None, max_length=512)
     prompt_cache_key: str | None = Field(default=None, max_length=512)
+    cache_salt: CacheSalt = None
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     stream: bool = False
     store: bool = True
@@ -452,6 +454,7 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]],
     chat = ChatCompletionRequest(
         model=req.model, messages=messages, temperature=req.temperature, top_p=req.top_p,
         max_completion_tokens=req.max_output_tokens, user=req.user, prompt_cache_key=req.prompt_cache_key,
+        cache_salt=req.cache_salt,
         tools=[ToolDef(type="function", function=FunctionDef(name=t.name, description=t.description,
                                                               parameters=t.parameters, strict=t.strict))
                for t in req.tools] if req.tools else None,

@@ -295,6 +295,13 @@ class MediaRef:
     url: str
 
 
+def _salted(prompt: PromptType, cache_salt: str | None) -> PromptType:
+    """The prompt carrying its request's `cache_salt`, where the engine reads it (a prompt dict's, as in vLLM)."""
+    if cache_salt is None:
+        return prompt
+    return {**(prompt if isinstance(prompt, dict) else {"prompt_token_ids": prompt}), "cache_salt": cache_salt}
+
+
 def _prompt_ids(prompt: PromptType) -> list[int]:
     """The token ids of a prompt this module built: a list of ids, or a dict holding them beside its media."""
     return prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt  # type: ignore[return-value]
@@ -524,13 +531,13 @@ class OpenAIServing:
 
         workload = "agent" if tools_active else "chat"
         if not refs:
-            return Prepared([rendered.token_ids], params, new_parser, workload,
+            return Prepared([_salted(rendered.token_ids, req.cache_salt)], params, new_parser, workload,
                             _constraint_error_param(constraint, _param_of))
         data = await self._media_data(refs)
         aliases = {"max_tokens": max_param, "prompt": "messages", "prompt_token_ids": "messages"}
-        return Prepared([{"prompt_token_ids": rendered.token_ids, "multi_modal_data": data}], params, new_parser,
-                        workload, _constraint_error_param(
-                            constraint, lambda message: aliases.get(_param_of(message) or "", refs[0].param)))
+        prompt = {"prompt_token_ids": rendered.token_ids, "multi_modal_data": data}
+        return Prepared([_salted(prompt, req.cache_salt)], params, new_parser, workload, _constraint_error_param(
+            constraint, lambda message: aliases.get(_param_of(message) or "", refs[0].param)))
 
     def render_prompt(self, req: ChatCompletionRequest,
                       tools_active: bool) -> tuple[RenderedChat, list[MediaRef], int | None]:
@@ -742,7 +749,8 @@ class OpenAIServing:
                                        logprobs=req.logprobs, logprobs_param="logprobs",
                                        skip_special_tokens=req.skip_special_tokens, thinking_token_budget=None,
                                        constraint=constraint)
-        return Prepared(prompts, params, lambda: None, "completion", _constraint_error_param(constraint, _param_of))
+        return Prepared([_salted(p, req.cache_salt) for p in prompts], params, lambda: None, "completion",
+                        _constraint_error_param(constraint, _param_of))
 
     def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
         if isinstance(prompt, str):

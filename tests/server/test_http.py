@@ -496,6 +496,36 @@ def test_adaptive_endpoint_without_a_key_and_session_keys(fake_server: Any) -> N
     assert engine.sessions == [("u1", "chat"), ("k", "chat"), ("h", "chat"), (None, "agent"), (None, "completion")]
 
 
+def test_cache_salt_reaches_the_engine_from_every_route(fake_server: Any) -> None:
+    """vLLM's cache_salt on chat, completions (each prompt of a batch), responses and messages travels with the
+    prompt to the engine; the OpenAPI document lists it on each of those bodies."""
+    engine, url = fake_server("</think>ok")
+    requests = [("/v1/chat/completions", {"messages": MSG}), ("/v1/completions", {"prompt": ["x", "y"]}),
+                ("/v1/responses", {"input": "hi"}), ("/v1/messages", {"messages": MSG, "max_tokens": 4})]
+    for path, body in requests:
+        response = _post(url, {"model": "fake-model", "cache_salt": "tenant-a", **body}, path)
+        assert response.status_code == 200, (path, response.text)
+    assert _post(url, {"model": "fake-model", "messages": MSG}).status_code == 200
+    assert engine.cache_salts == ["tenant-a"] * 5 + [None]
+    schemas = httpx.get(f"{url}/openapi.json", timeout=30).json()["components"]["schemas"]
+    for model in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest", "MessagesRequest"):
+        salt = schemas[model]["properties"]["cache_salt"]
+        assert {"type": "string", "minLength": 1, "maxLength": 256} in salt["anyOf"] and "salt" in salt["description"]
+
+
+@pytest.mark.parametrize("salt", ["", "s" * 257, 5, ["tenant"], {"a": 1}])
+def test_a_bad_cache_salt_is_a_400_naming_it(fake_server: Any, salt: Any) -> None:
+    engine, url = fake_server("</think>ok")
+    for path, body in [("/v1/chat/completions", {"messages": MSG}), ("/v1/completions", {"prompt": "x"}),
+                       ("/v1/responses", {"input": "hi"})]:
+        response = _post(url, {"model": "fake-model", "cache_salt": salt, **body}, path)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "cache_salt", response.text
+    response = _post(url, {"model": "fake-model", "messages": MSG, "max_tokens": 4, "cache_salt": salt},
+                     "/v1/messages")
+    assert response.status_code == 400 and "cache_salt" in response.json()["error"]["message"], response.text
+    assert engine.calls == []
+
+
 def test_fuzzed_bodies_never_500(fake_server: Any) -> None:
     import random
 

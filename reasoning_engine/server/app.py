@@ -65,6 +65,7 @@ from reasoning_engine.server.serving import (
     EngineRequests,
     EngineStreamResponse,
     OpenAIServing,
+    check_tool_results,
     new_request_id,
     shielded,
     unless_disconnected,
@@ -282,6 +283,7 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         arrival = time.monotonic()
         req = await json_body(request, ChatCompletionRequest)
         model = serving.check_model(req.model)
+        check_tool_results(req.messages)
         prepared = await serving.prepare_chat(req)
         engine_requests = EngineRequests(engine, prepared.prompts, prepared.params, new_request_id("chatcmpl"),
                                          session_key(request, req.prompt_cache_key, req.user), prepared.workload, prepared.error_param)

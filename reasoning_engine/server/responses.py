@@ -422,6 +422,18 @@ def to_messages(items: list[tuple[Any, str]]) -> tuple[list[ChatMessage], list[s
     return messages, params
 
 
+def _check_outputs(items: list[tuple[Any, str]]) -> None:
+    """Every function_call_output answers a function_call earlier in the conversation (this input, or the stored
+    one `previous_response_id` continues), as OpenAI requires: a 400 naming `input[i].call_id` otherwise."""
+    calls: set[str] = set()
+    for item, param in items:
+        if isinstance(item, FunctionCallItem):
+            calls.add(item.call_id)
+        elif isinstance(item, FunctionCallOutputItem) and item.call_id not in calls:
+            raise bad_request(f"{param}.call_id: no function_call found for the function_call_output with call_id "
+                              f"{item.call_id[:100]!r}", param=f"{param}.call_id", code="invalid_value")
+
+
 def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
     fmt = text.format if text is not None else None
     if fmt is None or isinstance(fmt, TextFormatText):
@@ -441,6 +453,7 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]],
         items.append((MessageItem(role="system", content=req.instructions), "instructions"))
     items.extend((item, "previous_response_id") for item in _STORED_ITEMS.validate_python(history))
     items.extend(input_items(req))
+    _check_outputs(items)
     messages, params = to_messages(items)
     if not messages:
         raise bad_request("input is empty: send at least one item", param="input")

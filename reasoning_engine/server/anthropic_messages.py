@@ -38,6 +38,7 @@ from starlette.responses import JSONResponse, Response
 
 from reasoning_engine.server.chat_template import disable_thinking
 from reasoning_engine.server.errors import APIError, bad_request, param_from_loc
+from reasoning_engine.server.openapi import errors
 from reasoning_engine.server.parsing import ParsedDelta
 from reasoning_engine.server.protocol import ChatCompletionRequest
 from reasoning_engine.server.routing import json_body, session_key, start_or_close
@@ -71,7 +72,8 @@ _CHAT_PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
 # ---- request bodies ---------------------------------------------------------------------------------------
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # cache_control and the like are accepted
+    # cache_control and the like are accepted; types are strict, as Anthropic's are (no 0 for false)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 def _one_of(*members: type[_Body]) -> Any:
@@ -236,7 +238,7 @@ class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0, le=1)
-    top_p: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
     metadata: Metadata | None = None
     stream: bool = False
@@ -673,7 +675,7 @@ def register_anthropic_routes(app: FastAPI, serving: OpenAIServing) -> None:
     """Add `/v1/messages` and `/v1/messages/count_tokens`. Errors on these paths take Anthropic's shape through the
     app's handlers (`is_anthropic_path`)."""
 
-    @app.post(PATH_PREFIX)
+    @app.post(PATH_PREFIX, responses=errors(400, 404, 503))
     async def messages(request: Request) -> Response:
         arrival = time.monotonic()
         req = await json_body(request, MessagesRequest, invalid)
@@ -704,7 +706,7 @@ def register_anthropic_routes(app: FastAPI, serving: OpenAIServing) -> None:
             await shielded(engine_requests.close())
         return JSONResponse(body)
 
-    @app.post(PATH_PREFIX + "/count_tokens")
+    @app.post(PATH_PREFIX + "/count_tokens", responses=errors(400, 404))
     async def count_tokens(request: Request) -> Response:
         req = await json_body(request, CountTokensRequest, invalid)
         translation = translate(req)

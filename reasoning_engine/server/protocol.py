@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI-compatible API, validated by pydantic.
 
 Unknown fields are ignored (clients and agent frameworks send many: metadata, store, ...) and each unknown name is
-logged once per process, so a misspelt parameter is visible without flooding the log; known fields are typed so a
-wrong type becomes a 400 naming the field. Sampling ranges are left to SamplingParams, whose ValueError
-already names the field, so there is one source of truth for them.
+logged once per process, so a misspelt parameter is visible without flooding the log; known fields are typed, and
+strictly, as OpenAI's schema is (no 0 for false, no "5" for 5), so a wrong type becomes a 400 naming the field.
+Sampling ranges are left to SamplingParams, whose ValueError already names the field, so there is one source of
+truth for them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,17 @@ import threading
 from functools import cache
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 logger = logging.getLogger(__name__)
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
@@ -25,7 +36,7 @@ _logged_lock = threading.Lock()
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -97,7 +108,7 @@ Content = Annotated[Annotated[str, Tag("str")] | Annotated[list[ContentPart], Ta
 
 class FunctionCall(_Body):
     name: str
-    arguments: str = "{}"
+    arguments: Annotated[str, WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "object"}]})] = "{}"
 
     @field_validator("arguments", mode="before")
     @classmethod
@@ -268,6 +279,9 @@ class CompletionRequest(_SamplingFields):
 class TokenizeRequest(_Body):
     """Either a raw `prompt` or chat `messages` (rendered through the chat template, as the chat endpoint would)."""
 
+    model_config = ConfigDict(json_schema_extra={"oneOf": [  # the rule _one_input checks, for the OpenAPI document
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None

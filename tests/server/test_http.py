@@ -430,6 +430,29 @@ def test_tool_messages_answering_the_calls_before_them_are_accepted(fake_server:
     assert len(engine.calls) == 1
 
 
+def test_wrongly_typed_values_are_not_coerced(fake_server: Any) -> None:
+    """The schemas' types hold as written (OpenAI's and Anthropic's APIs refuse these): no 0 for false, no "5" for
+    5, no 1.5 or true for a token id."""
+    engine, url = fake_server("ok")
+    for path, body, param in [
+            ("/v1/chat/completions", {"messages": MSG, "stream": 0}, "stream"),
+            ("/v1/chat/completions", {"messages": MSG, "max_tokens": "5"}, "max_tokens"),
+            ("/v1/chat/completions", {"messages": MSG, "n": True}, "n"),
+            ("/v1/chat/completions", {"messages": MSG, "temperature": "0.5"}, "temperature"),
+            ("/v1/chat/completions", {"messages": MSG, "logprobs": "true"}, "logprobs"),
+            ("/v1/completions", {"prompt": [1, 2.5]}, "prompt"),
+            ("/detokenize", {"tokens": [1, 2.5]}, "tokens[1]"),
+            ("/detokenize", {"tokens": [True]}, "tokens[0]"),
+            ("/v1/responses", {"input": "hi", "store": 0}, "store"),
+            ("/v1/responses", {"input": "hi", "max_output_tokens": "9"}, "max_output_tokens")]:
+        response = _post(url, body, path)
+        assert response.status_code == 400, (path, body, response.text)
+        assert response.json()["error"]["param"] == param, (path, body, response.text)
+    response = _post(url, {"model": "fake-model", "max_tokens": 5, "messages": MSG, "stream": 0}, "/v1/messages")
+    assert response.status_code == 400 and response.json()["error"]["message"].startswith("stream"), response.text
+    assert engine.calls == []
+
+
 def test_bad_completion_requests(fake_server: Any) -> None:
     _, url = fake_server("ok")
     for body, param in [({}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": []}, "prompt"),

@@ -124,6 +124,14 @@ class ToolCallIn(_Body):
 
 
 class ChatMessage(_Body):
+    # _content_required's rule, for the OpenAPI document: content, unless an assistant message has calls or thinking
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        *({"required": ["role", field], "properties": {"role": {"const": "assistant"}, field: schema}}
+          for field, schema in (("tool_calls", {"type": "array", "minItems": 1}),
+                                ("reasoning_content", {"type": "string", "minLength": 1}),
+                                ("reasoning", {"type": "string", "minLength": 1})))]})
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content | None = None
     name: str | None = None

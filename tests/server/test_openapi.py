@@ -94,6 +94,9 @@ def test_openapi_documents_every_json_route(fake_server: Any) -> None:
     chat = schemas["ChatCompletionRequest"]
     assert "messages" in chat["required"] and chat["properties"]["messages"]["minItems"] == 1
     assert "ChatMessage" in schemas and "ToolDef" in schemas
+    # content may be left out only by an assistant message with calls or thinking, as the server checks
+    assert {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}} in schemas["ChatMessage"][
+        "anyOf"]
     # what the server accepts: a call's arguments as OpenAI's JSON text or, as some clients send them, an object
     assert schemas["FunctionCall"]["properties"]["arguments"]["anyOf"] == [{"type": "string"}, {"type": "object"}]
     docs = httpx.get(f"{url}/docs")

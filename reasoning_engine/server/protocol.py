@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI-compatible API, validated by pydantic.
 
 Unknown fields are ignored (clients and agent frameworks send many: metadata, store, ...) and each unknown name is
-logged once per process, so a misspelt parameter is visible without flooding the log; known fields are typed so a
-wrong type becomes a 400 naming the field. Sampling ranges are left to SamplingParams, whose ValueError
-already names the field, so there is one source of truth for them.
+logged once per process, so a misspelt parameter is visible without flooding the log; known fields are typed, and
+strictly, as OpenAI's schema is (no 0 for false, no "5" for 5), so a wrong type becomes a 400 naming the field.
+Sampling ranges are left to SamplingParams, whose ValueError already names the field, so there is one source of
+truth for them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,17 @@ import threading
 from functools import cache
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from reasoning_engine.engine.kv_cache import MAX_CACHE_SALT_LENGTH
 
@@ -32,7 +43,7 @@ CacheSalt = Annotated[str | None, Field(
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -104,7 +115,7 @@ Content = Annotated[Annotated[str, Tag("str")] | Annotated[list[ContentPart], Ta
 
 class FunctionCall(_Body):
     name: str
-    arguments: str = "{}"
+    arguments: Annotated[str, WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "object"}]})] = "{}"
 
     @field_validator("arguments", mode="before")
     @classmethod
@@ -120,6 +131,14 @@ class ToolCallIn(_Body):
 
 
 class ChatMessage(_Body):
+    # _content_required's rule, for the OpenAPI document: content, unless an assistant message has calls or thinking
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        *({"required": ["role", field], "properties": {"role": {"const": "assistant"}, field: schema}}
+          for field, schema in (("tool_calls", {"type": "array", "minItems": 1}),
+                                ("reasoning_content", {"type": "string", "minLength": 1}),
+                                ("reasoning", {"type": "string", "minLength": 1})))]})
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content | None = None
     name: str | None = None
@@ -276,6 +295,9 @@ class CompletionRequest(_SamplingFields):
 class TokenizeRequest(_Body):
     """Either a raw `prompt` or chat `messages` (rendered through the chat template, as the chat endpoint would)."""
 
+    model_config = ConfigDict(json_schema_extra={"oneOf": [  # the rule _one_input checks, for the OpenAPI document
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None

@@ -1006,5 +1006,24 @@ def _special_token_strings(tokenizer: Any) -> tuple[str, ...]:
     return tuple(sorted(specials))
 
 
+def check_tool_results(messages: Sequence[ChatMessage]) -> None:
+    """Every `tool` message answers a call of the assistant message its run of tool messages follows, as OpenAI
+    requires (a 400 otherwise, naming `messages[i].role` or `messages[i].tool_call_id`). A tool message without a
+    `tool_call_id` is matched by position, as templates render it."""
+    calls: set[str | None] | None = None  # the ids the current run of tool messages may answer
+    for i, message in enumerate(messages):
+        if message.role == "assistant":
+            calls = {call.id for call in message.tool_calls} if message.tool_calls else None
+        elif message.role != "tool":
+            calls = None
+        elif calls is None:
+            raise bad_request(f"messages[{i}].role: a 'tool' message must answer a preceding assistant message with "
+                              "'tool_calls'", param=f"messages[{i}].role", code="invalid_value")
+        elif message.tool_call_id is not None and message.tool_call_id not in calls:
+            raise bad_request(f"messages[{i}].tool_call_id: {message.tool_call_id[:100]!r} answers none of the "
+                              "tool_calls of the preceding assistant message", param=f"messages[{i}].tool_call_id",
+                              code="invalid_value")
+
+
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"

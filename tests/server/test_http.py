@@ -337,6 +337,9 @@ def _post(url: str, body: Any, path: str = "/v1/chat/completions", **kwargs: Any
 
 
 MSG = [{"role": "user", "content": "hi"}]
+CALLED = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": json.dumps(CALC)}}]}
+ANSWER = {"role": "tool", "tool_call_id": "c1", "content": "1817517"}
 BAD_REQUESTS = [
     (b"{not json", None),
     (b"[1, 2]", None),
@@ -380,6 +383,10 @@ BAD_REQUESTS = [
     ({"messages": MSG, "chat_template_kwargs": "thinking"}, "chat_template_kwargs"),
     ({"messages": MSG, "stream_options": {"include_usage": "perhaps"}}, "stream_options.include_usage"),
     ({"messages": MSG, "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"messages": [*MSG, ANSWER]}, "messages[1].role"),
+    ({"messages": [*MSG, CALLED, ANSWER, {**ANSWER, "tool_call_id": "c2"}]}, "messages[3].tool_call_id"),
+    ({"messages": [*MSG, CALLED, ANSWER, {"role": "user", "content": "and?"}, ANSWER]}, "messages[4].role"),
+    ({"messages": [*MSG, {"role": "assistant", "content": "no calls"}, ANSWER]}, "messages[2].role"),
     ({"messages": [{"role": "assistant", "content": "x"}], "continue_final_message": True,
       "add_generation_prompt": False, "max_tokens": 2, "temperature": float("nan")}, "temperature"),
 ]
@@ -411,6 +418,39 @@ def test_bad_chat_requests_are_400_naming_the_param(fake_server: Any, body: Any,
         assert error["type"] == "invalid_request_error" and error["message"]
         assert error["param"] == param, error
     assert engine.calls == [], "no bad request reaches the engine"
+
+
+def test_tool_messages_answering_the_calls_before_them_are_accepted(fake_server: Any) -> None:
+    engine, url = fake_server("ok")
+    second = {**CALLED["tool_calls"][0], "id": "c2"}
+    messages = [*MSG, {**CALLED, "tool_calls": [*CALLED["tool_calls"], second]}, {**ANSWER, "tool_call_id": "c2"},
+                ANSWER, {"role": "tool", "content": "untagged"}, {"role": "user", "content": "and?"}]
+    response = _post(url, {"messages": messages})
+    assert response.status_code == 200, response.text
+    assert len(engine.calls) == 1
+
+
+def test_wrongly_typed_values_are_not_coerced(fake_server: Any) -> None:
+    """The schemas' types hold as written (OpenAI's and Anthropic's APIs refuse these): no 0 for false, no "5" for
+    5, no 1.5 or true for a token id."""
+    engine, url = fake_server("ok")
+    for path, body, param in [
+            ("/v1/chat/completions", {"messages": MSG, "stream": 0}, "stream"),
+            ("/v1/chat/completions", {"messages": MSG, "max_tokens": "5"}, "max_tokens"),
+            ("/v1/chat/completions", {"messages": MSG, "n": True}, "n"),
+            ("/v1/chat/completions", {"messages": MSG, "temperature": "0.5"}, "temperature"),
+            ("/v1/chat/completions", {"messages": MSG, "logprobs": "true"}, "logprobs"),
+            ("/v1/completions", {"prompt": [1, 2.5]}, "prompt"),
+            ("/detokenize", {"tokens": [1, 2.5]}, "tokens[1]"),
+            ("/detokenize", {"tokens": [True]}, "tokens[0]"),
+            ("/v1/responses", {"input": "hi", "store": 0}, "store"),
+            ("/v1/responses", {"input": "hi", "max_output_tokens": "9"}, "max_output_tokens")]:
+        response = _post(url, body, path)
+        assert response.status_code == 400, (path, body, response.text)
+        assert response.json()["error"]["param"] == param, (path, body, response.text)
+    response = _post(url, {"model": "fake-model", "max_tokens": 5, "messages": MSG, "stream": 0}, "/v1/messages")
+    assert response.status_code == 400 and response.json()["error"]["message"].startswith("stream"), response.text
+    assert engine.calls == []
 
 
 def test_bad_completion_requests(fake_server: Any) -> None:

@@ -1,8 +1,9 @@
-"""One-call GPU check: end-to-end greedy parity on the GPU, every Triton kernel timed against its torch reference and
-its roofline, end-to-end decode tokens/s of a random-weight Moonlight-16B-A3B-shaped deepseek_v3 (bf16 and INT4
-experts, CUDA graphs on and off) against transformers' generate, the adaptive engine against static speculation
-settings, and the kernel tests compiled for the GPU. Writes a markdown report to benchmarks/results/gpu_check_<date>.md,
-rewritten after every section so a killed run keeps what it measured.
+"""One-call GPU check: end-to-end decode tokens/s of a random-weight Moonlight-16B-A3B-shaped deepseek_v3 (bf16 and
+INT4 experts, CUDA graphs on and off) against its roofline and transformers' generate, every Triton kernel timed
+against its torch reference and its roofline, end-to-end greedy parity on the GPU, the adaptive engine against static
+speculation settings, and (without --skip-tests) the kernel tests compiled for the GPU. Writes a markdown report to
+benchmarks/results/gpu_check_<date>.md, rewritten (atomically) after every row measured, so a run killed at its time
+limit keeps everything it measured; SIGTERM records which section it stopped.
 
     python benchmarks/gpu_check.py [--budget-s 330] [--dry-run] [--skip-tests] [--skip-e2e] [--results-dir DIR]
                                    [--tensor-parallel-size N]
@@ -12,18 +13,20 @@ ceilings measured first (a 2 GiB device-to-device copy counting bytes read plus 
 random data). Kernel times are medians of `triton.testing.do_bench`. Models use `load_format="dummy"` (random weights
 made on the device from config.json alone), so nothing is written to disk but config files.
 
-Order, each section in try/except and skipped once `--budget-s` is spent:
-1. ceilings; then the kernel tests start in the background (pytest-xdist workers, compiled, TRITON_INTERPRET unset);
-2. end-to-end greedy parity on a 2-layer model (Triton with graphs, Triton eager, torch; bf16 and INT4), which
-   overlaps the tests: neither is timed, and both spend most of their time compiling on CPU cores;
-3. the tests are joined (timeout) so nothing else runs on the GPU while timing;
-4. kernel timing; 5. end-to-end bf16 (graphs on, off); 6. transformers' generate at batch 1 (the >= 5x target);
-7. the adaptive engine against static k=0, k=4 and the static default (suffix speculation) on the bundled model at
+Order (`run_steps`), the numbers that matter first, each section in try/except and skipped once `--budget-s` is spent:
+1. ceilings; with the kernel tests, they start now (pytest-xdist workers, compiled, TRITON_INTERPRET unset) beside
+   the greedy parity check (neither is timed; both mostly compile on CPU cores) and are joined before any timing;
+2. end-to-end bf16 decode, CUDA graphs on, batch 1 first (the >= 60% of roofline target), within its own cap so a
+   slow build cannot starve the rest; 3. transformers' generate at batch 1 (the >= 5x target);
+4. kernel timing; 5. end-to-end greedy parity on a 2-layer model (Triton with graphs, Triton eager, torch; bf16 and
+   INT4), unless it ran beside the tests;
+6. the adaptive engine against static k=0, k=4 and the static default (suffix speculation) on the bundled model at
    1, 16 and 32 requests (issue #25: >= 1.15x the default at 16 and more, >= 0.95x the best static);
-8. end-to-end INT4 experts (graphs on, off); 9. with --tensor-parallel-size N (N GPUs): greedy parity of TP=N and
-   TP=N + EP against one GPU on a saved random checkpoint, and TP=N decode tok/s.
+7. end-to-end bf16 with graphs off, INT4 experts (graphs on, off); 8. with --tensor-parallel-size N (N GPUs): greedy
+   parity of TP=N and TP=N + EP against one GPU on a saved random checkpoint, and TP=N decode tok/s.
 Sections run in a spawned worker process: one that crashes, hangs past the budget or leaves the CUDA context broken
-(an illegal address poisons it for the process) costs that section only; the next runs in a fresh worker.
+(an illegal address poisons it for the process) costs that section only, and the rows it wrote before are kept; the
+next runs in a fresh worker.
 
 `--dry-run` runs the same logic on CPU with tiny shapes (Triton interpreted, perf_counter timing) to check the script
 itself before spending GPU time.
@@ -47,7 +50,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -173,8 +176,9 @@ def _err(exc: BaseException) -> str:
 
 
 class Report:
-    """The markdown report: header, targets, a status line per section, then each section's tables. Rewritten to
-    disk after every section."""
+    """The markdown report: header, targets, a status line per section, then each section's tables. Written to disk
+    (atomically) after every row a section measures, so a run killed at its time limit keeps all it measured; in the
+    section worker, `on_write` also hands each version to the orchestrating process."""
 
     def __init__(self, path: Path, header: list[str]) -> None:
         self.path = path
@@ -182,12 +186,26 @@ class Report:
         self.targets: list[tuple[str, str, str]] = []
         self.statuses: list[tuple[str, str, float]] = []
         self.body: dict[str, list[str]] = {}
+        self.on_write: Callable[[Report], None] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "on_write": None}  # the hook stays in the process that set it
 
     def add(self, title: str, lines: list[str]) -> None:
         self.body.setdefault(title, []).extend(lines)
 
+    def replace(self, title: str, lines: list[str]) -> None:
+        """A section's whole body, for tables recomputed as results come in (medians over rounds)."""
+        self.body[title] = list(lines)
+
     def target(self, name: str, measured: str, ok: bool | None) -> None:
-        self.targets.append((name, measured, "n/a" if ok is None else "PASS" if ok else "FAIL"))
+        """Record a target's result; a later result for the same target replaces the earlier one."""
+        entry = (name, measured, "n/a" if ok is None else "PASS" if ok else "FAIL")
+        for i, (existing, _, _) in enumerate(self.targets):
+            if existing == name:
+                self.targets[i] = entry
+                return
+        self.targets.append(entry)
 
     def status(self, section: str, status: str, seconds: float) -> None:
         self.statuses.append((section, status, seconds))
@@ -202,8 +220,13 @@ class Report:
         return "\n".join(lines) + "\n"
 
     def write(self) -> None:
+        from reasoning_engine.adaptive.state import write_atomically
+
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(self.render())
+        text = self.render().encode()
+        write_atomically(self.path, lambda handle: handle.write(text))  # a kill mid-write leaves the last version whole
+        if self.on_write is not None:
+            self.on_write(self)
 
 
 def free_memory() -> None:
@@ -408,10 +431,10 @@ def _paged_batch(context_lens: list[int], query_lens: list[int], block_size: int
     return batch, num_blocks
 
 
-def bench_attention(plan: Plan) -> list[KernelRow]:
+def bench_attention(plan: Plan) -> Iterator[KernelRow]:
     from reasoning_engine.kernels import attention, triton_attention
 
-    dev, bf16, rows = plan.device, torch.bfloat16, []
+    dev, bf16 = plan.device, torch.bfloat16
     # MLA decode (absorbed, latent 512 + rope 64), Kimi K2.5's 64 heads: long thinking contexts at batch 1, then batches
     heads, latent, rope, bs = (64, 512, 64, 64) if not plan.dry else (4, 64, 16, 16)
     mla_cases = ((1, 32768), (1, 131072), (8, 16384), (64, 4096)) if not plan.dry else ((1, 48), (2, 40))
@@ -431,7 +454,7 @@ def bench_attention(plan: Plan) -> list[KernelRow]:
             row.flops = 2 * batch_size * heads * ctx * (2 * latent + rope)
 
         target = BANDWIDTH_TARGET if batch_size == 1 else None
-        rows.append(_measure(KernelRow("mla_decode", f"B={batch_size} ctx={ctx} H={heads} L={latent}+{rope}", target=target), mla))
+        yield _measure(KernelRow("mla_decode", f"B={batch_size} ctx={ctx} H={heads} L={latent}+{rope}", target=target), mla)
     # GQA decode (llama-8B-like heads) and causal prefill
     heads, kv_heads, head_dim, bs = (32, 8, 128, 16) if not plan.dry else (4, 2, 32, 16)
     gqa_cases = ((("gqa_decode", [4095] * 64, [1] * 64), ("gqa_prefill", [0] * 4, [2048] * 4)) if not plan.dry
@@ -453,9 +476,9 @@ def bench_attention(plan: Plan) -> list[KernelRow]:
             row.flops = 4 * pairs * heads * head_dim
 
         shape = f"B={len(q_lens)} q={q_lens[0]} ctx={ctx_lens[0] + q_lens[0]} H={heads}/{kv_heads} D={head_dim}"
-        rows.append(_measure(KernelRow(name, shape), gqa))
-    rows += _bench_sparse_attention(plan)
-    rows += _bench_gpt_oss_attention(plan)
+        yield _measure(KernelRow(name, shape), gqa)
+    yield from _bench_sparse_attention(plan)
+    yield from _bench_gpt_oss_attention(plan)
     # writing the MLA latent of a prefill chunk into the paged cache
     tokens, width, bs = (16384, 576, 64) if not plan.dry else (64, 80, 16)
 
@@ -469,16 +492,15 @@ def bench_attention(plan: Plan) -> list[KernelRow]:
         row.nbytes = 2 * values.numel() * 2 + slots.numel() * 8
         row.agreement = "exact" if written else "MISMATCH"
 
-    rows.append(_measure(KernelRow("write_kv_cache", f"T={tokens} width={width}"), write))
-    return rows
+    yield _measure(KernelRow("write_kv_cache", f"T={tokens} width={width}"), write)
 
 
-def _bench_gpt_oss_attention(plan: Plan) -> list[KernelRow]:
+def _bench_gpt_oss_attention(plan: Plan) -> Iterator[KernelRow]:
     """gpt-oss-120b's GQA (64 / 8 heads of 64) with sinks at decode: a sliding layer (window 128) reads only its
     window, a full layer the whole context."""
     from reasoning_engine.kernels import attention, triton_attention
 
-    dev, bf16, rows = plan.device, torch.bfloat16, []
+    dev, bf16 = plan.device, torch.bfloat16
     heads, kv_heads, head_dim, bs = (64, 8, 64, 16) if not plan.dry else (4, 2, 32, 16)
     batch_size, ctx = (8, 32768) if not plan.dry else (2, 40)
     for window in ((128, None) if not plan.dry else (8, None)):
@@ -500,16 +522,15 @@ def _bench_gpt_oss_attention(plan: Plan) -> list[KernelRow]:
             row.flops = 4 * batch_size * span * heads * head_dim
 
         shape = f"B={batch_size} ctx={ctx} H={heads}/{kv_heads} D={head_dim} {'window ' + str(window) if window else 'full'}"
-        rows.append(_measure(KernelRow("gqa_sinks_decode gpt-oss", shape), gqa))
-    return rows
+        yield _measure(KernelRow("gqa_sinks_decode gpt-oss", shape), gqa)
 
 
-def _bench_sparse_attention(plan: Plan) -> list[KernelRow]:
+def _bench_sparse_attention(plan: Plan) -> Iterator[KernelRow]:
     """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5) at decode: the lightning indexer's scores over the whole
     context (64 index heads of 128 channels) and MLA over each query's 2,048 selected tokens (64 heads)."""
     from reasoning_engine.kernels import attention, sparse_attention, triton_attention, triton_sparse_attention
 
-    dev, bf16, rows = plan.device, torch.bfloat16, []
+    dev, bf16 = plan.device, torch.bfloat16
     index_heads, index_dim, topk, heads, latent, rope, bs = ((64, 128, 2048, 64, 512, 64, 64) if not plan.dry
                                                              else (8, 32, 16, 4, 64, 16, 16))
     for batch_size, ctx in ((1, 131072), (8, 32768)) if not plan.dry else ((1, 48), (2, 40)):
@@ -528,8 +549,7 @@ def _bench_sparse_attention(plan: Plan) -> list[KernelRow]:
             row.nbytes = batch.num_tokens * ctx * index_dim * 2
             row.flops = 2 * batch.num_tokens * index_heads * ctx * index_dim
 
-        rows.append(_measure(KernelRow("dsa_indexer", f"B={batch_size} ctx={ctx} H={index_heads} D={index_dim}"),
-                             indexer))
+        yield _measure(KernelRow("dsa_indexer", f"B={batch_size} ctx={ctx} H={index_heads} D={index_dim}"), indexer)
         kv = torch.randn(nblocks, bs, latent + rope, device=dev, dtype=bf16)
         q = torch.randn(batch_size, heads, latent + rope, device=dev, dtype=bf16)
         selected = torch.stack([torch.randperm(ctx, device=dev)[:topk] for _ in range(batch_size)])
@@ -550,9 +570,8 @@ def _bench_sparse_attention(plan: Plan) -> list[KernelRow]:
             row.nbytes = batch_size * topk * (latent + rope) * 2 + batch_size * heads * (2 * latent + rope) * 2
             row.flops = 2 * batch_size * heads * topk * (2 * latent + rope)
 
-        rows.append(_measure(KernelRow("dsa_sparse_mla", f"B={batch_size} ctx={ctx} k={topk} H={heads} "
-                                                         f"L={latent}+{rope}"), sparse_mla))
-    return rows
+        yield _measure(KernelRow("dsa_sparse_mla", f"B={batch_size} ctx={ctx} k={topk} H={heads} "
+                                                   f"L={latent}+{rope}"), sparse_mla)
 
 
 def _moe_inputs(tokens: int, experts: int, top_k: int, hidden: int, inter: int, quant: str | None, device: str) -> tuple[Any, ...]:
@@ -585,10 +604,10 @@ def _moe_inputs(tokens: int, experts: int, top_k: int, hidden: int, inter: int, 
     return x, w13, w2, weights, ids, MoEQuant("fp8_block", s13, s2), 1.0 + 4 / 128**2
 
 
-def bench_moe(plan: Plan) -> list[KernelRow]:
+def bench_moe(plan: Plan) -> Iterator[KernelRow]:
     from reasoning_engine.kernels import fused_moe, triton_moe
 
-    dev, rows = plan.device, []
+    dev = plan.device
     # (label, tokens, experts, top_k, hidden, inter, quant, bandwidth target)
     cases = [
         ("moe_bf16 moonlight", 1, 64, 6, 2048, 1408, None, None),
@@ -625,7 +644,7 @@ def bench_moe(plan: Plan) -> list[KernelRow]:
             row.nbytes = hit * 3 * hidden * inter * bytes_per_weight + 2 * tokens * hidden * 2
             row.flops = 2 * tokens * top_k * 3 * hidden * inter
 
-        rows.append(_measure(KernelRow(label, f"T={tokens} E={experts} k={top_k} H={hidden} I={inter}", target=target), moe))
+        yield _measure(KernelRow(label, f"T={tokens} E={experts} k={top_k} H={hidden} I={inter}", target=target), moe)
     tokens, experts, top_k, groups, topk_groups = (4096, 256, 8, 8, 4) if not plan.dry else (8, 16, 4, 4, 2)
 
     def router(row: KernelRow) -> None:
@@ -639,7 +658,7 @@ def bench_moe(plan: Plan) -> list[KernelRow]:
         row.torch_s = _bench(lambda: fused_moe.noaux_tc_router(*args), dev)
         row.nbytes = logits.numel() * 4 + tokens * top_k * 8
 
-    rows.append(_measure(KernelRow("noaux_tc_router", f"T={tokens} E={experts} k={top_k} groups={groups}/{topk_groups}"), router))
+    yield _measure(KernelRow("noaux_tc_router", f"T={tokens} E={experts} k={top_k} groups={groups}/{topk_groups}"), router)
     block = 64 if not plan.dry else 16
 
     def align(row: KernelRow) -> None:
@@ -650,11 +669,10 @@ def bench_moe(plan: Plan) -> list[KernelRow]:
         row.agreement = "exact" if all(torch.equal(a, b) for a, b in pairs) else "MISMATCH"
         row.nbytes = ids.numel() * 4 * 3
 
-    rows.append(_measure(KernelRow("moe_align_block_size", f"T={tokens} k={top_k} E={experts} block={block}"), align))
-    return rows
+    yield _measure(KernelRow("moe_align_block_size", f"T={tokens} k={top_k} E={experts} block={block}"), align)
 
 
-def bench_elementwise(plan: Plan) -> list[KernelRow]:
+def bench_elementwise(plan: Plan) -> Iterator[KernelRow]:
     from reasoning_engine.kernels import norm, rotary, triton_norm, triton_rotary
 
     dev, bf16 = plan.device, torch.bfloat16
@@ -683,11 +701,11 @@ def bench_elementwise(plan: Plan) -> list[KernelRow]:
         row.torch_s = _bench(lambda: rotary.apply_rotary(pos, q, k, cos, sin, True), dev)
         row.nbytes = 2 * (q.numel() + k.numel()) * 2 + tokens_r * dim * 4
 
-    return [_measure(KernelRow("fused_add_rms_norm", f"T={tokens} H={hidden}"), rms),
-            _measure(KernelRow("rotary interleaved", f"T={tokens_r} q={heads}x{dim} k=1x{dim}"), rope)]
+    yield _measure(KernelRow("fused_add_rms_norm", f"T={tokens} H={hidden}"), rms)
+    yield _measure(KernelRow("rotary interleaved", f"T={tokens_r} q={heads}x{dim} k=1x{dim}"), rope)
 
 
-def bench_sampling(plan: Plan) -> list[KernelRow]:
+def bench_sampling(plan: Plan) -> Iterator[KernelRow]:
     from reasoning_engine.kernels import sampling, triton_sampling
 
     dev = plan.device
@@ -714,34 +732,32 @@ def bench_sampling(plan: Plan) -> list[KernelRow]:
         row.torch_s = _bench(lambda: sampling.rejection_sample(*args), dev)
         row.nbytes = (target.numel() + q.numel()) * 4
 
-    return [_measure(KernelRow("sample top-k/top-p", f"B={batch} V={vocab}"), sample),
-            _measure(KernelRow("rejection_sample", f"B={batch} S={drafts} V={vocab}"), reject)]
+    yield _measure(KernelRow("sample top-k/top-p", f"B={batch} V={vocab}"), sample)
+    yield _measure(KernelRow("rejection_sample", f"B={batch} S={drafts} V={vocab}"), reject)
 
 
 def _fmt_us(seconds: float | None) -> str:
     return "" if seconds is None else f"{seconds * 1e6:.1f}"
 
 
-def kernel_table(rows: list[KernelRow], ceil: Ceilings) -> list[str]:
-    """Markdown table; `% of bandwidth` = bytes moved / Triton time / measured copy bandwidth."""
-    lines = [
-        "| kernel | shape | Triton µs | torch eager µs | speedup | roofline µs | % of roofline | % of bandwidth | bound | target | Triton vs torch |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        if r.error or r.triton_s is None:
-            lines.append(f"| {r.name} | {r.shape} | {r.error or 'not run'} | | | | | | | | |")
-            continue
-        roof = ceil.roofline_s(r.nbytes, r.flops)
-        bw = r.nbytes / r.triton_s / ceil.copy_bytes_per_s
-        bound = "memory" if r.nbytes / ceil.copy_bytes_per_s >= r.flops / ceil.matmul_flops_per_s else "compute"
-        speedup = f"{r.torch_s / r.triton_s:.1f}x" if r.torch_s else ""
-        target = "" if r.target is None else f"≥{100 * r.target:.0f}% BW: {'PASS' if bw >= r.target else 'FAIL'}"
-        lines.append(
-            f"| {r.name} | {r.shape} | {_fmt_us(r.triton_s)} | {_fmt_us(r.torch_s)} | {speedup} | {_fmt_us(roof)} | "
-            f"{100 * roof / r.triton_s:.0f}% | {100 * bw:.0f}% | {bound} | {target} | {r.agreement} |"
-        )
-    return lines
+KERNEL_TITLE = "Kernels (bf16 unless noted)"
+KERNEL_HEADER = [
+    "| kernel | shape | Triton µs | torch eager µs | speedup | roofline µs | % of roofline | % of bandwidth | bound | target | Triton vs torch |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
+]
+
+
+def kernel_line(r: KernelRow, ceil: Ceilings) -> str:
+    """One markdown row; `% of bandwidth` = bytes moved / Triton time / measured copy bandwidth."""
+    if r.error or r.triton_s is None:
+        return f"| {r.name} | {r.shape} | {r.error or 'not run'} | | | | | | | | |"
+    roof = ceil.roofline_s(r.nbytes, r.flops)
+    bw = r.nbytes / r.triton_s / ceil.copy_bytes_per_s
+    bound = "memory" if r.nbytes / ceil.copy_bytes_per_s >= r.flops / ceil.matmul_flops_per_s else "compute"
+    speedup = f"{r.torch_s / r.triton_s:.1f}x" if r.torch_s else ""
+    target = "" if r.target is None else f"≥{100 * r.target:.0f}% BW: {'PASS' if bw >= r.target else 'FAIL'}"
+    return (f"| {r.name} | {r.shape} | {_fmt_us(r.triton_s)} | {_fmt_us(r.torch_s)} | {speedup} | {_fmt_us(roof)} | "
+            f"{100 * roof / r.triton_s:.0f}% | {100 * bw:.0f}% | {bound} | {target} | {r.agreement} |")
 
 
 def kernel_targets(rows: list[KernelRow], ceil: Ceilings, report: Report) -> None:
@@ -756,19 +772,33 @@ def kernel_targets(rows: list[KernelRow], ceil: Ceilings, report: Report) -> Non
         report.target(name, f"{100 * bw:.0f}% ({_fmt_us(r.triton_s)} µs)", bw >= r.target)
 
 
-def run_kernel_timing(plan: Plan, ceil: Ceilings, budget: Budget, report: Report) -> None:
-    rows: list[KernelRow] = []
-    for group in (bench_attention, bench_moe, bench_elementwise, bench_sampling):
+KERNEL_GROUPS: tuple[Callable[[Plan], Iterator[KernelRow]], ...] = (bench_attention, bench_moe, bench_elementwise, bench_sampling)
+
+
+def run_kernel_timing(plan: Plan, ceil: Ceilings, budget: Budget, report: Report,
+                      groups: tuple[Callable[[Plan], Iterator[KernelRow]], ...] | None = None) -> None:
+    """Each group's rows in turn, each row (and its target) written to the report as soon as it is measured; a group
+    not reached within the budget gets one 'skipped' row, a group whose setup fails one error row."""
+    report.add(KERNEL_TITLE, list(KERNEL_HEADER))
+
+    def emit(row: KernelRow) -> None:
+        report.add(KERNEL_TITLE, [kernel_line(row, ceil)])
+        kernel_targets([row], ceil, report)
+        report.write()
+
+    for group in KERNEL_GROUPS if groups is None else groups:
         if budget.left() < 10:
-            rows.append(KernelRow(group.__name__, "", error="skipped: time budget"))
+            emit(KernelRow(group.__name__, "", error="skipped: time budget"))
             continue
         try:
-            rows += group(plan)
+            for row in group(plan):
+                emit(row)
+                if budget.left() < 10:
+                    break
         except Exception as exc:  # an import or setup failure of one group
-            rows.append(KernelRow(group.__name__, "", error=_err(exc)))
+            emit(KernelRow(group.__name__, "", error=_err(exc)))
         free_memory()
-    report.add("Kernels (bf16 unless noted)", [*kernel_table(rows, ceil), ""])
-    kernel_targets(rows, ceil, report)
+    report.add(KERNEL_TITLE, [""])
 
 
 # ------------------------------------------------------------------------------------------------------- end to end
@@ -878,21 +908,27 @@ def check_end_to_end(plan: Plan, work: Path, budget: Budget, report: Report) -> 
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, cfg["vocab_size"], (n,), generator=gen).tolist() for n in (5, 9, 17, 32)]
     max_tokens, prefix = 16, 8
-    lines = [f"{len(prompts)} prompts, {max_tokens} greedy tokens, model {cfg['num_hidden_layers']} layers x "
-             f"{cfg['n_routed_experts']} experts (hidden {cfg['hidden_size']}, kv_lora {cfg['kv_lora_rank']})", "",
-             f"| experts | backend | vs torch backend | first {prefix} agree |", "|---|---|---|---|"]
+    title = "End-to-end greedy parity (load_format=dummy)"
+    report.add(title, [f"{len(prompts)} prompts, {max_tokens} greedy tokens, model {cfg['num_hidden_layers']} layers x "
+                       f"{cfg['n_routed_experts']} experts (hidden {cfg['hidden_size']}, kv_lora {cfg['kv_lora_rank']})", "",
+                       f"| experts | backend | vs torch backend | first {prefix} agree |", "|---|---|---|---|"])
+
+    def row(line: str) -> None:
+        report.add(title, [line])
+        report.write()
+
     for label, int4 in (("bf16", False), ("int4", True)):
         folder = write_config(work / f"check-{label}", cfg, int4)
         reference: list[Greedy] | None = None
         for name, backend, graphs in (("torch", "torch", False), ("triton graphs", "triton", True), ("triton eager", "triton", False)):
             if budget.left() < 10:
-                lines.append(f"| {label} | {name} | skipped: time budget | |")
+                row(f"| {label} | {name} | skipped: time budget | |")
                 continue
             try:
                 tokens, captured = _parity_run(plan, folder, backend, graphs, prompts, max_tokens)
             except Exception as exc:
                 traceback.print_exc()
-                lines.append(f"| {label} | {name} | error: {_err(exc)} | |")
+                row(f"| {label} | {name} | error: {_err(exc)} | |")
                 continue
             finally:
                 free_memory()
@@ -901,12 +937,12 @@ def check_end_to_end(plan: Plan, work: Path, budget: Budget, report: Report) -> 
                 continue
             shown = f"{name} ({captured})" if captured else name
             if reference is None:
-                lines.append(f"| {label} | {shown} | no torch reference | |")
+                row(f"| {label} | {shown} | no torch reference | |")
                 continue
             ok, text = compare_tokens(tokens, reference, prefix)
-            lines.append(f"| {label} | {shown} | {text} | {'yes' if ok else 'NO'} |")
             report.target(f"e2e greedy parity {label} {name} vs torch (first {prefix} tokens)", text, ok)
-    report.add("End-to-end greedy parity (load_format=dummy)", [*lines, ""])
+            row(f"| {label} | {shown} | {text} | {'yes' if ok else 'NO'} |")
+    report.add(title, [""])
 
 
 def time_decode(llm: Any, plan: Plan, batch: int, vocab: int) -> tuple[float, float]:
@@ -943,19 +979,24 @@ def run_e2e_variant(plan: Plan, ceil: Ceilings, work: Path, int4: bool, graphs: 
     cfg = plan.e2e_config
     folder = write_config(work / f"e2e-{label}", cfg, int4)
     roof = ceil.copy_bytes_per_s / active_weight_bytes_per_token(cfg, INT4_BYTES_PER_PARAM if int4 else 2.0)
+    if E2E_TITLE not in report.body:
+        report.add(E2E_TITLE, [f"{cfg['num_hidden_layers']} layers, {cfg['n_routed_experts']} experts top-{cfg['num_experts_per_tok']}, "
+                               f"prompt {plan.prompt_len} tokens, {plan.output_len} output tokens, max_model_len {plan.max_model_len}; "
+                               "roofline = copy bandwidth / active weight bytes per token", ""])
     start = time.perf_counter()
     llm = make_llm(plan, folder, "triton", graphs, max(plan.batch_sizes))
-    built_s = time.perf_counter() - start
-    rows = []
+    report.add(E2E_TITLE, [f"{label} experts, graphs {on}: built in {time.perf_counter() - start:.0f} s", "", *E2E_HEADER])
+    report.write()
     for batch in plan.batch_sizes:
         if budget.left() < 5:
-            rows.append(f"| {label} | {on} | {batch} | skipped: time budget | | | | |")
+            report.add(E2E_TITLE, [f"| {label} | {on} | {batch} | skipped: time budget | | | | |"])
             continue
         try:
             rate, step_ms = time_decode(llm, plan, batch, cfg["vocab_size"])
         except Exception as exc:
             traceback.print_exc()
-            rows.append(f"| {label} | {on} | {batch} | error: {_err(exc)} | | | | |")
+            report.add(E2E_TITLE, [f"| {label} | {on} | {batch} | error: {_err(exc)} | | | | |"])
+            report.write()
             continue
         pct, target = "", ""
         if batch == 1:
@@ -964,15 +1005,11 @@ def run_e2e_variant(plan: Plan, ceil: Ceilings, work: Path, int4: bool, graphs: 
             target = f"≥{100 * DECODE_ROOFLINE_TARGET:.0f}%: {'PASS' if rate >= DECODE_ROOFLINE_TARGET * roof else 'FAIL'}"
             report.target(f"batch-1 decode {label} experts, graphs {on} ≥ {100 * DECODE_ROOFLINE_TARGET:.0f}% of roofline",
                           f"{rate:.0f} tok/s = {pct} of {roof:.0f}", rate >= DECODE_ROOFLINE_TARGET * roof)
-        rows.append(f"| {label} | {on} | {batch} | {rate:.1f} | {step_ms:.2f} | {roof:.0f} | {pct} | {target} |")
+        report.add(E2E_TITLE, [f"| {label} | {on} | {batch} | {rate:.1f} | {step_ms:.2f} | {roof:.0f} | {pct} | {target} |"])
+        report.write()
     captured = graph_info(llm) if graphs else "not asked for (enforce_eager)"
     del llm
-    if E2E_TITLE not in report.body:
-        report.add(E2E_TITLE, [f"{cfg['num_hidden_layers']} layers, {cfg['n_routed_experts']} experts top-{cfg['num_experts_per_tok']}, "
-                               f"prompt {plan.prompt_len} tokens, {plan.output_len} output tokens, max_model_len {plan.max_model_len}; "
-                               "roofline = copy bandwidth / active weight bytes per token", ""])
-    report.add(E2E_TITLE, [f"{label} experts, graphs {on}: built in {built_s:.0f} s; graphs captured: {captured}", "",
-                           *E2E_HEADER, *rows, ""])
+    report.add(E2E_TITLE, ["", f"{label} experts, graphs {on}: CUDA graphs captured: {captured}", ""])
 
 
 def check_tensor_parallel(plan: Plan, work: Path, budget: Budget, report: Report, tp: int) -> None:
@@ -1147,6 +1184,8 @@ def run_adaptive(plan: Plan, budget: Budget, report: Report, rounds: int = ADAPT
         closed_loop(llm, prompts[levels[-1]][:8], 4, 32, f"warm-{name}")
     rates: dict[tuple[str, int], list[float]] = {}
     tokens: dict[tuple[str, int], list[list[int]]] = {}
+    intro = (f"per level {', '.join(f'{lvl}: {len(prompts[lvl])}' for lvl in levels)} requests, at most "
+             f"{plan.adaptive_max_tokens} output tokens (EOS ends most sooner); total output tok/s, median of the rounds")
     rounds_done = 0
     for round_index in range(rounds):
         if round_index and budget.left() < 20:
@@ -1157,17 +1196,30 @@ def run_adaptive(plan: Plan, budget: Budget, report: Report, rounds: int = ADAPT
                                                    f"{name}-{level}-{round_index}")
                 rates.setdefault((name, level), []).append(count / seconds)
                 tokens[(name, level)] = outs
+            # the table so far (each level's medians over the rounds it has had), rewritten as each level finishes
+            report.replace(ADAPTIVE_TITLE, [f"{round_index + 1} round(s); {intro}", "", *adaptive_table(rates, tokens, report)])
+            report.write()
         rounds_done += 1
     snapshot = engines["adaptive"].engine.adaptive_snapshot()
     graphs = graph_info(engines["adaptive"])
     for llm in engines.values():
         llm.shutdown()
+    speculation = snapshot.get("speculation", {})
+    report.replace(ADAPTIVE_TITLE, [
+        f"{rounds_done} round(s); {intro}", "", *adaptive_table(rates, tokens, report), "",
+        f"adaptive at the end: steps decided `{json.dumps(speculation.get('decided'))}`; drafting gate "
+        f"`{json.dumps(speculation.get('gate'))}`; decode batch sizes seen "
+        f"`{json.dumps(snapshot.get('decode_batch_sizes'))}`; CUDA graphs: {graphs}", ""])
+
+
+def adaptive_table(rates: dict[tuple[str, int], list[float]], tokens: dict[tuple[str, int], list[list[int]]],
+                   report: Report) -> list[str]:
+    """The adaptive-vs-static table over the levels measured under every configuration so far (medians of their
+    rounds), and each such level's targets."""
     names = list(ADAPTIVE_CONFIGS)
-    lines = [f"{rounds_done} round(s); per level {', '.join(f'{lvl}: {len(prompts[lvl])}' for lvl in levels)} "
-             f"requests, at most {plan.adaptive_max_tokens} output tokens (EOS ends most sooner); total output tok/s, "
-             "median of the rounds", "",
-             f"| requests | {' | '.join(names)} | adaptive / static default | adaptive / best static | greedy outputs "
+    lines = [f"| requests | {' | '.join(names)} | adaptive / static default | adaptive / best static | greedy outputs "
              "equal to static k=0 |", "|---" * (len(names) + 4) + "|"]
+    levels = sorted({level for _, level in rates if all((n, level) in rates for n in names)})
     for level in levels:
         median = {name: statistics.median(rates[(name, level)]) for name in names}
         best_name = max((n for n in names if n != "adaptive"), key=median.__getitem__)
@@ -1182,11 +1234,7 @@ def run_adaptive(plan: Plan, budget: Budget, report: Report, rounds: int = ADAPT
         if level >= 16:
             report.target(f"adaptive ≥ {ADAPTIVE_DEFAULT_TARGET}x the static default at {level} requests",
                           f"{to_default:.2f}x", to_default >= ADAPTIVE_DEFAULT_TARGET)
-    speculation = snapshot.get("speculation", {})
-    lines += ["", f"adaptive at the end: steps decided `{json.dumps(speculation.get('decided'))}`; drafting gate "
-              f"`{json.dumps(speculation.get('gate'))}`; decode batch sizes seen "
-              f"`{json.dumps(snapshot.get('decode_batch_sizes'))}`; CUDA graphs: {graphs}", ""]
-    report.add(ADAPTIVE_TITLE, lines)
+    return lines
 
 
 # ------------------------------------------------------------------------------------------------------------- main
@@ -1230,35 +1278,51 @@ def _variant(int4: bool, graphs: bool) -> Callable[[State], None]:
     return lambda s: run_e2e_variant(s.plan, s.ceilings(), s.work, int4, graphs, s.budget, s.report, s.decode_rates())
 
 
-# name -> (seconds of budget it needs to start, what it runs); run in the section worker
-SECTIONS: dict[str, tuple[float, Callable[[State], None]]] = {
-    "ceilings": (0, section_ceilings),
-    "e2e greedy parity (overlaps the kernel tests)": (20, lambda s: check_end_to_end(s.plan, s.work, s.budget, s.report)),
-    "kernel timing": (30, lambda s: run_kernel_timing(s.plan, s.ceilings(), s.budget, s.report)),
-    "e2e decode bf16 experts, graphs on": (30, _variant(False, True)),
-    "e2e decode bf16 experts, graphs off": (30, _variant(False, False)),
-    "transformers generate, batch 1": (30, lambda s: run_transformers(s.plan, s.budget, s.report, s.decode_rates())),
-    "adaptive vs static speculation": (60, lambda s: run_adaptive(s.plan, s.budget, s.report)),
-    "e2e decode int4 experts, graphs on": (30, _variant(True, True)),
-    "e2e decode int4 experts, graphs off": (30, _variant(True, False)),
-    "tensor parallel": (60, lambda s: check_tensor_parallel(s.plan, s.work, s.budget, s.report, s.tensor_parallel_size)),
+@dataclass(frozen=True)
+class Section:
+    """A step run in the section worker: the budget it needs to start, and the longest it may take (its own budget
+    inside the run's, so a slow or hung section cannot starve the ones after it; what it measured is kept)."""
+
+    min_s: float
+    run: Callable[[State], None]
+    cap_s: float = math.inf
+
+
+PARITY = "e2e greedy parity"
+FIRST_DECODE = "e2e decode bf16 experts, graphs on"
+SECTIONS: dict[str, Section] = {
+    "ceilings": Section(0, section_ceilings),
+    FIRST_DECODE: Section(30, _variant(False, True), cap_s=150),
+    "transformers generate, batch 1": Section(30, lambda s: run_transformers(s.plan, s.budget, s.report, s.decode_rates())),
+    "kernel timing": Section(30, lambda s: run_kernel_timing(s.plan, s.ceilings(), s.budget, s.report)),
+    PARITY: Section(20, lambda s: check_end_to_end(s.plan, s.work, s.budget, s.report)),
+    "adaptive vs static speculation": Section(60, lambda s: run_adaptive(s.plan, s.budget, s.report)),
+    "e2e decode bf16 experts, graphs off": Section(30, _variant(False, False)),
+    "e2e decode int4 experts, graphs on": Section(30, _variant(True, True)),
+    "e2e decode int4 experts, graphs off": Section(30, _variant(True, False)),
+    "tensor parallel": Section(60, lambda s: check_tensor_parallel(s.plan, s.work, s.budget, s.report, s.tensor_parallel_size)),
 }
 START_TESTS, JOIN_TESTS = "start kernel tests", "kernel tests (compiled)"  # steps the orchestrator runs itself
 
 
 def run_steps(skip_tests: bool, skip_e2e: bool, tensor_parallel: bool = False) -> list[str]:
-    """The run's order: the tests overlap the parity check (neither is timed; both mostly compile on CPU cores) and
-    are joined before anything is timed; the transformers comparison comes right after bf16 (a target; INT4 is not);
-    tensor parallelism (several GPUs) comes last."""
+    """The run's order, the numbers that matter first: the ceilings, then batch-1 decode of the Moonlight-shaped model
+    (bf16 experts, CUDA graphs; batch 1 before 8 and 64) and transformers' batch-1 rate beside it, then the kernel
+    table, greedy parity, the adaptive engine against static speculation, the other decode variants; tensor
+    parallelism (several GPUs) last. With the kernel tests, they run first, beside the parity check (neither is
+    timed; both mostly compile on CPU cores), and are joined before anything is timed."""
     tests = not skip_tests
     e2e = not skip_e2e
     return [
         "ceilings",
         *([START_TESTS] if tests else []),
-        *(["e2e greedy parity (overlaps the kernel tests)"] if e2e else []),
+        *([PARITY] if tests and e2e else []),
         *([JOIN_TESTS] if tests else []),
+        *([FIRST_DECODE, "transformers generate, batch 1"] if e2e else []),
         "kernel timing",
-        *([name for name in SECTIONS if name.startswith(("e2e decode", "transformers", "adaptive"))] if e2e else []),
+        *([PARITY] if e2e and not tests else []),
+        *(["adaptive vs static speculation", "e2e decode bf16 experts, graphs off", "e2e decode int4 experts, graphs on",
+            "e2e decode int4 experts, graphs off"] if e2e else []),
         *(["tensor parallel"] if tensor_parallel else []),
     ]
 
@@ -1276,22 +1340,29 @@ def _device_healthy(device: str) -> bool:
 
 
 def _section_worker(conn: Any) -> None:
-    """Worker process: receives (section name, state), runs the section, sends back the state and whether the device
-    still works; None ends it."""
+    """Worker process: receives (section name, state), runs the section within its cap, sends ("progress", report)
+    each time the section writes the report and ("done", (state, whether the device still works)) at its end; None
+    ends it."""
     faulthandler.enable()
     torch.manual_seed(0)
     while (message := conn.recv()) is not None:
         name, state = message
-        faulthandler.dump_traceback_later(max(state.budget.left(), 0) + 20)  # a hang prints where it is stuck
-        min_s, fn = SECTIONS[name]
-        run_section(state.report, state.budget, name, min_s, lambda: fn(state))
+        section = SECTIONS[name]
+        run_budget = state.budget
+        state.budget = Budget(min(max(run_budget.left(), 0.0), section.cap_s))  # the section's own share
+        faulthandler.dump_traceback_later(state.budget.left() + 20)  # a hang prints where it is stuck
+        state.report.on_write = lambda report: conn.send(("progress", report))
+        run_section(state.report, run_budget, name, section.min_s, lambda: section.run(state))
+        state.report.on_write = None
         faulthandler.cancel_dump_traceback_later()
-        conn.send((state, _device_healthy(state.plan.device)))
+        state.budget = run_budget
+        conn.send(("done", (state, _device_healthy(state.plan.device))))
 
 
 class SectionWorker:
     """A spawned process running sections, so a crash, a hang or a broken CUDA context costs one section: the next
-    one gets a fresh worker (its Triton kernels come back from the on-disk compile cache)."""
+    one gets a fresh worker (its Triton kernels come back from the on-disk compile cache). `progress` holds the last
+    report the running section wrote: what it measured, should it die or hang."""
 
     def __init__(self) -> None:
         import multiprocessing
@@ -1301,17 +1372,33 @@ class SectionWorker:
         self.proc = ctx.Process(target=_section_worker, args=(child,), daemon=True)
         self.proc.start()
         child.close()
+        self.progress: Report | None = None
 
     def run(self, name: str, state: State, timeout_s: float) -> tuple[State, bool] | str:
         """(state after the section, device healthy), or why the worker gave no answer."""
+        self.progress = None
         self.conn.send((name, state))
-        if self.conn.poll(timeout_s):
+        deadline = time.time() + timeout_s
+        while self.conn.poll(max(deadline - time.time(), 0.0)):
             try:
-                return self.conn.recv()
+                kind, payload = self.conn.recv()
             except EOFError:
                 self.proc.join(10)
                 return f"section worker died (exit code {self.proc.exitcode})"
-        return f"section worker hung past the budget; killed after {timeout_s:.0f} s"
+            if kind == "done":
+                return payload
+            self.progress = payload
+        return f"section worker hung past its time; killed after {timeout_s:.0f} s"
+
+    def drain(self) -> None:
+        """Take the progress messages already sent (the orchestrator was interrupted while the section ran)."""
+        try:
+            while self.conn.poll(0):
+                kind, payload = self.conn.recv()
+                if kind == "progress":
+                    self.progress = payload
+        except (EOFError, OSError):
+            pass
 
     def stop(self, graceful: bool = True) -> None:
         """Ask the worker to exit (graceful), or kill it outright (hung or dead)."""
@@ -1346,6 +1433,14 @@ def _header(plan: Plan, budget_s: float, argv: list[str]) -> list[str]:
     ]
 
 
+class Terminated(Exception):
+    """SIGTERM reached the orchestrator: the caller's time limit (scripts/gpu_session.sh runs it under `timeout`)."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget-s", type=float, default=330.0, help="wall-clock budget; later sections are skipped once spent")
@@ -1373,14 +1468,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"writing {report.path}", flush=True)
     tests: KernelTests | None = None
     worker: SectionWorker | None = None
+    terminated = False
+    signal.signal(signal.SIGTERM, _terminate)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         state = State(plan, budget, report, Path(tmp), tensor_parallel_size=args.tensor_parallel_size)
         if args.tensor_parallel_size > max(1, torch.cuda.device_count()) and not plan.dry:
             print(f"--tensor-parallel-size {args.tensor_parallel_size} needs as many GPUs; this machine has "
                   f"{torch.cuda.device_count()}", file=sys.stderr)
             return 2
+        step, start = "", time.time()
         try:
             for step in run_steps(args.skip_tests, args.skip_e2e, args.tensor_parallel_size > 1):
+                start = time.time()
                 if step == START_TESTS:
                     tests = KernelTests(plan, report.path.with_name(report.path.stem + "_kernel_tests.log"))
                     continue
@@ -1390,10 +1489,10 @@ def main(argv: list[str] | None = None) -> int:
                     run_section(state.report, budget, step, -math.inf, lambda: running.join(state.report, budget))
                     continue
                 worker = worker or SectionWorker()
-                start = time.time()
-                answer = worker.run(step, state, max(budget.left(), 0) + 30)
-                if isinstance(answer, str):  # the section's partial results died with the worker
+                answer = worker.run(step, state, min(max(budget.left(), 0), SECTIONS[step].cap_s) + 30)
+                if isinstance(answer, str):  # the worker died or hung: keep the rows the section wrote before that
                     print(f"[{budget.elapsed():4.0f} s] {step}: {answer}", flush=True)
+                    state.report = worker.progress or state.report
                     state.report.status(step, f"error: {answer}", time.time() - start)
                     state.report.write()
                     worker.stop(graceful=False)
@@ -1405,17 +1504,26 @@ def main(argv: list[str] | None = None) -> int:
                     state.report.write()
                     worker.stop()
                     worker = None
+        except Terminated as exc:  # the caller's time limit: record where it struck, keep every row measured
+            terminated = True
+            if worker is not None:
+                worker.drain()
+                state.report = worker.progress or state.report
+            print(f"[{budget.elapsed():4.0f} s] {step}: killed by {exc}", flush=True)
+            state.report.status(step, f"killed by {exc} (the caller's time limit)", time.time() - start)
         finally:
             if tests is not None:
                 tests.kill()
             if worker is not None:
-                worker.stop()
+                worker.stop(graceful=not terminated)
     report = state.report
     report.header.append(f"- total wall time {budget.elapsed():.0f} s")
     report.write()
+    for stale in report.path.parent.glob(f".{report.path.name}.*.tmp"):  # a worker killed mid-write left it
+        stale.unlink(missing_ok=True)
     print(report.render())
     print(f"wrote {report.path}")
-    return 0
+    return 128 + signal.SIGTERM if terminated else 0
 
 
 if __name__ == "__main__":

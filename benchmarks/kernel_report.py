@@ -34,10 +34,13 @@ achieved bandwidth, and lists the registers and spills of the kernels the driver
 `--measure` runs the same cases through Triton's interpreter instead of compiling (a check of the script: the
 timings mean nothing), so use it with a narrow `--only`.
 
-The markdown report goes to DIR/kernel_report_<date>.md (default benchmarks/results). With `--json` the last line of
-stdout is a JSON list, one record per kernel, target and shape: kernel, target, shape, model, registers, spill_bytes
-(spill stores per thread), spill_load_bytes, shared_bytes, shared_limit, num_warps, num_stages, programs, ctas_per_sm,
-occupancy, decode_path, launched, config (constexprs, warps, stages) and error (a kernel that failed to compile).
+The markdown report goes to DIR/kernel_report_<device>_<date>.md (default benchmarks/results; <device>: cpu_aot for
+compiles alone, the GPU's name with --measure on one, cpu_interpreted without), written once the compiles are done and
+rewritten after every shape --measure times, so a run stopped at its time limit keeps every number it took. With
+`--json` the last line of stdout is a JSON list, one record per kernel, target and shape: kernel, target, shape, model,
+registers, spill_bytes (spill stores per thread), spill_load_bytes, shared_bytes, shared_limit, num_warps, num_stages,
+programs, ctas_per_sm, occupancy, decode_path, launched, config (constexprs, warps, stages) and error (a kernel that
+failed to compile).
 Records of decode-path kernels that spill or exceed the shared-memory limit are also listed on stderr.
 """
 
@@ -811,11 +814,14 @@ def passes_targets(record: dict[str, Any]) -> bool:
 @dataclass
 class Measurement:
     case: Case
-    seconds: float
+    seconds: float | None
+    error: str = ""  # why the shape has no time (out of memory, a failed launch)
 
 
-def measure(cases: list[Case], device: str, budget_s: float) -> list[Measurement]:
-    """Time each op with do_bench (medians; L2 flushed between runs) on real tensors; stop when the budget is spent."""
+def measure(cases: list[Case], device: str, budget_s: float,
+            on_measured: Callable[[list[Measurement]], None] = lambda _: None) -> list[Measurement]:
+    """Time each op with do_bench (medians; L2 flushed between runs) on real tensors; stop when the budget is spent.
+    `on_measured` sees the list after every shape, so the report on disk grows as the numbers come in."""
     import torch
     import triton
 
@@ -837,10 +843,13 @@ def measure(cases: list[Case], device: str, budget_s: float) -> list[Measurement
             out.append(Measurement(case, seconds))
             print(f"  {case.label}: {seconds * 1e6:.1f} us", file=sys.stderr)
         except Exception as exc:  # one failing shape (e.g. out of memory) costs that shape only
-            print(f"  {case.label}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            error = f"{type(exc).__name__}: {exc}".replace("\n", " ").replace("|", "\\|")[:200]
+            out.append(Measurement(case, None, error))
+            print(f"  {case.label}: {error}", file=sys.stderr)
         finally:
             if device == "cuda":
                 torch.cuda.empty_cache()
+        on_measured(out)
     return out
 
 
@@ -851,7 +860,7 @@ def loaded_kernels() -> list[str]:
 
     lines = []
     for module in ("triton_attention", "triton_moe", "triton_norm", "triton_rotary", "triton_sampling",
-                   "triton_vision_attention"):
+                   "triton_sparse_attention", "triton_vision_attention"):
         mod = importlib.import_module(f"reasoning_engine.kernels.{module}")
         for name, fn in sorted(vars(mod).items()):
             for caches in getattr(fn, "device_caches", {}).values():
@@ -878,12 +887,12 @@ def _fmt_bytes(n: float) -> str:
 
 def render(records: list[dict[str, Any]], rows: list[Row], traffic: dict[str, tuple[Case, Traffic]],
            measurements: list[Measurement], loaded: list[str], measured_on: str, command: str, date: str,
-           targets: list[Target]) -> str:
+           targets: list[Target], device: str) -> str:
     import triton
 
     lines = [
         f"# Triton kernels compiled for {', '.join(f'{t.name} ({t.gpu})' for t in targets)}: registers, spills, shared "
-        f"memory, occupancy, decode bytes vs roofline ({date})",
+        f"memory, occupancy, decode bytes vs roofline ({date}; {device})",
         "",
         f"Produced by `{command}` (Triton {triton.__version__}, ptxas bundled with it). Registers and spill bytes are "
         "per thread, from ptxas -v; shared memory per CTA, from the compiled kernel; occupancy = resident warps / 64 per "
@@ -966,6 +975,9 @@ def render(records: list[dict[str, Any]], rows: list[Row], traffic: dict[str, tu
                   "Medians of triton.testing.do_bench (L2 flushed between runs) on random inputs of the same shapes.", "",
                   "| model | op | shape | time us | minimum bytes / time | of the H200's 4.8 TB/s |", "|---|---|---|---|---|---|"]
         for m in measurements:
+            if m.seconds is None:
+                lines.append(f"| {m.case.model} | {m.case.op} | {m.case.shape} | error: {m.error} | | |")
+                continue
             tr = traffic.get(m.case.label)
             rate = tr[1].minimum / m.seconds if tr else None
             lines.append(f"| {m.case.model} | {m.case.op} | {m.case.shape} | {m.seconds * 1e6:.1f} | "
@@ -974,6 +986,18 @@ def render(records: list[dict[str, Any]], rows: list[Row], traffic: dict[str, tu
         lines += ["", "## Kernels the driver loaded (--measure)", "", "| kernel | regs | spills | shared B | warps |",
                   "|---|---|---|---|---|", *loaded]
     return "\n".join(lines) + "\n"
+
+
+def describe_device(measure: bool, gpu_name: str | None) -> tuple[str, str]:
+    """What produced the report, for its heading, and the same as a file-name part: ahead-of-time compiles alone, or
+    with timings on a GPU (named), or with timings through Triton's interpreter on a CPU (a check of the script)."""
+    if not measure:
+        return ("CPU ahead-of-time compile, no GPU" if gpu_name is None else
+                f"CPU ahead-of-time compile on a {gpu_name} machine, nothing run on the GPU"), "cpu_aot"
+    if gpu_name is None:
+        return "CPU, Triton's interpreter, no GPU (a check of the script: its timings mean nothing)", "cpu_interpreted"
+    slug = re.sub(r"[^a-z0-9]+", "_", gpu_name.lower()).strip("_")
+    return f"{gpu_name}, timed with --measure; registers also from a CPU ahead-of-time compile", slug
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1000,6 +1024,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop("TRITON_INTERPRET", None)
     else:
         os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    # as in the compiling workers: Triton keys its on-disk cache by this variable too, so with it set alike the
+    # kernels --measure launches here are the ones those workers compiled, not compiled again one by one
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     targets = [TARGETS[t] for t in args.targets.split(",")]
     cases = [c for c in all_cases() if args.only is None or re.search(args.only, c.label)]
     if not cases:
@@ -1030,18 +1057,33 @@ def main(argv: list[str] | None = None) -> int:
     measured_on = ""
     if args.measure:
         measured_on = torch.cuda.get_device_name() if gpu else "CPU through Triton's interpreter (a check of the script)"
+    device, slug = describe_device(args.measure, torch.cuda.get_device_name() if gpu else None)
+    command = "python benchmarks/kernel_report.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    path = args.out / f"kernel_report_{slug}_{args.date}.md"
+
+    def write_report() -> None:
+        """The whole report as it stands, replaced atomically: after the compiles, after every measured shape."""
+        from reasoning_engine.adaptive.state import write_atomically
+
+        if args.no_write:
+            return
+        args.out.mkdir(parents=True, exist_ok=True)
+        text = render(records, rows, traffic, measurements, loaded, measured_on, command.strip(), args.date, targets, device)
+        write_atomically(path, lambda handle: handle.write(text.encode()))
+
+    write_report()
+    if args.measure:
         decode_ops = [c for c in cases if c.decode_path and c.launched]
         decode_ops.sort(key=lambda c: c.op not in MEASURE_FIRST)  # the big ops first, should the budget run out
-        measurements = measure(decode_ops, "cuda" if gpu else "cpu", args.budget_s)
-        if gpu:
-            loaded = loaded_kernels()
 
-    command = "python benchmarks/kernel_report.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = render(records, rows, traffic, measurements, loaded, measured_on, command.strip(), args.date, targets)
+        def measured(so_far: list[Measurement]) -> None:
+            measurements[:] = so_far
+            if gpu:
+                loaded[:] = loaded_kernels()
+            write_report()
+
+        measure(decode_ops, "cuda" if gpu else "cpu", args.budget_s, measured)
     if not args.no_write:
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"kernel_report_{args.date}.md"
-        path.write_text(text)
         print(f"wrote {path}", file=sys.stderr)
     failed = [r for r in records if r["decode_path"] and not passes_targets(r)]
     for r in failed:

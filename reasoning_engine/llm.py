@@ -140,7 +140,9 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion, batched; outputs come back in prompt order."""
+        """Run every prompt to completion, batched; outputs come back in prompt order. A prompt dict may carry a
+        `cache_salt` ({"prompt_token_ids": [...], "cache_salt": "tenant-a"}): it shares prefix-cache blocks only with
+        prompts of the same salt."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -153,8 +155,10 @@ class LLM:
 
     def chat(self, messages: Conversation | Sequence[Conversation], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Render each conversation with the checkpoint's chat template, then generate."""
+             add_generation_prompt: bool = True, use_tqdm: bool = False,
+             cache_salt: str | None = None) -> list[RequestOutput]:
+        """Render each conversation with the checkpoint's chat template, then generate (`cache_salt`: see
+        `generate`)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this checkpoint has none")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -174,6 +178,8 @@ class LLM:
             prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
             if media.images or media.videos:
                 prompt["multi_modal_data"] = media.multi_modal_data()
+            if cache_salt is not None:
+                prompt["cache_salt"] = cache_salt
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from reasoning_engine.config import EngineConfig
-from reasoning_engine.engine.engine import EngineStats, LLMEngine, PromptType
+from reasoning_engine.engine.engine import EngineStats, LLMEngine, PromptType, prompt_cache_salt
 from reasoning_engine.llm import build_engine_config
 from reasoning_engine.multimodal.inputs import MediaItem
 from reasoning_engine.multimodal.processing import MediaProcessor
@@ -92,10 +92,11 @@ class AsyncLLM:
                        session_id: str | None = None, workload: str = "default") -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs as tokens arrive; the last one has finished=True. Cancelling aborts the request;
         `abort(request_id)` ends the stream with a last output whose unfinished samples say finish_reason "abort".
-        `session_id` and `workload`: see LLMEngine.add_request."""
+        `session_id` and `workload`, and a prompt dict's `cache_salt`: see LLMEngine.add_request."""
         if self._stopped or self.failure is not None:
             raise EngineDeadError(self.failure or "the engine is shut down")
         request_id = request_id or uuid.uuid4().hex
+        cache_salt = prompt_cache_salt(prompt)
         token_ids, media = await self.expand_prompt(prompt)
         self.engine.validate(token_ids, params, media)
         loop = asyncio.get_running_loop()
@@ -104,8 +105,9 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = (loop, outputs)
-        self._send("add", (request_id, {"prompt_token_ids": token_ids, "prompt": prompt if isinstance(prompt, str) else None},
-                           params, session_id, workload, media))
+        resolved = {"prompt_token_ids": token_ids, "prompt": prompt if isinstance(prompt, str) else None,
+                    "cache_salt": cache_salt}
+        self._send("add", (request_id, resolved, params, session_id, workload, media))
         finished = False
         try:
             while not finished:

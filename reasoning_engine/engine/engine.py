@@ -15,7 +15,7 @@ import torch
 from reasoning_engine.adaptive.state import check_state_dir
 from reasoning_engine.config import EngineConfig
 from reasoning_engine.engine.detokenizer import IncrementalDetokenizer
-from reasoning_engine.engine.kv_cache import BlockManager, prefix_hashes
+from reasoning_engine.engine.kv_cache import BlockManager, check_cache_salt, prefix_hashes
 from reasoning_engine.engine.executor import start_executor
 from reasoning_engine.engine.model_runner import ModelRunner, StepResult
 from reasoning_engine.engine.request import Request, RequestStatus
@@ -132,12 +132,12 @@ class LLMEngine:
             self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         return self._grammars
 
-    def _pick_replica(self, token_ids: list[int], media: tuple[MediaItem, ...]) -> int:
-        """Data parallelism: the replica already holding the longest prefix of the prompt in its cache, then the
-        least loaded (fewest unfinished requests)."""
+    def _pick_replica(self, token_ids: list[int], media: tuple[MediaItem, ...], cache_salt: str | None) -> int:
+        """Data parallelism: the replica already holding the longest prefix of the prompt (under its salt) in its
+        cache, then the least loaded (fewest unfinished requests)."""
         if len(self.schedulers) == 1:
             return 0
-        hashes = prefix_hashes(token_ids, self.config.block_size, media)
+        hashes = prefix_hashes(token_ids, self.config.block_size, media, cache_salt)
         return max(range(len(self.schedulers)), key=lambda r: (
             self.schedulers[r].blocks.cached_prefix_blocks(hashes),
             -len(self.schedulers[r].running) - len(self.schedulers[r].waiting), -r))
@@ -204,17 +204,19 @@ class LLMEngine:
         """`session_id` (an agent's conversation, e.g. the OpenAI `user` or `prompt_cache_key`) and `workload` (a
         class such as "agent" or "chat") tell the adaptive engine what to keep and what to expect. `media`: the
         items of a prompt whose placeholders `expand_media` already expanded (AsyncLLM does it off the engine
-        thread); otherwise the prompt's `multi_modal_data` is expanded here."""
+        thread); otherwise the prompt's `multi_modal_data` is expanded here. A prompt dict's `cache_salt` keeps its
+        prefix-cache blocks apart from those of prompts with another salt or none."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        cache_salt = prompt_cache_salt(prompt)
         text, token_ids = self.tokenize(prompt)
         if media is None:
             token_ids, media = self.expand_media(prompt, token_ids)
         self.validate(token_ids, params, media)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         thinking = self._starts_in_thinking(token_ids)
-        replica = self._pick_replica(token_ids, media)
+        replica = self._pick_replica(token_ids, media, cache_salt)
         grammar = self.grammars.matcher(params.structured_outputs) if params.structured_outputs is not None else None
         bad_word_ids = self._bad_word_ids(params.bad_words) if params.bad_words else []
         group = []
@@ -222,7 +224,7 @@ class LLMEngine:
             request = Request(seq_id=f"{request_id}#{index}", group_id=request_id, index=index, prompt=text,
                               prompt_token_ids=token_ids, params=params, eos_token_ids=self.eos_token_ids,
                               arrival_time=arrival, thinking=thinking, capture_logits=capture_logits, replica=replica,
-                              session=session_id, workload=workload, media=media,
+                              session=session_id, workload=workload, media=media, cache_salt=cache_salt,
                               grammar=grammar.fork() if grammar is not None and index else grammar,
                               bad_word_ids=bad_word_ids)
             group.append(request)
@@ -608,6 +610,12 @@ class LLMEngine:
         for kind, error in snap["cost_model"]["prediction_error"].items():
             gauges[f"cost_log_error_{kind}"] = error["log_abs"]
         return gauges, counters
+
+
+def prompt_cache_salt(prompt: PromptType) -> str | None:
+    """A prompt dict's `cache_salt` (vLLM's: {"prompt_token_ids" or "prompt": ..., "cache_salt": "tenant-a"}), checked;
+    None for a plain prompt or a dict without one."""
+    return check_cache_salt(prompt.get("cache_salt")) if isinstance(prompt, dict) else None
 
 
 def _media_list(value: Any) -> list[Any]:

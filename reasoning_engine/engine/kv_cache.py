@@ -1,7 +1,11 @@
 """Paged KV-cache bookkeeping (PagedAttention, Kwon et al., 2023, arXiv:2309.06180) with prefix caching.
 
-Blocks hold `block_size` tokens. A full block is keyed by the hash of its tokens chained to the hash of the block
-before it, so a key names a whole prefix; requests with a common prefix share those blocks (reference counted). A block whose last
+Blocks hold `block_size` tokens. A full block is keyed by a SHA-256 digest of its tokens chained to the key of the
+block before it, so a key names a whole prefix; requests with a common prefix share those blocks (reference counted).
+Keys are a cryptographic hash of an unambiguous encoding (`block_hash`), so no one can craft a prompt whose blocks take
+another prompt's KV, and they are the same in every process and after a restart. A prompt's optional `cache_salt` is
+mixed into its first block's key (`root_hash`), and through the chain into every later one: prompts share cached
+blocks only when their salts are equal (vLLM's `cache_salt`, which keeps tenants' prefixes apart). A block whose last
 user leaves goes to the back of the free queue but keeps its key, so it can still be hit until it is reused: eviction
 is least-recently-freed first, and only ever of unreferenced blocks. A block freed without a key (a partly filled
 tail, or one that held only rejected draft tokens) goes to the front: it holds nothing to hit, so it is reused first
@@ -15,16 +19,23 @@ as free. A protection past its deadline is dropped and its block rejoins the pla
 cached block again (at the front it was evicted before the blocks that hold nothing, so with the cache nearly empty a
 finished turn's prefix was lost as soon as its hold ran out, and the adaptive server's prefix hit rate fell below
 plain LRU's). A prefix hit on a protected block is a retention hit, and tells which turn it came back to. A block
-holding image or video placeholders also keys on those media's content hashes.
+holding image or video placeholders also keys on those media's content hashes and where they start.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from reasoning_engine.engine.request import Request
 from reasoning_engine.multimodal.inputs import MediaItem, media_keys
+
+MAX_CACHE_SALT_LENGTH = 256  # characters: room for a tenant id or a random token, bounded since the server takes it
+ROOT_DOMAIN = b"reasoning-engine kv-prefix v1\0"  # the first block's parent: what these keys are (and their version)
+_UNSALTED_ROOT = hashlib.sha256(ROOT_DOMAIN + b"\0").digest()
 
 
 @dataclass
@@ -39,10 +50,10 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_keys: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}
+        self.block_keys: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self.protected: dict[int, Protection] = {}  # key -> protection
+        self.protected: dict[bytes, Protection] = {}  # key -> protection
         self.protected_free: OrderedDict[int, None] = OrderedDict()  # unreferenced protected blocks, oldest first
         self._next_deadline = float("inf")
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
@@ -139,7 +150,7 @@ class BlockManager:
             else:
                 (self.protected_free if key in self.protected else self.free_queue)[block] = None
 
-    def protect(self, keys: list[int], until: float, origin: str) -> int:
+    def protect(self, keys: list[bytes], until: float, origin: str) -> int:
         """Keep these cached prefix keys (a finished turn's full blocks) out of eviction until `until`, unless
         blocks run out; returns how many blocks are now protected for it."""
         count = 0
@@ -186,18 +197,19 @@ class BlockManager:
                 self.cached[key] = block
 
     @staticmethod
-    def full_block_keys(request: Request) -> list[int]:
+    def full_block_keys(request: Request) -> list[bytes]:
         """The prefix keys of the blocks the request filled (what a finished turn leaves; kept after it is freed)."""
         return list(request.block_hashes)
 
-    def _block_hash(self, request: Request, index: int, tokens: list[int]) -> int:
-        """Chained hash of block `index` of the request's tokens, memoised on the request (tokens never change)."""
+    def _block_hash(self, request: Request, index: int, tokens: list[int]) -> bytes:
+        """Chained key of block `index` of the request's tokens, memoised on the request (tokens never change)."""
         hashes = request.block_hashes
         while len(hashes) <= index:
-            hashes.append(_chain(hashes[-1] if hashes else None, tokens, len(hashes), self.block_size, request.media))
+            hashes.append(_chain(hashes[-1] if hashes else None, tokens, len(hashes), self.block_size, request.media,
+                                 request.cache_salt))
         return hashes[index]
 
-    def cached_prefix_blocks(self, hashes: list[int]) -> int:
+    def cached_prefix_blocks(self, hashes: list[bytes]) -> int:
         """How many leading blocks of a prompt (its `prefix_hashes`) this cache holds."""
         count = 0
         while count < len(hashes) and hashes[count] in self.cached:
@@ -222,17 +234,52 @@ class BlockManager:
         self.ref_counts[block] += 1
 
 
-def _chain(previous: int | None, tokens: list[int], index: int, block_size: int,
-           media: tuple[MediaItem, ...] = ()) -> int:
+def check_cache_salt(value: object) -> str | None:
+    """A prompt's `cache_salt` as given (None: no salt), or ValueError naming it."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"cache_salt: must be a string, got {type(value).__name__}")
+    if not 1 <= len(value) <= MAX_CACHE_SALT_LENGTH:
+        raise ValueError(f"cache_salt: must be 1 to {MAX_CACHE_SALT_LENGTH} characters, got {len(value)}")
+    return value
+
+
+def root_hash(cache_salt: str | None) -> bytes:
+    """The parent key of a prompt's first block: SHA-256 of ROOT_DOMAIN, then 0x00 without a salt, or 0x01, the
+    salt's UTF-8 length (uint32 LE) and its UTF-8 bytes (a lone surrogate, which JSON can carry, kept as is)."""
+    if cache_salt is None:
+        return _UNSALTED_ROOT
+    salt = cache_salt.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(ROOT_DOMAIN + b"\1" + struct.pack("<I", len(salt)) + salt).digest()
+
+
+def block_hash(parent: bytes, tokens: Sequence[int], media: Sequence[tuple[str, int]] = ()) -> bytes:
+    """The key of one full block: SHA-256 (32 bytes) of
+        parent            32 bytes: the previous block's key, or `root_hash(cache_salt)` for the first block
+        len(tokens)       uint32 LE, then each token as int64 LE
+        len(media)        uint32 LE, then per item its start relative to the block (int64 LE: negative when it began
+                          in an earlier block), its content hash's length (uint32 LE) and the hash (UTF-8)
+    Every field has a fixed width or a length before it, so two different blocks never encode alike."""
+    parts = [parent, struct.pack(f"<I{len(tokens)}qI", len(tokens), *tokens, len(media))]
+    for content_hash, start in media:
+        encoded = content_hash.encode()
+        parts.append(struct.pack("<qI", start, len(encoded)) + encoded)
+    return hashlib.sha256(b"".join(parts)).digest()
+
+
+def _chain(previous: bytes | None, tokens: list[int], index: int, block_size: int,
+           media: tuple[MediaItem, ...] = (), cache_salt: str | None = None) -> bytes:
     start, stop = index * block_size, (index + 1) * block_size
-    if media:
-        return hash((previous, tuple(tokens[start:stop]), media_keys(media, start, stop)))
-    return hash((previous, tuple(tokens[start:stop])))
+    parent = previous if previous is not None else root_hash(cache_salt)
+    return block_hash(parent, tokens[start:stop], media_keys(media, start, stop) if media else ())
 
 
-def prefix_hashes(tokens: list[int], block_size: int, media: tuple[MediaItem, ...] = ()) -> list[int]:
+def prefix_hashes(tokens: list[int], block_size: int, media: tuple[MediaItem, ...] = (),
+                  cache_salt: str | None = None) -> list[bytes]:
     """The chained keys of a prompt's full blocks (but the last token's), as the prefix cache names them."""
-    hashes: list[int] = []
+    hashes: list[bytes] = []
     for index in range((len(tokens) - 1) // block_size):
-        hashes.append(_chain(hashes[-1] if hashes else None, tokens, index, block_size, media))
+        hashes.append(_chain(hashes[-1] if hashes else None, tokens, index, block_size, media, cache_salt))
     return hashes
+

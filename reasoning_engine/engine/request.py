@@ -38,7 +38,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks seen so far
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of the full blocks seen so far
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
@@ -61,6 +61,7 @@ class Request:
     session: str | None = None  # an agent's conversation (adaptive KV retention)
     workload: str = "default"  # its class, for the adaptive engine's statistics
     media: tuple[MediaItem, ...] = ()  # images and video chunks, by their placeholders' offset in the prompt
+    cache_salt: str | None = None  # mixed into its prefix-cache keys: only prompts with the same salt share blocks
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:

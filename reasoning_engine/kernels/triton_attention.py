@@ -323,10 +323,11 @@ def _prefill_kernel(
 
 def _decode_tiles(group: int, block_dv: int, v_from_k: bool) -> tuple[int, int, int]:
     """(query heads per program, keys per tile, warps) of the decode kernel. Wide values (MLA's 512-channel latent)
-    keep a [heads, 512] float32 accumulator in registers: 16 heads x 32 keys, or, when the key tile doubles as the
-    value tile, 32 heads x 16 keys (Kimi's 64 heads: two programs per cache tile), both 128 registers, 56 KB shared,
-    two CTAs per SM on sm_90 and sm_100 (benchmarks/results/kernel_report_2026-12-02.md). 64 heads per program spills
-    76 to 1,040 bytes a thread on sm_90 at 8 or 16 warps, 16 or 32 keys, 1 to 3 stages."""
+    keep a [heads, 512] float32 accumulator in registers: 16 heads x 32 keys (127-128 registers, two CTAs per SM on
+    sm_90 and sm_100), or, when the key tile doubles as the value tile, 32 heads x 16 keys (Kimi's 64 heads: two
+    programs per cache tile; 130 registers on sm_90, so one CTA per SM there, and 128, two CTAs, on sm_100), both 56 KB
+    shared (benchmarks/results/kernel_report_cpu_aot_2026-12-07.md). 64 heads per program spills 76 to 1,040 bytes a
+    thread on sm_90 at 8 or 16 warps, 16 or 32 keys, 1 to 3 stages."""
     if block_dv >= 256:
         if v_from_k and group > 16:
             return 32, 16, 8

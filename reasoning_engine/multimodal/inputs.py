@@ -44,7 +44,8 @@ def content_hash(pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> 
     return digest.hexdigest()
 
 
-def media_keys(media: tuple[MediaItem, ...], start: int, stop: int) -> tuple[str, ...]:
-    """Content hashes of the items whose placeholders fall in token positions [start, stop): part of a prefix-cache
-    block's key, so equal text with different images never shares KV."""
-    return tuple(item.content_hash for item in media if item.overlaps(start, stop))
+def media_keys(media: tuple[MediaItem, ...], start: int, stop: int) -> tuple[tuple[str, int], ...]:
+    """(content hash, first placeholder's position relative to `start`) of the items whose placeholders fall in token
+    positions [start, stop): part of a prefix-cache block's key, so equal text with different images, or the same
+    image's rows in other places, never shares KV."""
+    return tuple((item.content_hash, item.offset - start) for item in media if item.overlaps(start, stop))

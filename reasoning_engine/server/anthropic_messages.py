@@ -16,7 +16,8 @@ Where the two APIs differ:
   Anthropic counts them; count_tokens gives the whole prompt.
 - `max_tokens` past the room left in the context is cut to that room (newer Claude models do the same) and a reply
   that fills it stops with `model_context_window_exceeded`.
-- Without `thinking` the chat template's default applies (the bundled model thinks); `budget_tokens` has no floor.
+- Without `thinking` the chat template's default applies (the bundled model thinks). `budget_tokens` follows
+  Anthropic's rules: at least 1024, and below `max_tokens` unless an interleaved-thinking beta is on.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ from starlette.responses import JSONResponse, Response
 
 from reasoning_engine.server.chat_template import disable_thinking
 from reasoning_engine.server.errors import APIError, bad_request, param_from_loc
+from reasoning_engine.server.openapi import errors
 from reasoning_engine.server.parsing import ParsedDelta
-from reasoning_engine.server.protocol import ChatCompletionRequest
+from reasoning_engine.server.protocol import CacheSalt, ChatCompletionRequest
 from reasoning_engine.server.routing import json_body, session_key, start_or_close
 from reasoning_engine.server.serving import (
     ChatRun,
@@ -54,6 +56,8 @@ from reasoning_engine.server.tool_parsers import ToolCallDelta
 
 PATH_PREFIX = "/v1/messages"
 _TOOL_ID_PREFIX = "toolu_"
+MIN_THINKING_BUDGET = 1024  # Anthropic's floor for thinking.budget_tokens
+INTERLEAVED_THINKING_BETA = "interleaved-thinking-"  # its `anthropic-beta` names let the budget pass max_tokens
 _TAG = "~"  # union tags start with it, so the parameter an error names can leave them out
 _THINKING_ON = {"thinking": True, "enable_thinking": True}  # the switches chat_template.disable_thinking turns off
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -68,7 +72,8 @@ _CHAT_PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
 # ---- request bodies ---------------------------------------------------------------------------------------
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # cache_control and the like are accepted
+    # cache_control and the like are accepted; types are strict, as Anthropic's are (no 0 for false)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 def _one_of(*members: type[_Body]) -> Any:
@@ -194,7 +199,7 @@ ToolChoice = _one_of(ToolChoiceAuto, ToolChoiceAny, ToolChoiceTool, ToolChoiceNo
 
 class ThinkingEnabled(_Body):
     type: Literal["enabled"]
-    budget_tokens: int = Field(ge=1)
+    budget_tokens: int = Field(ge=MIN_THINKING_BUDGET)
     display: Literal["summarized", "omitted"] | None = None
 
 
@@ -233,10 +238,11 @@ class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0, le=1)
-    top_p: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
     metadata: Metadata | None = None
     stream: bool = False
+    cache_salt: CacheSalt = None  # vLLM's, as on the OpenAI routes (Anthropic's API has no such field)
 
 
 # ---- request translation ----------------------------------------------------------------------------------
@@ -299,6 +305,7 @@ def translate(req: CountTokensRequest) -> Translation:
     """The Messages request as a chat request: system first, each tool_result a tool message, the rest of a user
     turn a user message after them, an assistant turn's thinking / text / tool_use its reasoning, content and
     tool calls; a final assistant turn is a prefill the reply continues."""
+    _check_tool_results(req.messages)
     names = ParamNames()
     messages: list[dict[str, Any]] = []
     if req.system:
@@ -330,11 +337,28 @@ def translate(req: CountTokensRequest) -> Translation:
     chat.update(_thinking(req.thinking))
     if isinstance(req, MessagesRequest):
         chat.update(max_tokens=None, stream=req.stream, stop=req.stop_sequences, temperature=req.temperature,
-                    top_p=req.top_p, top_k=req.top_k, user=req.metadata.user_id if req.metadata else None)
+                    top_p=req.top_p, top_k=req.top_k, user=req.metadata.user_id if req.metadata else None,
+                    cache_salt=req.cache_salt)
     try:
         return Translation(ChatCompletionRequest.model_validate(chat), names)
     except ValidationError as exc:
         raise names.error(invalid(exc)) from exc
+
+
+def _check_tool_results(messages: list[MessageParam]) -> None:
+    """Each tool_result answers a tool_use of the message right before it, as Anthropic requires: a 400 naming
+    `messages[k].content[j].tool_use_id` otherwise."""
+    for k, message in enumerate(messages):
+        if isinstance(message.content, str):
+            continue
+        before = messages[k - 1].content if k > 0 and messages[k - 1].role == "assistant" else ""
+        uses = {block.id for block in before if isinstance(block, ToolUseBlock)} if isinstance(before, list) else set()
+        for j, block in enumerate(message.content):
+            if isinstance(block, ToolResultBlock) and block.tool_use_id not in uses:
+                param = f"messages[{k}].content[{j}].tool_use_id"
+                raise bad_request(f"{param}: unexpected `tool_use_id` {block.tool_use_id[:100]!r} in a `tool_result` "
+                                  "block: each `tool_result` must answer a `tool_use` block in the previous message",
+                                  param=param, code="invalid_value")
 
 
 def _user_messages(blocks: list[Any], where: str) -> list[tuple[dict[str, Any], str, list[str]]]:
@@ -653,10 +677,11 @@ def register_anthropic_routes(app: FastAPI, serving: OpenAIServing) -> None:
     """Add `/v1/messages` and `/v1/messages/count_tokens`. Errors on these paths take Anthropic's shape through the
     app's handlers (`is_anthropic_path`)."""
 
-    @app.post(PATH_PREFIX)
+    @app.post(PATH_PREFIX, responses=errors(400, 404, 503))
     async def messages(request: Request) -> Response:
         arrival = time.monotonic()
         req = await json_body(request, MessagesRequest, invalid)
+        check_thinking_budget(req, request.headers.get("anthropic-beta", ""))
         translation = translate(req)
         chat = translation.chat
         try:
@@ -683,7 +708,7 @@ def register_anthropic_routes(app: FastAPI, serving: OpenAIServing) -> None:
             await shielded(engine_requests.close())
         return JSONResponse(body)
 
-    @app.post(PATH_PREFIX + "/count_tokens")
+    @app.post(PATH_PREFIX + "/count_tokens", responses=errors(400, 404))
     async def count_tokens(request: Request) -> Response:
         req = await json_body(request, CountTokensRequest, invalid)
         translation = translate(req)
@@ -692,6 +717,17 @@ def register_anthropic_routes(app: FastAPI, serving: OpenAIServing) -> None:
             return JSONResponse({"input_tokens": await count_prompt_tokens(serving, translation.chat)})
         except APIError as exc:
             raise translation.names.error(exc) from exc
+
+
+def check_thinking_budget(req: MessagesRequest, betas: str) -> None:
+    """`thinking.budget_tokens` below `max_tokens`, as Anthropic requires, unless the `anthropic-beta` header turns
+    on interleaved thinking, whose budget spans all the thinking blocks of the turn and may pass max_tokens."""
+    if not isinstance(req.thinking, ThinkingEnabled) or req.thinking.budget_tokens < req.max_tokens:
+        return
+    if any(beta.strip().startswith(INTERLEAVED_THINKING_BETA) for beta in betas.split(",")):
+        return
+    raise bad_request(f"thinking.budget_tokens: must be less than max_tokens ({req.max_tokens}), which counts the "
+                      "thinking too", param="thinking.budget_tokens", code="invalid_value")
 
 
 def _clamp_max_tokens(prepared: Prepared, requested: int) -> bool:

@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from reasoning_engine import __version__
@@ -39,9 +41,9 @@ from reasoning_engine.server.chat_template import (
     render_chat,
     with_chat_template,
 )
-from reasoning_engine.server.errors import APIError, bad_request
+from reasoning_engine.server.errors import APIError, bad_request, from_error_detail
 from reasoning_engine.server.metrics import ServerMetrics
-from reasoning_engine.server.openapi import install_openapi
+from reasoning_engine.server.openapi import errors, install_openapi
 from reasoning_engine.server.parsing import resolve_reasoning_parser, resolve_tool_parser
 from reasoning_engine.server.playground import PUBLIC_PATHS as PLAYGROUND_PUBLIC_PATHS
 from reasoning_engine.server.playground import mount_playground
@@ -64,6 +66,7 @@ from reasoning_engine.server.serving import (
     EngineRequests,
     EngineStreamResponse,
     OpenAIServing,
+    check_tool_results,
     new_request_id,
     placeholder_messages,
     shielded,
@@ -192,6 +195,16 @@ class _BodyLimitMiddleware:
         await _error_response(scope["path"], error)(scope, receive, send)
 
 
+def _allowed_methods(app: FastAPI, request: Request) -> str:
+    """The `Allow` header of a 405: every method some route takes at this path (Starlette's own header names only the
+    first route's, and a path such as /v1/responses/{id} has a route per method)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        if route.matches(request.scope)[0] is not Match.NONE:
+            methods.update(getattr(route, "methods", None) or ())
+    return ", ".join(sorted(methods))
+
+
 BUNDLED_MODEL_NAME = "tiny-reasoner"
 
 
@@ -252,7 +265,17 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         code = "not_found" if exc.status_code == 404 else None
-        return _error_response(request.url.path, APIError(exc.status_code, str(exc.detail), code=code))
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            headers["Allow"] = _allowed_methods(app, request)
+        return _error_response(request.url.path, APIError(exc.status_code, str(exc.detail), code=code), headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_parameter(request: Request, exc: RequestValidationError) -> Response:
+        """A query or path parameter that fails its type: a 400 naming it, like every other bad input."""
+        first = exc.errors()[0]
+        error = from_error_detail({**first, "loc": tuple(first["loc"])[1:]})  # ("query", "limit") -> limit
+        return _error_response(request.url.path, error)
 
     @app.exception_handler(ClientGone)
     async def _client_gone(_: Request, exc: ClientGone) -> Response:
@@ -279,15 +302,16 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
     async def adaptive() -> Response:
         return JSONResponse(engine.adaptive_snapshot())
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=errors(400, 404, 503))
     async def chat_completions(request: Request) -> Response:
         arrival = time.monotonic()
         req = await json_body(request, ChatCompletionRequest)
         model = serving.check_model(req.model)
+        check_tool_results(req.messages)
         prepared = await serving.prepare_chat(req)
         engine_requests = EngineRequests(engine, prepared.prompts, prepared.params, new_request_id("chatcmpl"),
                                          session_key(request, req.prompt_cache_key, req.user), prepared.workload, prepared.error_param)
@@ -303,7 +327,7 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
             await shielded(engine_requests.close())
         return JSONResponse(body)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=errors(400, 404, 503))
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
         req = await json_body(request, CompletionRequest)
@@ -323,7 +347,7 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
             await shielded(engine_requests.close())
         return JSONResponse(body)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=errors(400, 404))
     async def tokenize(request: Request) -> Response:
         req = await json_body(request, TokenizeRequest)
         serving.check_model(req.model)
@@ -342,7 +366,7 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
             body["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
         return JSONResponse(body)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=errors(400, 404))
     async def detokenize(request: Request) -> Response:
         req = await json_body(request, DetokenizeRequest)
         serving.check_model(req.model)
@@ -359,7 +383,9 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
                           "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
                           "/v1/messages/count_tokens": CountTokensRequest,
                           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}, __version__, names,
-                    {path: ("AnthropicError", ANTHROPIC_ERROR_SCHEMA)
-                     for path in ("/v1/messages", "/v1/messages/count_tokens")})
+                    api_key=bool(config.api_key), public_paths=config.public_paths,
+                    streamed=("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"),
+                    error_shapes={path: ("AnthropicError", ANTHROPIC_ERROR_SCHEMA)
+                                  for path in ("/v1/messages", "/v1/messages/count_tokens")})
     mount_playground(app)
     return app

@@ -4,6 +4,7 @@ exception classes (openai.BadRequestError, AuthenticationError, NotFoundError) w
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
@@ -55,7 +56,11 @@ def param_from_loc(loc: tuple[int | str, ...]) -> str | None:
 
 def from_validation_error(exc: ValidationError) -> APIError:
     """The first error, as a 400 naming its field."""
-    first = exc.errors(include_url=False)[0]
-    param = param_from_loc(tuple(first["loc"]))
-    message = str(first["msg"]).removeprefix("Value error, ")
+    return from_error_detail(exc.errors(include_url=False)[0])
+
+
+def from_error_detail(detail: Mapping[str, Any]) -> APIError:
+    """One of pydantic's error details (`loc`, `msg`) as a 400 naming its field."""
+    param = param_from_loc(tuple(detail["loc"]))
+    message = str(detail["msg"]).removeprefix("Value error, ")
     return bad_request(f"{param}: {message}" if param else message, param=param, code="invalid_value")

@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI-compatible API, validated by pydantic.
 
 Unknown fields are ignored (clients and agent frameworks send many: metadata, store, ...) and each unknown name is
-logged once per process, so a misspelt parameter is visible without flooding the log; known fields are typed so a
-wrong type becomes a 400 naming the field. Sampling ranges are left to SamplingParams, whose ValueError
-already names the field, so there is one source of truth for them.
+logged once per process, so a misspelt parameter is visible without flooding the log; known fields are typed, and
+strictly, as OpenAI's schema is (no 0 for false, no "5" for 5), so a wrong type becomes a 400 naming the field.
+Sampling ranges are left to SamplingParams, whose ValueError already names the field, so there is one source of
+truth for them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,19 @@ import threading
 from functools import cache
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+
+from reasoning_engine.engine.kv_cache import MAX_CACHE_SALT_LENGTH
 
 logger = logging.getLogger(__name__)
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
@@ -22,10 +35,15 @@ TOOL_CHOICE_MODES = ("none", "auto", "required")
 MAX_LOGGED_UNKNOWN_FIELDS = 256  # distinct names; a client inventing new ones per request cannot grow the set further
 _logged_unknown_fields: set[str] = set()
 _logged_lock = threading.Lock()
+# vLLM's `cache_salt` (chat, completions, responses, messages): prompts share prefix-cache blocks only with equal salts
+CacheSalt = Annotated[str | None, Field(
+    min_length=1, max_length=MAX_CACHE_SALT_LENGTH,
+    description="Mixed into the prompt's prefix-cache keys: cached KV is shared only between requests with the same "
+                "salt (e.g. one per tenant), so other requests cannot read or time this request's prefix.")]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -97,7 +115,7 @@ Content = Annotated[Annotated[str, Tag("str")] | Annotated[list[ContentPart], Ta
 
 class FunctionCall(_Body):
     name: str
-    arguments: str = "{}"
+    arguments: Annotated[str, WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "object"}]})] = "{}"
 
     @field_validator("arguments", mode="before")
     @classmethod
@@ -113,6 +131,14 @@ class ToolCallIn(_Body):
 
 
 class ChatMessage(_Body):
+    # _content_required's rule, for the OpenAPI document: content, unless an assistant message has calls or thinking
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        *({"required": ["role", field], "properties": {"role": {"const": "assistant"}, field: schema}}
+          for field, schema in (("tool_calls", {"type": "array", "minItems": 1}),
+                                ("reasoning_content", {"type": "string", "minLength": 1}),
+                                ("reasoning", {"type": "string", "minLength": 1})))]})
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content | None = None
     name: str | None = None
@@ -217,6 +243,7 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=512)  # OpenAI's end-user id: a session key for KV retention
     prompt_cache_key: str | None = Field(default=None, max_length=512)  # OpenAI's cache-routing key: the same
+    cache_salt: CacheSalt = None
     # constrained decoding: one of response_format (json_object / json_schema), structured_outputs or a guided_*
     # field (vLLM's older names) per request
     response_format: ResponseFormat | None = None
@@ -268,6 +295,9 @@ class CompletionRequest(_SamplingFields):
 class TokenizeRequest(_Body):
     """Either a raw `prompt` or chat `messages` (rendered through the chat template, as the chat endpoint would)."""
 
+    model_config = ConfigDict(json_schema_extra={"oneOf": [  # the rule _one_input checks, for the OpenAPI document
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None

@@ -25,15 +25,17 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Query
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from reasoning_engine.server.chat_template import disable_thinking
 from reasoning_engine.server.errors import APIError, bad_request
+from reasoning_engine.server.openapi import errors
 from reasoning_engine.server.parsing import ParsedDelta
 from reasoning_engine.server.protocol import (
+    CacheSalt,
     ChatCompletionRequest,
     ChatMessage,
     FunctionCall,
@@ -76,7 +78,7 @@ _UNKNOWN_TAG = "unknown_type"
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True, strict=True)
 
 
 def _tagged(tags: dict[str, str], default: str | None = None) -> Callable[[Any], str | None]:
@@ -261,12 +263,13 @@ class ResponsesRequest(_Body):
     top_p: float | None = None
     user: str | None = Field(default=None, max_length=512)
     prompt_cache_key: str | None = Field(default=None, max_length=512)
+    cache_salt: CacheSalt = None
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
-    background: bool = False
-    conversation: Any = None
+    background: bool = Field(default=False, json_schema_extra={"const": False})  # documented as what is accepted
+    conversation: Any = Field(default=None, json_schema_extra={"type": "null"})
 
     @field_validator("background")
     @classmethod
@@ -422,6 +425,18 @@ def to_messages(items: list[tuple[Any, str]]) -> tuple[list[ChatMessage], list[s
     return messages, params
 
 
+def _check_outputs(items: list[tuple[Any, str]]) -> None:
+    """Every function_call_output answers a function_call earlier in the conversation (this input, or the stored
+    one `previous_response_id` continues), as OpenAI requires: a 400 naming `input[i].call_id` otherwise."""
+    calls: set[str] = set()
+    for item, param in items:
+        if isinstance(item, FunctionCallItem):
+            calls.add(item.call_id)
+        elif isinstance(item, FunctionCallOutputItem) and item.call_id not in calls:
+            raise bad_request(f"{param}.call_id: no function_call found for the function_call_output with call_id "
+                              f"{item.call_id[:100]!r}", param=f"{param}.call_id", code="invalid_value")
+
+
 def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
     fmt = text.format if text is not None else None
     if fmt is None or isinstance(fmt, TextFormatText):
@@ -441,6 +456,7 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]],
         items.append((MessageItem(role="system", content=req.instructions), "instructions"))
     items.extend((item, "previous_response_id") for item in _STORED_ITEMS.validate_python(history))
     items.extend(input_items(req))
+    _check_outputs(items)
     messages, params = to_messages(items)
     if not messages:
         raise bad_request("input is empty: send at least one item", param="input")
@@ -452,6 +468,7 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]],
     chat = ChatCompletionRequest(
         model=req.model, messages=messages, temperature=req.temperature, top_p=req.top_p,
         max_completion_tokens=req.max_output_tokens, user=req.user, prompt_cache_key=req.prompt_cache_key,
+        cache_salt=req.cache_salt,
         tools=[ToolDef(type="function", function=FunctionDef(name=t.name, description=t.description,
                                                               parameters=t.parameters, strict=t.strict))
                for t in req.tools] if req.tools else None,
@@ -665,6 +682,9 @@ class ResponseStore:
 # ---- the routes -----------------------------------------------------------------------------------------------
 
 
+_NO_STORED_RESPONSE = errors(404, words={404: "No stored response has this id (never stored, deleted or expired)."})
+
+
 def _not_found(response_id: str, param: str) -> APIError:
     return APIError(404, f"No stored response with id '{response_id}' (never stored, deleted or expired).",
                     param=param, code="not_found")
@@ -739,7 +759,8 @@ def register_responses_routes(app: FastAPI, serving: OpenAIServing, *,
     app.state.responses = store
     engine = serving.engine
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", responses=errors(400, 404, 503, words={
+        404: "The model is not served here, or previous_response_id names no stored response."}))
     async def create_response(request: Request) -> Response:
         arrival = time.monotonic()
         req = await json_body(request, ResponsesRequest, invalid)
@@ -786,39 +807,37 @@ def register_responses_routes(app: FastAPI, serving: OpenAIServing, *,
         keep()
         return JSONResponse(body)
 
-    @app.get("/v1/responses/{response_id}")
+    @app.get("/v1/responses/{response_id}", responses=_NO_STORED_RESPONSE)
     async def get_response(response_id: str) -> Response:
         stored = store.get(response_id)
         if stored is None:
             raise _not_found(response_id, "response_id")
         return JSONResponse(stored.body)
 
-    @app.delete("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}", responses=_NO_STORED_RESPONSE)
     async def delete_response(response_id: str) -> Response:
         if not store.delete(response_id):
             raise _not_found(response_id, "response_id")
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
-    @app.get("/v1/responses/{response_id}/input_items")
-    async def list_input_items(response_id: str, request: Request) -> Response:
+    @app.get("/v1/responses/{response_id}/input_items", responses={**_NO_STORED_RESPONSE, **errors(400)})
+    async def list_input_items(
+            response_id: str,
+            order: Annotated[Literal["asc", "desc"], Query(description="asc: oldest item first")] = "desc",
+            limit: Annotated[int, Query(ge=1, le=100, description="items in one page")] = 20,
+            after: Annotated[str | None, Query(description="the page starts after this item id")] = None) -> Response:
+        """The items a stored response's prompt was made of, paged as OpenAI's API pages them; parameters that fail
+        their types are 400s (app.py)."""
         stored = store.get(response_id)
         if stored is None:
             raise _not_found(response_id, "response_id")
-        query = request.query_params
-        order = query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise bad_request("order must be 'asc' or 'desc'", param="order")
-        limit_text = query.get("limit", "20")
-        if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
-            raise bad_request("limit must be an integer from 1 to 100", param="limit")
         items = stored.input_items if order == "asc" else stored.input_items[::-1]
-        after = query.get("after")
         if after is not None:
             ids = [item["id"] for item in items]
             if after not in ids:
-                raise bad_request(f"no input item with id '{after}' in this response", param="after")
+                raise bad_request(f"after: no input item with id {after[:100]!r} in this response", param="after")
             items = items[ids.index(after) + 1:]
-        page = items[:int(limit_text)]
+        page = items[:limit]
         return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                              "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)})
 

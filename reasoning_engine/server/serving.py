@@ -295,6 +295,13 @@ class MediaRef:
     url: str
 
 
+def _salted(prompt: PromptType, cache_salt: str | None) -> PromptType:
+    """The prompt carrying its request's `cache_salt`, where the engine reads it (a prompt dict's, as in vLLM)."""
+    if cache_salt is None:
+        return prompt
+    return {**(prompt if isinstance(prompt, dict) else {"prompt_token_ids": prompt}), "cache_salt": cache_salt}
+
+
 def _prompt_ids(prompt: PromptType) -> list[int]:
     """The token ids of a prompt this module built: a list of ids, or a dict holding them beside its media."""
     return prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt  # type: ignore[return-value]
@@ -524,13 +531,13 @@ class OpenAIServing:
 
         workload = "agent" if tools_active else "chat"
         if not refs:
-            return Prepared([rendered.token_ids], params, new_parser, workload,
+            return Prepared([_salted(rendered.token_ids, req.cache_salt)], params, new_parser, workload,
                             _constraint_error_param(constraint, _param_of))
         data = await self._media_data(refs)
         aliases = {"max_tokens": max_param, "prompt": "messages", "prompt_token_ids": "messages"}
-        return Prepared([{"prompt_token_ids": rendered.token_ids, "multi_modal_data": data}], params, new_parser,
-                        workload, _constraint_error_param(
-                            constraint, lambda message: aliases.get(_param_of(message) or "", refs[0].param)))
+        prompt = {"prompt_token_ids": rendered.token_ids, "multi_modal_data": data}
+        return Prepared([_salted(prompt, req.cache_salt)], params, new_parser, workload, _constraint_error_param(
+            constraint, lambda message: aliases.get(_param_of(message) or "", refs[0].param)))
 
     def render_prompt(self, req: ChatCompletionRequest,
                       tools_active: bool) -> tuple[RenderedChat, list[MediaRef], int | None]:
@@ -742,7 +749,8 @@ class OpenAIServing:
                                        logprobs=req.logprobs, logprobs_param="logprobs",
                                        skip_special_tokens=req.skip_special_tokens, thinking_token_budget=None,
                                        constraint=constraint)
-        return Prepared(prompts, params, lambda: None, "completion", _constraint_error_param(constraint, _param_of))
+        return Prepared([_salted(p, req.cache_salt) for p in prompts], params, lambda: None, "completion",
+                        _constraint_error_param(constraint, _param_of))
 
     def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -996,6 +1004,25 @@ def _special_token_strings(tokenizer: Any) -> tuple[str, ...]:
     specials = set(tokenizer.all_special_tokens)
     specials.update(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
     return tuple(sorted(specials))
+
+
+def check_tool_results(messages: Sequence[ChatMessage]) -> None:
+    """Every `tool` message answers a call of the assistant message its run of tool messages follows, as OpenAI
+    requires (a 400 otherwise, naming `messages[i].role` or `messages[i].tool_call_id`). A tool message without a
+    `tool_call_id` is matched by position, as templates render it."""
+    calls: set[str | None] | None = None  # the ids the current run of tool messages may answer
+    for i, message in enumerate(messages):
+        if message.role == "assistant":
+            calls = {call.id for call in message.tool_calls} if message.tool_calls else None
+        elif message.role != "tool":
+            calls = None
+        elif calls is None:
+            raise bad_request(f"messages[{i}].role: a 'tool' message must answer a preceding assistant message with "
+                              "'tool_calls'", param=f"messages[{i}].role", code="invalid_value")
+        elif message.tool_call_id is not None and message.tool_call_id not in calls:
+            raise bad_request(f"messages[{i}].tool_call_id: {message.tool_call_id[:100]!r} answers none of the "
+                              "tool_calls of the preceding assistant message", param=f"messages[{i}].tool_call_id",
+                              code="invalid_value")
 
 
 def new_request_id(prefix: str) -> str:

@@ -1,10 +1,14 @@
 """The pure helpers of benchmarks/gpu_check.py on CPU: roofline byte counts, pytest summaries, greedy parity, budget
-skipping and the kernel table's targets. The whole script's logic runs on CPU with `gpu_check.py --dry-run`."""
+skipping, the kernel table's targets, the section order, and results reaching the report as they are measured (a run
+killed at its time limit keeps them). The whole script's logic runs on CPU with `gpu_check.py --dry-run`."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -89,10 +93,10 @@ def test_kernel_table_marks_the_bandwidth_targets(gpu_check: ModuleType) -> None
     fast = gpu_check.KernelRow("mla_decode", "B=1", triton_s=1.25e-6, torch_s=5e-6, nbytes=1e6, target=0.7)  # 80% of BW
     slow = gpu_check.KernelRow("moe", "T=1", triton_s=2e-6, torch_s=4e-6, nbytes=1e6, target=0.7)  # 50%
     broken = gpu_check.KernelRow("rope", "T=1", error="RuntimeError: x", target=0.7)
-    lines = gpu_check.kernel_table([fast, slow, broken], ceil)
-    assert "| 80% | memory | ≥70% BW: PASS |" in lines[2] and "| 4.0x |" in lines[2]
-    assert "| 50% | memory | ≥70% BW: FAIL |" in lines[3]
-    assert "RuntimeError: x" in lines[4]
+    lines = [gpu_check.kernel_line(row, ceil) for row in (fast, slow, broken)]
+    assert "| 80% | memory | ≥70% BW: PASS |" in lines[0] and "| 4.0x |" in lines[0]
+    assert "| 50% | memory | ≥70% BW: FAIL |" in lines[1]
+    assert "RuntimeError: x" in lines[2]
     report = gpu_check.Report(Path("unused"), [])
     gpu_check.kernel_targets([fast, slow, broken], ceil, report)
     assert [r for _, _, r in report.targets] == ["PASS", "FAIL", "n/a"]
@@ -132,15 +136,16 @@ def test_kernel_tests_killed_at_their_timeout_report_progress(gpu_check: ModuleT
     assert result == "FAIL" and measured.startswith("killed after 1 s (timeout)")
 
 
-def test_run_steps_join_the_tests_before_any_timing(gpu_check: ModuleType) -> None:
-    steps = gpu_check.run_steps(skip_tests=False, skip_e2e=False)
-    assert steps[:5] == ["ceilings", gpu_check.START_TESTS, "e2e greedy parity (overlaps the kernel tests)",
-                         gpu_check.JOIN_TESTS, "kernel timing"]
-    assert steps[5:] == ["e2e decode bf16 experts, graphs on", "e2e decode bf16 experts, graphs off", "transformers generate, batch 1",
-                         "adaptive vs static speculation", "e2e decode int4 experts, graphs on",
-                         "e2e decode int4 experts, graphs off"]
-    assert set(steps) - {gpu_check.START_TESTS, gpu_check.JOIN_TESTS} <= set(gpu_check.SECTIONS)
+def test_run_steps_put_the_batch1_decode_first_and_join_the_tests_before_any_timing(gpu_check: ModuleType) -> None:
+    timed = ["e2e decode bf16 experts, graphs on", "transformers generate, batch 1", "kernel timing"]
+    rest = ["adaptive vs static speculation", "e2e decode bf16 experts, graphs off", "e2e decode int4 experts, graphs on",
+            "e2e decode int4 experts, graphs off"]
+    assert gpu_check.run_steps(skip_tests=True, skip_e2e=False) == ["ceilings", *timed, gpu_check.PARITY, *rest]
+    with_tests = gpu_check.run_steps(skip_tests=False, skip_e2e=False)
+    assert with_tests == ["ceilings", gpu_check.START_TESTS, gpu_check.PARITY, gpu_check.JOIN_TESTS, *timed, *rest]
+    assert set(with_tests) - {gpu_check.START_TESTS, gpu_check.JOIN_TESTS} == set(gpu_check.SECTIONS) - {"tensor parallel"}
     assert gpu_check.run_steps(skip_tests=True, skip_e2e=True) == ["ceilings", "kernel timing"]
+    assert gpu_check.SECTIONS[gpu_check.FIRST_DECODE].cap_s < 300, "a slow first decode leaves time for the rest"
 
 
 def test_tensor_parallel_section_comes_last_when_asked(gpu_check: ModuleType) -> None:
@@ -149,17 +154,18 @@ def test_tensor_parallel_section_comes_last_when_asked(gpu_check: ModuleType) ->
     assert "tensor parallel" not in gpu_check.run_steps(skip_tests=True, skip_e2e=False)
 
 
-def test_adaptive_section_runs_every_configuration_without_the_server_stack() -> None:
+def test_adaptive_section_runs_every_configuration_without_the_server_stack(tmp_path: Path) -> None:
     """The adaptive-vs-static section on the dry-run plan (CPU, 1 and 4 requests), with the server's packages
     unimportable as on the GPU machine: a row per level, a ratio target per level, and every configuration's greedy
-    outputs equal to static k=0's (float32 on CPU: speculation changes no token)."""
+    outputs equal to static k=0's (float32 on CPU: speculation changes no token); the table reaches the report on disk
+    as each level finishes."""
     code = (
         "import sys\n"
         "for name in ('fastapi', 'uvicorn', 'pydantic', 'openai'):\n"
         "    sys.modules[name] = None\n"
         "import pathlib, runpy\n"
         f"module = runpy.run_path({str(SCRIPT)!r})\n"
-        "report = module['Report'](pathlib.Path('unused'), [])\n"
+        f"report = module['Report'](pathlib.Path({str(tmp_path / 'r.md')!r}), [])\n"
         "module['run_adaptive'](module['Plan'].make(True), module['Budget'](300), report, rounds=1)\n"
         "print(report.render())\n"
     )
@@ -173,3 +179,84 @@ def test_adaptive_section_runs_every_configuration_without_the_server_stack() ->
         assert cells[-1] == f"{requests}/{requests}"
     assert proc.stdout.count("adaptive ≥ 0.95x the best static at") == 2
     assert "the static default at" not in proc.stdout  # that target is for 16 requests and more
+    written = (tmp_path / "r.md").read_text()
+    assert all(row in written for row in rows)
+
+
+def test_kernel_rows_reach_the_file_as_they_are_measured(tmp_path: Path) -> None:
+    """The kernel table is written row by row: a group that measures two rows and is then killed outright (SIGKILL,
+    as a stage's `timeout -k` would) leaves both rows, and the second's bandwidth target, in the report on disk."""
+    path = tmp_path / "r.md"
+    code = f"""
+import os, pathlib, signal, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from scripts import load_script
+gc = load_script("gpu_check")
+
+def group(plan):
+    yield gc.KernelRow("first", "T=1", triton_s=1e-6, torch_s=2e-6, nbytes=1e6)
+    yield gc.KernelRow("second", "T=2", triton_s=1e-6, torch_s=3e-6, nbytes=1e6, target=0.7)
+    os.kill(os.getpid(), signal.SIGKILL)
+    yield gc.KernelRow("third", "T=3", triton_s=1e-6, torch_s=2e-6, nbytes=1e6)
+
+report = gc.Report(pathlib.Path({str(path)!r}), ["# check"])
+gc.run_kernel_timing(gc.Plan.make(True), gc.Ceilings(1e12, 1e15), gc.Budget(100), report, groups=(group,))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    text = path.read_text()
+    assert "| first | T=1 | 1.0 | 2.0 | 2.0x |" in text and "| second | T=2 | 1.0 | 3.0 | 3.0x |" in text
+    assert "| second T=2 ≥ 70% of bandwidth | 100% (1.0 µs) | PASS |" in text
+    assert "third" not in text and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_group_that_fails_midway_keeps_its_rows(gpu_check: ModuleType, tmp_path: Path) -> None:
+    def group(plan: object):
+        yield gpu_check.KernelRow("first", "T=1", triton_s=1e-6, nbytes=1e6)
+        raise RuntimeError("setup of the next case")
+
+    def later(plan: object):
+        yield gpu_check.KernelRow("later", "T=1", triton_s=1e-6, nbytes=1e6)
+
+    report = gpu_check.Report(tmp_path / "r.md", [])
+    gpu_check.run_kernel_timing(gpu_check.Plan.make(True), gpu_check.Ceilings(1e12, 1e15), gpu_check.Budget(100), report,
+                                groups=(group, later))
+    rows = [line.split(" | ")[0] for line in report.body[gpu_check.KERNEL_TITLE] if line.startswith("| ") and "---" not in line]
+    assert rows == ["| kernel", "| first", "| group", "| later"]
+    assert "RuntimeError: setup of the next case" in (tmp_path / "r.md").read_text()
+
+
+def test_report_targets_are_replaced_by_name(gpu_check: ModuleType) -> None:
+    report = gpu_check.Report(Path("unused"), [])
+    report.target("adaptive at 16", "0.90x", False)
+    report.target("other", "1", True)
+    report.target("adaptive at 16", "1.20x", True)  # a later round's medians
+    assert report.targets == [("adaptive at 16", "1.20x", "PASS"), ("other", "1", "PASS")]
+
+
+def test_sigterm_keeps_the_rows_measured_and_names_the_section_it_stopped(tmp_path: Path) -> None:
+    """The whole script under a stage's `timeout`: SIGTERM to its process group (the orchestrator and the section
+    worker) while the kernel table is being measured. The report keeps the rows the worker wrote and records the
+    section as killed, and the script exits 143."""
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--dry-run", "--skip-tests", "--skip-e2e", "--budget-s", "600",
+                             "--results-dir", str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            reports = list(tmp_path.glob("gpu_check_dryrun_*.md"))
+            if reports and "| mla_decode |" in reports[0].read_text():
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stdout.read()[-3000:] if proc.stdout else ""
+        os.killpg(proc.pid, signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    text = reports[0].read_text()
+    assert "| mla_decode | B=1 ctx=48 H=4 L=64+16 |" in text
+    assert "| kernel timing | killed by SIGTERM (the caller's time limit) |" in text
+    assert "| ceilings | ok |" in text and not list(tmp_path.glob(".*.tmp"))

@@ -44,7 +44,8 @@ def test_compiles_decode_kernels_for_hopper_and_blackwell(tmp_path: Path) -> Non
         assert r["decode_path"] is True and "error" not in r, r
         assert 0 < r["registers"] <= 255
         assert r["spill_bytes"] == 0 and r["shared_bytes"] <= r["shared_limit"] == 232448, r
-    report = (tmp_path / "kernel_report_2026-12-02.md").read_text()
+    report = (tmp_path / "kernel_report_cpu_aot_2026-12-02.md").read_text()
+    assert "2026-12-02; CPU ahead-of-time compile, no GPU)" in report.splitlines()[0]  # the heading names the device
     assert "| sm_90 no spills, shared within limit | " in report and "FAIL" not in report
     assert "## Decode ops: bytes moved vs the roofline" in report
     assert "python benchmarks/kernel_report.py --cache-dir" in report  # the command that produced it
@@ -57,9 +58,51 @@ def test_compiles_decode_kernels_for_hopper_and_blackwell(tmp_path: Path) -> Non
 def test_measure_runs_through_the_interpreter_without_a_gpu(tmp_path: Path) -> None:
     proc = _run(tmp_path, "--measure", "--only", "^moonlight mla decode b1 ctx1k eager$")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = (tmp_path / "kernel_report_2026-12-02.md").read_text()
+    report = (tmp_path / "kernel_report_cpu_interpreted_2026-12-02.md").read_text()
     assert "## Measured on CPU through Triton's interpreter" in report
     assert "| moonlight | mla decode | b1 ctx1k eager |" in report
+
+
+def test_measure_writes_each_shape_as_it_is_timed(tmp_path: Path) -> None:
+    """--measure killed mid-run (as a stage's `timeout` would) keeps the shapes timed before: two fake decode ops are
+    timed, the third kills the process with SIGKILL, and the report on disk already holds the first two rows."""
+    code = f"""
+import importlib.util, os, signal, sys
+sys.path.insert(0, {str(REPO)!r})
+spec = importlib.util.spec_from_file_location("kernel_report", {str(SCRIPT)!r})
+kr = importlib.util.module_from_spec(spec)
+sys.modules["kernel_report"] = kr
+spec.loader.exec_module(kr)
+
+def case(name, run):
+    return kr.Case("fake", "mla decode", name, True, lambda device: (run, None))
+
+def kill():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+kr.all_cases = lambda: [case("first", lambda: None), case("second", lambda: None), case("third", kill),
+                        case("fourth", lambda: None)]
+kr.main(["--measure", "--out", {str(tmp_path)!r}, "--date", "2026-12-07", "--cache-dir", {str(tmp_path / "cache")!r}])
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert proc.returncode == -9, proc.stderr[-3000:]  # killed at the third shape, as planned
+    report = (tmp_path / "kernel_report_cpu_interpreted_2026-12-07.md").read_text()
+    assert "| fake | mla decode | first |" in report and "| fake | mla decode | second |" in report
+    assert "third" not in report and "fourth" not in report
+    assert not list(tmp_path.glob(".*.tmp")), "the report is replaced whole, never left half-written"
+
+
+def test_a_shape_that_fails_is_a_row_of_the_report(kernel_report: ModuleType) -> None:
+    def broken() -> None:
+        raise RuntimeError("out of | memory")
+
+    cases = [kernel_report.Case("fake", "mla decode", "ok", True, lambda device: ((lambda: None), None)),
+             kernel_report.Case("fake", "mla decode", "broken", True, lambda device: (broken, None))]
+    seen: list[int] = []
+    out = kernel_report.measure(cases, "cpu", 60.0, lambda so_far: seen.append(len(so_far)))
+    assert seen == [1, 2]
+    assert out[0].seconds is not None and out[1].seconds is None and "RuntimeError: out of \\| memory" in out[1].error
 
 
 def test_occupancy_limits(kernel_report: ModuleType) -> None:

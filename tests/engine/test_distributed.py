@@ -105,7 +105,8 @@ def test_ranks_give_one_process_tokens(one_process, variant: str, tp: int, ep: b
 
 def test_data_parallel_requests_follow_their_cached_prefix(tiny_checkpoint) -> None:
     """A prompt goes to the replica holding most of it in cache, even when that replica is the busier one; without
-    a hit, to the least loaded."""
+    a hit, to the least loaded. The cache is looked up under the prompt's cache_salt: the same prompt under another
+    salt has no hit anywhere."""
     path = tiny_checkpoint("deepseek_v3").path
     first, other = prompts(VOCAB, seed=2)[3], prompts(VOCAB, seed=3)[3]  # 23 tokens each
     long = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
@@ -113,13 +114,15 @@ def test_data_parallel_requests_follow_their_cached_prefix(tiny_checkpoint) -> N
         engine = llm.engine
         llm.generate([{"prompt_token_ids": first}], GREEDY)  # both idle: replica 0, which now caches its blocks
         busy = engine.add_request(None, {"prompt_token_ids": other}, long)  # no hit anywhere: a tie, replica 0
-        quiet = engine.add_request(None, {"prompt_token_ids": other[:9]}, long)  # the least loaded: replica 1
+        stranger = engine.add_request(None, {"prompt_token_ids": first + [7, 8, 9], "cache_salt": "tenant-b"},
+                                      long)  # no hit under its salt: the least loaded, replica 1
         follow_up = engine.add_request(None, {"prompt_token_ids": first + [7, 8, 9]}, GREEDY)
-        assert [engine.groups[r][0].replica for r in (busy, quiet, follow_up)] == [0, 1, 0]
+        assert [engine.groups[r][0].replica for r in (busy, stranger, follow_up)] == [0, 1, 0]
         outputs = {}
         while engine.has_unfinished_requests():
             outputs.update((out.request_id, out) for out in engine.step() if out.finished)
     assert outputs[follow_up].num_cached_tokens == 20  # five full blocks of the first turn's prompt
+    assert outputs[stranger].num_cached_tokens == 0
 
 
 @pytest.fixture(scope="module")

@@ -48,6 +48,7 @@ class FakeEngine:
     block_size: int = 16
     calls: list[tuple[list[int], SamplingParams]] = field(default_factory=list)
     sessions: list[tuple[str | None, str]] = field(default_factory=list)  # (session, workload) per call
+    cache_salts: list[str | None] = field(default_factory=list)  # the prompt's cache_salt per call
     _blocks: dict[str, int] = field(default_factory=dict)
     _aborted: set[str] = field(default_factory=set)
     shut_down: bool = False
@@ -57,12 +58,15 @@ class FakeEngine:
     def __post_init__(self) -> None:
         self.model_config.vocab_size = len(self.tokenizer)
 
-    async def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
+    async def generate(self, prompt: list[int] | dict[str, Any], params: SamplingParams, request_id: str,
                        session_id: str | None = None, workload: str = "default") -> AsyncIterator[RequestOutput]:
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        prompt = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
         if len(prompt) + (params.max_tokens or 0) > self.model_config.max_model_len:
             raise ValueError("max_tokens: prompt + max_tokens exceeds max_model_len")
         self.calls.append((list(prompt), params))
         self.sessions.append((session_id, workload))
+        self.cache_salts.append(salt)
         scripts = [self.tokenizer.encode(self.script(prompt, params, i), add_special_tokens=False)
                    for i in range(params.n)]
         self._blocks[request_id] = params.n * math.ceil((len(prompt) + max(len(s) for s in scripts)) / self.block_size)

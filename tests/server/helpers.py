@@ -17,6 +17,26 @@ from typing import Any
 import httpx
 import openai
 
+def run_coroutine(coroutine: Any) -> Any:
+    """Run a coroutine to its end in a thread and loop of its own: pytest-playwright's sync API keeps an event loop
+    running in the main thread once a browser test has run, where `asyncio.run` would refuse."""
+    result: list[Any] = []
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(asyncio.run(coroutine))
+        except BaseException as exc:  # re-raised in the calling thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, name="test-coroutine")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return result[0]
+
+
 # Kimi's chat tokens are special (skipped when decoding with skip_special_tokens); <think> and </think> are plain
 # added tokens so they survive decoding, as in the bundled model; hermes' tags are plain added tokens as in Qwen.
 KIMI_SPECIALS = ["<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",

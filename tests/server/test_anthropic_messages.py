@@ -32,6 +32,9 @@ CALCULATOR = [{"name": "calculator", "description": "Evaluate an arithmetic expr
                                 "required": ["expression"]}}]
 GREEDY = {"extra_body": {"temperature": 0}}
 QUESTION = [{"role": "user", "content": "What is 347 + 589?"}]
+USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "calculator",
+                                         "input": {"expression": "347 + 589"}}]}
+RESULT = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "936"}
 
 
 def sdk(url: str, key: str = "unused") -> anthropic.Anthropic:
@@ -119,7 +122,7 @@ def test_request_translation_reaches_the_template_and_the_engine(fake_server: An
         model="fake-model", max_tokens=50, system=[{"type": "text", "text": "Be brief.", "cache_control":
                                                     {"type": "ephemeral"}}],
         messages=history, tools=CALCULATOR, stop_sequences=["STOP"], metadata={"user_id": "session-7"},
-        thinking={"type": "enabled", "budget_tokens": 9}, extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 7},
+        thinking={"type": "enabled", "budget_tokens": 1024}, extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 7},
         extra_headers={"anthropic-version": "2023-06-01", "anthropic-beta": "interleaved-thinking-2025-05-14"})
     assert [b["type"] for b in blocks(reply)] == ["thinking", "text"] and reply.content[1].text == "Done."
     assert reply.stop_reason == "end_turn"
@@ -133,7 +136,7 @@ def test_request_translation_reaches_the_template_and_the_engine(fake_server: An
     assert prompt.endswith("<|im_user|>user<|im_middle|>Try again.<|im_end|><|im_assistant|>assistant<|im_middle|>"
                            "<think>")
     assert (params.temperature, params.top_p, params.top_k, params.stop_strings) == (0.5, 0.9, 7, ["STOP"])
-    assert params.max_tokens == 50 and params.thinking_token_budget == 9
+    assert params.max_tokens == 50 and params.thinking_token_budget == 1024  # interleaved: the budget may pass it
     assert engine.sessions[-1] == ("session-7", "agent")
 
     sdk(url).messages.create(model="fake-model", max_tokens=5, messages=QUESTION, tools=CALCULATOR,
@@ -183,7 +186,18 @@ BAD_BODIES = [
      "tools[0]"),
     ({"max_tokens": 5, "messages": QUESTION, "thinking": {"type": "enabled", "budget_tokens": 0}},
      "thinking.budget_tokens"),
+    ({"max_tokens": 2000, "messages": QUESTION, "thinking": {"type": "enabled", "budget_tokens": 1023}},
+     "thinking.budget_tokens"),
+    ({"max_tokens": 1024, "messages": QUESTION, "thinking": {"type": "enabled", "budget_tokens": 1024}},
+     "thinking.budget_tokens"),
     ({"max_tokens": 5, "messages": QUESTION, "metadata": {"user_id": "u" * 300}}, "metadata.user_id"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [RESULT]}]}, "messages[0].content[0].tool_use_id"),
+    ({"max_tokens": 5, "messages": [*QUESTION, USE, {"role": "user", "content": [RESULT, {**RESULT, "tool_use_id":
+                                                                                         "toolu_other"}]}]},
+     "messages[2].content[1].tool_use_id"),
+    ({"max_tokens": 5, "messages": [*QUESTION, USE, {"role": "user", "content": [RESULT]},
+                                    {"role": "assistant", "content": "Done."}, {"role": "user", "content": [RESULT]}]},
+     "messages[4].content[0].tool_use_id"),
 ]
 
 
@@ -212,6 +226,20 @@ def test_error_statuses_and_sdk_exceptions(fake_server: Any) -> None:
         response = httpx.request(method, f"{url}{path}", timeout=30)
         assert response.status_code == status and response.json()["type"] == "error", response.text
     assert "error" in httpx.post(f"{url}/v1/chat/completions", json={}, timeout=30).json()  # OpenAI's shape there
+
+
+def test_count_tokens_checks_tool_results_and_the_thinking_floor(fake_server: Any) -> None:
+    """count_tokens has no max_tokens, so only the budget's floor applies there; a tool_result still needs its
+    tool_use in the message before."""
+    _, url = fake_server("ok")
+    for body, param in [({"messages": [{"role": "user", "content": [RESULT]}]}, "messages[0].content[0].tool_use_id"),
+                        ({"messages": QUESTION, "thinking": {"type": "enabled", "budget_tokens": 1000}},
+                         "thinking.budget_tokens")]:
+        response = httpx.post(f"{url}/v1/messages/count_tokens", json={"model": "fake-model", **body}, timeout=30)
+        assert response.status_code == 400 and response.json()["error"]["message"].startswith(param), response.text
+    answered = {"model": "fake-model", "messages": [*QUESTION, USE, {"role": "user", "content": [RESULT]}],
+                "thinking": {"type": "enabled", "budget_tokens": 50_000}}
+    assert httpx.post(f"{url}/v1/messages/count_tokens", json=answered, timeout=30).json()["input_tokens"] > 0
 
 
 def test_x_api_key_and_bearer(fake_server: Any) -> None:
@@ -311,7 +339,7 @@ def test_create_and_stream_agree(client: anthropic.Anthropic) -> None:
 @needs_bundled
 def test_thinking_enabled_and_disabled(client: anthropic.Anthropic) -> None:
     base = {"model": "tiny-reasoner", "max_tokens": 200, "messages": QUESTION, **GREEDY}
-    on = client.messages.create(**base, thinking={"type": "enabled", "budget_tokens": 1024})
+    on = client.messages.create(**{**base, "max_tokens": 1025}, thinking={"type": "enabled", "budget_tokens": 1024})
     assert on.content[0].type == "thinking" and on.content[0].thinking and on.content[0].signature
     off = client.messages.create(**base, thinking={"type": "disabled"})
     assert all(block.type == "text" for block in off.content) and off.content

@@ -337,6 +337,9 @@ def _post(url: str, body: Any, path: str = "/v1/chat/completions", **kwargs: Any
 
 
 MSG = [{"role": "user", "content": "hi"}]
+CALLED = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": json.dumps(CALC)}}]}
+ANSWER = {"role": "tool", "tool_call_id": "c1", "content": "1817517"}
 BAD_REQUESTS = [
     (b"{not json", None),
     (b"[1, 2]", None),
@@ -380,6 +383,10 @@ BAD_REQUESTS = [
     ({"messages": MSG, "chat_template_kwargs": "thinking"}, "chat_template_kwargs"),
     ({"messages": MSG, "stream_options": {"include_usage": "perhaps"}}, "stream_options.include_usage"),
     ({"messages": MSG, "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"messages": [*MSG, ANSWER]}, "messages[1].role"),
+    ({"messages": [*MSG, CALLED, ANSWER, {**ANSWER, "tool_call_id": "c2"}]}, "messages[3].tool_call_id"),
+    ({"messages": [*MSG, CALLED, ANSWER, {"role": "user", "content": "and?"}, ANSWER]}, "messages[4].role"),
+    ({"messages": [*MSG, {"role": "assistant", "content": "no calls"}, ANSWER]}, "messages[2].role"),
     ({"messages": [{"role": "assistant", "content": "x"}], "continue_final_message": True,
       "add_generation_prompt": False, "max_tokens": 2, "temperature": float("nan")}, "temperature"),
 ]
@@ -411,6 +418,39 @@ def test_bad_chat_requests_are_400_naming_the_param(fake_server: Any, body: Any,
         assert error["type"] == "invalid_request_error" and error["message"]
         assert error["param"] == param, error
     assert engine.calls == [], "no bad request reaches the engine"
+
+
+def test_tool_messages_answering_the_calls_before_them_are_accepted(fake_server: Any) -> None:
+    engine, url = fake_server("ok")
+    second = {**CALLED["tool_calls"][0], "id": "c2"}
+    messages = [*MSG, {**CALLED, "tool_calls": [*CALLED["tool_calls"], second]}, {**ANSWER, "tool_call_id": "c2"},
+                ANSWER, {"role": "tool", "content": "untagged"}, {"role": "user", "content": "and?"}]
+    response = _post(url, {"messages": messages})
+    assert response.status_code == 200, response.text
+    assert len(engine.calls) == 1
+
+
+def test_wrongly_typed_values_are_not_coerced(fake_server: Any) -> None:
+    """The schemas' types hold as written (OpenAI's and Anthropic's APIs refuse these): no 0 for false, no "5" for
+    5, no 1.5 or true for a token id."""
+    engine, url = fake_server("ok")
+    for path, body, param in [
+            ("/v1/chat/completions", {"messages": MSG, "stream": 0}, "stream"),
+            ("/v1/chat/completions", {"messages": MSG, "max_tokens": "5"}, "max_tokens"),
+            ("/v1/chat/completions", {"messages": MSG, "n": True}, "n"),
+            ("/v1/chat/completions", {"messages": MSG, "temperature": "0.5"}, "temperature"),
+            ("/v1/chat/completions", {"messages": MSG, "logprobs": "true"}, "logprobs"),
+            ("/v1/completions", {"prompt": [1, 2.5]}, "prompt"),
+            ("/detokenize", {"tokens": [1, 2.5]}, "tokens[1]"),
+            ("/detokenize", {"tokens": [True]}, "tokens[0]"),
+            ("/v1/responses", {"input": "hi", "store": 0}, "store"),
+            ("/v1/responses", {"input": "hi", "max_output_tokens": "9"}, "max_output_tokens")]:
+        response = _post(url, body, path)
+        assert response.status_code == 400, (path, body, response.text)
+        assert response.json()["error"]["param"] == param, (path, body, response.text)
+    response = _post(url, {"model": "fake-model", "max_tokens": 5, "messages": MSG, "stream": 0}, "/v1/messages")
+    assert response.status_code == 400 and response.json()["error"]["message"].startswith("stream"), response.text
+    assert engine.calls == []
 
 
 def test_bad_completion_requests(fake_server: Any) -> None:
@@ -494,6 +534,36 @@ def test_adaptive_endpoint_without_a_key_and_session_keys(fake_server: Any) -> N
         path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
         assert httpx.post(url + path, json={"model": "fake-model", **body}, headers=headers, timeout=30).status_code == 200
     assert engine.sessions == [("u1", "chat"), ("k", "chat"), ("h", "chat"), (None, "agent"), (None, "completion")]
+
+
+def test_cache_salt_reaches_the_engine_from_every_route(fake_server: Any) -> None:
+    """vLLM's cache_salt on chat, completions (each prompt of a batch), responses and messages travels with the
+    prompt to the engine; the OpenAPI document lists it on each of those bodies."""
+    engine, url = fake_server("</think>ok")
+    requests = [("/v1/chat/completions", {"messages": MSG}), ("/v1/completions", {"prompt": ["x", "y"]}),
+                ("/v1/responses", {"input": "hi"}), ("/v1/messages", {"messages": MSG, "max_tokens": 4})]
+    for path, body in requests:
+        response = _post(url, {"model": "fake-model", "cache_salt": "tenant-a", **body}, path)
+        assert response.status_code == 200, (path, response.text)
+    assert _post(url, {"model": "fake-model", "messages": MSG}).status_code == 200
+    assert engine.cache_salts == ["tenant-a"] * 5 + [None]
+    schemas = httpx.get(f"{url}/openapi.json", timeout=30).json()["components"]["schemas"]
+    for model in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest", "MessagesRequest"):
+        salt = schemas[model]["properties"]["cache_salt"]
+        assert {"type": "string", "minLength": 1, "maxLength": 256} in salt["anyOf"] and "salt" in salt["description"]
+
+
+@pytest.mark.parametrize("salt", ["", "s" * 257, 5, ["tenant"], {"a": 1}])
+def test_a_bad_cache_salt_is_a_400_naming_it(fake_server: Any, salt: Any) -> None:
+    engine, url = fake_server("</think>ok")
+    for path, body in [("/v1/chat/completions", {"messages": MSG}), ("/v1/completions", {"prompt": "x"}),
+                       ("/v1/responses", {"input": "hi"})]:
+        response = _post(url, {"model": "fake-model", "cache_salt": salt, **body}, path)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "cache_salt", response.text
+    response = _post(url, {"model": "fake-model", "messages": MSG, "max_tokens": 4, "cache_salt": salt},
+                     "/v1/messages")
+    assert response.status_code == 400 and "cache_salt" in response.json()["error"]["message"], response.text
+    assert engine.calls == []
 
 
 def test_fuzzed_bodies_never_500(fake_server: Any) -> None:

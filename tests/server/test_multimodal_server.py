@@ -35,7 +35,7 @@ from multimodal.kimi_checkpoint import KimiK25Checkpoint, build_kimi_k25, noise_
 from reasoning_engine import LLM, SamplingParams
 from reasoning_engine.server.app import ServerConfig, build_app
 
-from .helpers import LiveServer, metric_value, save_random_checkpoint, wait_for
+from .helpers import LiveServer, metric_value, run_coroutine, save_random_checkpoint, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 6
@@ -366,7 +366,7 @@ def test_slow_hosts_hold_no_thread(server: str, http_media: str) -> None:
             elapsed = time.monotonic() - start
             return elapsed, await asyncio.gather(*slow), quick
 
-    elapsed, slow, quick = asyncio.run(run())
+    elapsed, slow, quick = run_coroutine(run())
     assert quick.status_code == 200, quick.text
     assert elapsed < SLOW_S / 2, f"a data-URL image waited {elapsed:.1f} s behind slow fetches"
     for response in slow:

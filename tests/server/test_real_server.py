@@ -160,6 +160,35 @@ def test_completions(client: openai.OpenAI, model_name: str) -> None:
     assert echoed.choices[0].text == "Once upon a time" + full.choices[0].text
 
 
+def test_cache_salt_keeps_prefixes_apart(client: openai.OpenAI, server: LiveServer, model_name: str) -> None:
+    """Requests share cached prompt blocks only under the same cache_salt (chat, streamed completions, responses);
+    a salt the engine refuses is a 400 naming it."""
+    messages = [{"role": "user", "content": "Which of 12, 5 and 9 is the largest? Say why in one sentence."}]
+
+    def chat(salt: str) -> int:
+        out = client.chat.completions.create(model=model_name, messages=messages, max_tokens=1, temperature=0,
+                                             extra_body={"cache_salt": salt})
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    def streamed_completion(salt: str) -> int:
+        chunks = client.completions.create(model=model_name, prompt="The quick brown fox jumps over the lazy dog.",
+                                           max_tokens=1, stream=True, stream_options={"include_usage": True},
+                                           extra_body={"cache_salt": salt})
+        return [c.usage for c in chunks if c.usage][-1].prompt_tokens_details.cached_tokens
+
+    def response(salt: str) -> int:
+        out = client.responses.create(model=model_name, input="Name three prime numbers below twenty, please.",
+                                      max_output_tokens=1, extra_body={"cache_salt": salt})
+        return out.usage.input_tokens_details.cached_tokens
+
+    for run in (chat, streamed_completion, response):
+        first, again, other = run("tenant-a"), run("tenant-a"), run("tenant-b")
+        assert first == 0 and again >= 16 and other == 0, (run.__name__, first, again, other)
+    refused = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                         json={"model": model_name, "messages": messages, "cache_salt": ""})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "cache_salt"
+
+
 def test_user_errors_with_the_real_engine(server: LiveServer, model_name: str) -> None:
     def post(body: dict[str, Any]) -> httpx.Response:
         return httpx.post(f"{server.url}/v1/chat/completions", json={"model": model_name, "messages": MSG, **body},

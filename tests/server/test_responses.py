@@ -374,6 +374,22 @@ def test_streamed_items_in_the_order_written(fake_server: Any) -> None:
             opened.clear()
 
 
+def test_function_call_outputs_answer_calls_of_the_stored_conversation(fake_server: Any) -> None:
+    """A function_call_output may answer a call the previous response made; one answering no call is a 400 naming
+    its call_id, and nothing reaches the engine."""
+    engine, url = fake_server(THINK_CALL)
+    first = create(url, input="2 * 3?", tools=[CALCULATOR])
+    [call] = items_of(first, "function_call")
+    follow = create(url, previous_response_id=first["id"], tools=[CALCULATOR],
+                    input=[{"type": "function_call_output", "call_id": call["call_id"], "output": "6"}])
+    assert follow["status"] == "completed" and len(engine.calls) == 2
+    error = error_of(url, {"previous_response_id": first["id"], "tools": [CALCULATOR], "input": [
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "6"},
+        {"type": "function_call_output", "call_id": "functions.calculator:7", "output": "6"}]})
+    assert error["param"] == "input[1].call_id" and "functions.calculator:7" in error["message"]
+    assert len(engine.calls) == 2
+
+
 def test_tools_and_options_reach_the_engine(fake_server: Any) -> None:
     engine, url = fake_server("Fine.<|im_end|>")
     response = create(url, input="hi", tools=[CALCULATOR], max_output_tokens=7, top_p=0.5,
@@ -398,6 +414,13 @@ def test_tools_and_options_reach_the_engine(fake_server: Any) -> None:
     ({"input": [{"role": "tool", "content": "a"}]}, "input[0].role"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input[0].output"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "5"}]}, "input[0].call_id"),
+    ({"input": [{"role": "user", "content": "2 * 3?"},
+                {"type": "function_call", "call_id": "c1", "name": "calculator", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c2", "output": "6"}]}, "input[2].call_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "c1", "output": "6"},
+                {"type": "function_call", "call_id": "c1", "name": "calculator", "arguments": "{}"}]},
+     "input[0].call_id"),
     ({"input": "a", "tools": [CALCULATOR, {"type": "web_search"}]}, "tools[1].type"),
     ({"input": "a", "tools": [{"type": "function"}]}, "tools[0].name"),
     ({"input": "a", "tool_choice": {"type": "file_search"}}, "tool_choice.type"),

@@ -18,7 +18,14 @@ ICML 2016): the arm with the highest upper bound runs, but an arm other than the
 banked surplus (every scored step adds its score less (1 - ALPHA) x the default's mean) covers that arm's lower bound
 falling short of (1 - ALPHA) x the default's mean. Whatever the cost model or the acceptance estimates believe, a
 bucket's steps therefore score at least about (1 - ALPHA) of what the fixed default scores; an arm that measures better
-takes over, and the others are tried again as their bounds widen with time.
+takes over, and the others are tried again as their bounds widen with time. Of the arms the bank affords, the one with
+the highest upper bound runs.
+
+An arm never tried has the lowest score as its lower bound, with one exception known without measuring: a step without
+drafts does a subset of the work of the same step with drafts, so before it is measured, "plain" is bounded below by
+the default's score over the default's tokens per decoding request (1 if it drafted nothing). Where drafting at this
+batch size costs more than it gives, no drafts are tried after a few default steps rather than after the bank has
+slowly filled.
 """
 
 from __future__ import annotations
@@ -46,6 +53,11 @@ class ArmScore:
     squares: float = 0.0
     weight: float = 0.0
     count: int = 0
+    tokens: float = 0.0  # decayed sum of each step's tokens per decoding request
+
+    @property
+    def tokens_per_decode(self) -> float:
+        return self.tokens / self.weight if self.weight > 0 else 1.0
 
     @property
     def mean(self) -> float:
@@ -65,12 +77,14 @@ class ArmScore:
         self.total *= SCORE_DECAY
         self.squares *= SCORE_DECAY
         self.weight *= SCORE_DECAY
+        self.tokens *= SCORE_DECAY
 
-    def add(self, score: float) -> None:
+    def add(self, score: float, tokens_per_decode: float) -> None:
         self.total += score
         self.squares += score * score
         self.weight += 1.0
         self.count += 1
+        self.tokens += tokens_per_decode
 
 
 @dataclass
@@ -87,24 +101,31 @@ class Bucket:
 
     def lower(self, arm: str) -> float:
         score = self.arms[arm]
-        return SCORE_BOUNDS[0] if not score.count else max(score.mean - score.error(), SCORE_BOUNDS[0])
+        if score.count:
+            return max(score.mean - score.error(), SCORE_BOUNDS[0])
+        if arm == "plain":  # a subset of a drafting step's work (module docstring)
+            default = self.arms["default"]
+            return max(default.mean / max(default.tokens_per_decode, 1.0), SCORE_BOUNDS[0])
+        return SCORE_BOUNDS[0]
 
     def choose(self, allowed: tuple[str, ...] = ARMS) -> str:
-        """The arm the next step runs (the default until it has MIN_DEFAULT scores)."""
+        """The arm the next step runs (the default until it has MIN_DEFAULT scores): of those the bank affords, the
+        one with the highest upper bound (ties go to the earlier arm, the default first)."""
         default = self.arms["default"]
         if default.count < MIN_DEFAULT:
             return "default"
-        best = max(allowed, key=self.upper)  # ties go to the earlier arm: the default first
-        if best != "default" and self.bank + self.lower(best) - (1 - ALPHA) * default.mean < 0:
-            best = "default"
-        return best
+        floor = (1 - ALPHA) * default.mean
+        for arm in sorted(allowed, key=self.upper, reverse=True):  # a stable sort keeps ARMS' order on ties
+            if arm == "default" or self.bank + self.lower(arm) - floor >= 0:
+                return arm
+        return "default"
 
-    def add(self, arm: str, score: float) -> None:
+    def add(self, arm: str, score: float, tokens_per_decode: float = 1.0) -> None:
         low, high = SCORE_BOUNDS
         score = min(max(score, low), high)
         for other in self.arms.values():
             other.fade()
-        self.arms[arm].add(score)
+        self.arms[arm].add(score, tokens_per_decode)
         default = self.arms["default"]
         if default.count >= MIN_DEFAULT:
             floor = (1 - ALPHA) * default.mean
@@ -155,7 +176,7 @@ class PolicyGate:
         for the step without drafts."""
         if decodes <= 0 or seconds <= 0 or plain_seconds <= 0:
             return
-        self._bucket(decodes, beside_chunk).add(arm, tokens * plain_seconds / (decodes * seconds))
+        self._bucket(decodes, beside_chunk).add(arm, tokens * plain_seconds / (decodes * seconds), tokens / decodes)
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per bucket (its decoding requests, as "16-31", and "16-31 beside a chunk"): each arm's mean score and
@@ -174,7 +195,7 @@ class PolicyGate:
 
     def to_dict(self) -> dict[str, list[float]]:
         """Bucket b under "b", and beside a chunk under "cb": per arm (ARMS order) total, squares, weight, count,
-        then the bank."""
+        tokens, then the bank."""
         return {f"{prefix}{b}": [*(v for arm in ARMS for v in _values(bucket.arms[arm])), bucket.bank]
                 for buckets, prefix in ((self.buckets, ""), (self.chunk_buckets, "c")) for b, bucket in buckets.items()}
 
@@ -183,11 +204,12 @@ class PolicyGate:
         chunk_buckets: dict[int, Bucket] = {}
         low, high = SCORE_BOUNDS
         for key, values in data.items():
-            if len(values) != 4 * len(ARMS) + 1:
+            if len(values) != 5 * len(ARMS) + 1:
                 raise ValueError(f"policy gate bucket {key} has {len(values)} values")
-            arms = {arm: ArmScore(float(values[4 * i]), float(values[4 * i + 1]), float(values[4 * i + 2]),
-                                  int(values[4 * i + 3])) for i, arm in enumerate(ARMS)}
-            if any(s.weight < 0 or s.count < 0 or (s.weight and not low <= s.mean <= high) for s in arms.values()):
+            arms = {arm: ArmScore(float(values[5 * i]), float(values[5 * i + 1]), float(values[5 * i + 2]),
+                                  int(values[5 * i + 3]), float(values[5 * i + 4])) for i, arm in enumerate(ARMS)}
+            if any(s.weight < 0 or s.count < 0 or s.tokens < 0 or (s.weight and not low <= s.mean <= high)
+                   for s in arms.values()):
                 raise ValueError(f"policy gate bucket {key} out of range")
             bucket = Bucket(arms, float(values[-1]))
             bucket.chosen = bucket.leader()
@@ -198,5 +220,5 @@ class PolicyGate:
         self.buckets, self.chunk_buckets = buckets, chunk_buckets
 
 
-def _values(score: ArmScore) -> tuple[float, float, float, int]:
-    return score.total, score.squares, score.weight, score.count
+def _values(score: ArmScore) -> tuple[float, float, float, int, float]:
+    return score.total, score.squares, score.weight, score.count, score.tokens

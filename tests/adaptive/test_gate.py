@@ -8,6 +8,9 @@ import random
 from reasoning_engine.adaptive.gate import ALPHA, MIN_DEFAULT, PolicyGate
 
 
+YIELDS = {"default": 2.0, "adaptive": 2.0, "plain": 1.0}  # tokens per decoding request per step
+
+
 def _run(gate: PolicyGate, decodes: int, steps: int, scores: dict[str, float], rng: random.Random,
          noise: float = 0.1, beside_chunk: bool = False) -> list[str]:
     """`steps` steps of `decodes` requests: each the gate's choice, then a step whose tokens per second are
@@ -17,7 +20,8 @@ def _run(gate: PolicyGate, decodes: int, steps: int, scores: dict[str, float], r
         arm = gate.choose(decodes, beside_chunk)
         chosen.append(arm)
         score = max(scores[arm] * rng.gauss(1.0, noise), 0.05)
-        gate.observe(decodes, arm, decodes, 0.030, 0.030 * score, beside_chunk)
+        tokens = int(decodes * YIELDS[arm])
+        gate.observe(decodes, arm, tokens, 0.030, 0.030 * score * decodes / tokens, beside_chunk)
     return chosen
 
 
@@ -100,3 +104,14 @@ def test_the_gate_round_trips_and_rejects_a_damaged_bucket() -> None:
         assert "bucket 3" in str(exc)
     else:
         raise AssertionError("a bucket with missing values was loaded")
+
+
+def test_no_drafts_are_tried_early_where_drafting_does_not_pay() -> None:
+    """Drafting at 16 requests costs more than it gives: a step without drafts does less work than the default's, so
+    its lower bound is the default's score over its tokens per request (0.2 here, not the lowest score, 0.1): it is
+    tried after a few default steps rather than the ~37 the bank would need, and takes over."""
+    gate = PolicyGate()
+    chosen = _run(gate, 16, 200, {"default": 0.4, "adaptive": 0.45, "plain": 1.1}, random.Random(6))
+    assert chosen.index("plain") <= 3 * MIN_DEFAULT
+    assert chosen[50:].count("plain") > 0.8 * 150
+    assert _mean_score(chosen, {"default": 0.4, "adaptive": 0.45, "plain": 1.1}) > 0.9

@@ -122,20 +122,28 @@ def configurations(grid: tuple[int, ...]) -> dict[str, list[str]]:
     return configs
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_server(args: argparse.Namespace, counter: TokenCounter, workload: Any, levels: list[int],
                flags: list[str], multi_turn: bool, adaptive: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """One fresh server over every level: per level its figures (adaptive runs: also those of the first minute) and,
     for an adaptive server, what its snapshot says it did (steps per policy arm, draft tokens, the gate)."""
     server = Server(args.model, flags, args.max_model_len)
-    runs, snapshots = [], {}
+    runs, snapshots, cpu = [], {}, {}
     try:
         for level, sessions in zip(levels, workload.levels):
             config = ServeConfig(base_url=server.url, model=server.model_name(), output_tokens=args.output_tokens,
                                  concurrency=[level], max_turns=args.max_turns, ignore_eos=multi_turn,
                                  max_model_len=args.max_model_len, turn_gap_s=args.turn_gap if multi_turn else 0.0,
                                  session_key=multi_turn, extra_body={"temperature": 0})
+            before = cpu_seconds(server.proc.pid)
             runs += asyncio.run(Runner(config, counter).run(dataclasses.replace(workload, levels=[sessions]),
                                                             warmup=1))
+            cpu[str(level)] = cpu_seconds(server.proc.pid) - before
             if adaptive:
                 import httpx
 
@@ -144,6 +152,9 @@ def run_server(args: argparse.Namespace, counter: TokenCounter, workload: Any, l
     finally:
         server.close()
     out = {"": {str(run.concurrency): summarize(run, multi_turn) for run in runs}}
+    for run in runs:  # the warm-up request's CPU time is in, its tokens are not (in every configuration alike)
+        figures = out[""][str(run.concurrency)]
+        figures["cpu_tps"] = (figures["total_tps"] or 0.0) * run.duration_s / max(cpu[str(run.concurrency)], 1e-9)
     if adaptive:
         out[" (first minute)"] = {str(run.concurrency): summarize(run, multi_turn, True) for run in runs}
     return out, snapshots
@@ -200,9 +211,13 @@ def ratio_rows(results: dict[str, Any]) -> list[str]:
         warm = results["adaptive warm"][level]["total_tps"] or 0.0
         per_round = [w / max(d, 1e-9) for w, d in zip(results["adaptive cold"][level]["total_tps_runs"],
                                                          results["fixed default"][level]["total_tps_runs"])]
+        cpu = {n: r[level]["cpu_tps"] or 1e-9 for n, r in results.items() if "cpu_tps" in r[level]}
+        cpu_best = max((n for n in cpu if n.startswith("fixed")), key=cpu.get)
         rows.append(f"| {level} | {cold / default:.2f}x ({', '.join(f'{r:.2f}' for r in per_round)}) | "
                     f"{first / default:.2f}x | {warm / default:.2f}x | {warm / max(fixed[best], 1e-9):.2f}x | "
-                    f"{best} |")
+                    f"{best} | {cpu['adaptive cold'] / cpu['fixed default']:.2f}x | "
+                    f"{cpu['adaptive warm'] / cpu['fixed default']:.2f}x | {cpu['adaptive warm'] / cpu[cpu_best]:.2f}x "
+                    f"({cpu_best}) |")
     return rows
 
 
@@ -215,15 +230,19 @@ def report(data: dict[str, Any], args: argparse.Namespace) -> str:
     for name, entry in data.items():
         results = entry["results"]
         lines += [f"## {name} ({args.part})", "", entry["description"], "",
-                  "| config | concurrency | total tok/s (median; rounds) | per request tok/s | TTFT p50 (s) |",
-                  "|---|---|---|---|---|"]
+                  "| config | concurrency | total tok/s (median; rounds) | tok per CPU s | per request tok/s | "
+                  "TTFT p50 (s) |", "|---|---|---|---|---|---|"]
         for config, levels in results.items():
             for level, r in levels.items():
                 runs = ", ".join(f"{v:.1f}" for v in r["total_tps_runs"])
-                lines.append(f"| {config} | {level} | {r['total_tps'] or 0:.1f} ({runs}) | "
+                cpu = f"{r['cpu_tps']:.1f}" if "cpu_tps" in r else "-"
+                lines.append(f"| {config} | {level} | {r['total_tps'] or 0:.1f} ({runs}) | {cpu} | "
                              f"{r['per_request_tps'] or 0:.1f} | {r['ttft_p50'] or 0:.2f} |")
-        lines += ["", "| concurrency | adaptive cold / default (per round) | cold's first minute / default | "
-                  "adaptive warm / default | warm / best fixed | best fixed |", "|---|---|---|---|---|---|"]
+        lines += ["", "Ratios of total output tok/s (wall clock), then of output tokens per CPU second of the server "
+                  "(less moved by other processes on a shared machine):", "",
+                  "| concurrency | adaptive cold / default (per round) | cold's first minute / default | "
+                  "adaptive warm / default | warm / best fixed | best fixed | CPU: cold / default | "
+                  "CPU: warm / default | CPU: warm / best fixed |", "|---|---|---|---|---|---|---|---|---|"]
         lines += ratio_rows(results)
         lines.append("")
     return "\n".join(lines)

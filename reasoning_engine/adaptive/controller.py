@@ -201,8 +201,10 @@ class AdaptiveController:
         if policy is not None and part.sequences and part.query_tokens == part.sequences + part.draft_tokens:
             drafts = part.draft_tokens
             pairs = shape.pairs - part.pairs + part.context_tokens - drafts  # a plain decode's pairs: its context
-            plain = self.cost.predict(StepShape(shape.query_tokens - drafts, shape.sequences,
-                                                shape.context_tokens - drafts, attention_pairs=pairs))
+            # the linear prediction: a plain step's correction follows plain steps, so scores against the corrected
+            # one would drift towards 1 for plain steps alone while the default's older scores kept their old scale
+            plain = self.cost.predict_linear(StepShape(shape.query_tokens - drafts, shape.sequences,
+                                                       shape.context_tokens - drafts, attention_pairs=pairs))
             self.gate.observe(part.sequences, policy, tokens, drafting_seconds, plain, decodes is not None)
         if self.cost.ready:
             self._prediction_error(shape, seconds, trace)

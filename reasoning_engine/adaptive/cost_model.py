@@ -176,6 +176,11 @@ class StepCostModel:
         for plain or plain for verifying, at the same batch size)."""
         return _dot(shape.values(), self._coefficients) * self._correction(_kind(shape))
 
+    def predict_linear(self, shape: StepShape) -> float:
+        """The linear prediction alone, without the kind's correction: a yardstick that no kind of step moves towards
+        itself (the gate scores every policy against it)."""
+        return _dot(shape.values(), self._coefficients)
+
     @staticmethod
     def kind(shape: StepShape) -> str:
         """The kind of step `shape` is, as corrections are kept."""

@@ -19,7 +19,12 @@ banked surplus (every scored step adds its score less (1 - ALPHA) x the default'
 falling short of (1 - ALPHA) x the default's mean. Whatever the cost model or the acceptance estimates believe, a
 bucket's steps therefore score at least about (1 - ALPHA) of what the fixed default scores; an arm that measures better
 takes over, and the others are tried again as their bounds widen with time. Of the arms the bank affords, the one with
-the highest upper bound runs.
+the highest upper bound runs; the default also runs once every DEFAULT_EVERY steps of a bucket whatever leads, so the
+floor every other arm is held to is a current measurement, not one from when the cost model was young.
+
+Scores are taken against the cost model's linear prediction without its per-kind corrections: a plain step's
+correction follows plain steps, so against the corrected prediction plain steps would score about 1 whatever they
+delivered, while the default's older scores kept the scale of their time.
 
 An arm never tried has the lowest score as its lower bound, with one exception known without measuring: a step without
 drafts does a subset of the work of the same step with drafts, so before it is measured, "plain" is bounded below by
@@ -37,7 +42,8 @@ from typing import Any
 ARMS = ("default", "adaptive", "plain")
 SCORE_DECAY = 0.995  # per scored step of a bucket, the weight left to each older score of every arm (~200 steps)
 ALPHA = 0.02  # the share of the default's score that exploring other arms may cost
-MIN_DEFAULT = 8  # the default's scores before any other arm is tried
+DEFAULT_EVERY = 16  # a bucket's steps after which the default runs again, whatever leads: the yardstick stays current
+MIN_DEFAULT = 32  # the default's scores before any other arm is tried (its first ones come while the cost model is young)
 CONFIDENCE = 2.0  # standard errors in the upper and lower bounds
 PRIOR_DEVIATION = 0.25  # a score's assumed standard deviation, worth PRIOR_WEIGHT scores, until measured
 PRIOR_WEIGHT = 2.0
@@ -94,6 +100,7 @@ class Bucket:
     arms: dict[str, ArmScore] = field(default_factory=lambda: {arm: ArmScore() for arm in ARMS})
     bank: float = 0.0
     chosen: str = "default"
+    since_default: int = 0  # scored steps since the default's last
 
     def upper(self, arm: str) -> float:
         score = self.arms[arm]
@@ -112,7 +119,7 @@ class Bucket:
         """The arm the next step runs (the default until it has MIN_DEFAULT scores): of those the bank affords, the
         one with the highest upper bound (ties go to the earlier arm, the default first)."""
         default = self.arms["default"]
-        if default.count < MIN_DEFAULT:
+        if default.count < MIN_DEFAULT or self.since_default >= DEFAULT_EVERY:
             return "default"
         floor = (1 - ALPHA) * default.mean
         for arm in sorted(allowed, key=self.upper, reverse=True):  # a stable sort keeps ARMS' order on ties
@@ -126,6 +133,7 @@ class Bucket:
         for other in self.arms.values():
             other.fade()
         self.arms[arm].add(score, tokens_per_decode)
+        self.since_default = 0 if arm == "default" else self.since_default + 1
         default = self.arms["default"]
         if default.count >= MIN_DEFAULT:
             floor = (1 - ALPHA) * default.mean

@@ -127,6 +127,7 @@ class AdaptiveController:
             sizes = Counter({int(k): int(v) for k, v in state["batch_sizes"].items()})
             gate = PolicyGate()
             gate.load(state.get("policy_gate", {}))  # absent from states saved before it (theirs is not comparable)
+            gate.temper()
             chunk_cost = ChunkCost()
             chunk_cost.load(state.get("chunk_steps", []))
             proposed_drafts = ProposedDrafts(self.max_draft_tokens)

@@ -48,6 +48,7 @@ CONFIDENCE = 2.0  # standard errors in the upper and lower bounds
 PRIOR_DEVIATION = 0.25  # a score's assumed standard deviation, worth PRIOR_WEIGHT scores, until measured
 PRIOR_WEIGHT = 2.0
 BANK_CAP = 16.0  # the surplus a bucket may bank, in default steps' scores (old luck must not pay for new exploring)
+LOADED_WEIGHT = 8.0  # a saved arm's scores, at a restart, count as at most this many steps (`PolicyGate.temper`)
 SCORE_BOUNDS = (0.1, 10.0)  # a single step counts as if at most 10x off (a stall must not swamp the mean)
 
 
@@ -206,6 +207,19 @@ class PolicyGate:
         tokens, then the bank."""
         return {f"{prefix}{b}": [*(v for arm in ARMS for v in _values(bucket.arms[arm])), bucket.bank]
                 for buckets, prefix in ((self.buckets, ""), (self.chunk_buckets, "c")) for b, bucket in buckets.items()}
+
+    def temper(self, weight: float = LOADED_WEIGHT) -> None:
+        """Make loaded scores a prior: each arm's means kept, its weight at most `weight` steps, nothing banked. A
+        state learned on other traffic (the saved state of a server before a restart) must not outvote what this
+        traffic measures for long, nor pay for exploring it with a surplus it did not earn."""
+        for bucket in (*self.buckets.values(), *self.chunk_buckets.values()):
+            bucket.bank = 0.0
+            for score in bucket.arms.values():
+                if score.weight > weight:
+                    factor = weight / score.weight
+                    score.total, score.squares, score.tokens = (score.total * factor, score.squares * factor,
+                                                                score.tokens * factor)
+                    score.weight = weight
 
     def load(self, data: dict[str, list[float]]) -> None:
         buckets: dict[int, Bucket] = {}

@@ -115,3 +115,23 @@ def test_no_drafts_are_tried_early_where_drafting_does_not_pay() -> None:
     assert chosen.index("plain") <= 3 * MIN_DEFAULT
     assert chosen[50:].count("plain") > 0.8 * 150
     assert _mean_score(chosen, {"default": 0.4, "adaptive": 0.45, "plain": 1.1}) > 0.9
+
+
+def test_a_state_learned_on_other_traffic_yields_to_what_this_traffic_measures() -> None:
+    """Loaded scores are a prior (`temper`): a gate that learned adaptive lengths pay, restarted on traffic where they
+    do not, is back on the default at once and loses a fraction of what the untempered state loses (which runs the
+    old leader for ~40 steps, paid by the surplus it banked on other traffic)."""
+    learned = PolicyGate()
+    _run(learned, 1, 1500, {"default": 1.0, "adaptive": 1.6, "plain": 0.9}, random.Random(7))
+    now = {"default": 1.0, "adaptive": 0.6, "plain": 0.9}
+    back, lost = {}, {}
+    for tempered in (True, False):
+        gate = PolicyGate()
+        gate.load(learned.to_dict())
+        if tempered:
+            gate.temper()
+        chosen = _run(gate, 1, 400, now, random.Random(8))
+        back[tempered] = next(i for i in range(len(chosen)) if chosen[i:i + 20].count("default") >= 15)
+        lost[tempered] = sum(now["default"] - now[arm] for arm in chosen)
+    assert back[True] <= 10 < 30 < back[False]
+    assert lost[True] < 0.5 * lost[False]

@@ -16,8 +16,9 @@ differs from vision_data's:
   wide, a quarter of them drawn as outlines;
 - half of the pictures saved and read back as JPEG (quality 55-90).
 
-The questions and the answer check are the eval's (the first phrasing of each of vision_data's questions and its
-check_image_answer), so the two styles' figures compare the drawing alone.
+The questions are the eval's (the first phrasing of each of vision_data's, written out here: this module imports
+nothing of the training program, which a test checks) and so is the answer check (the eval's check_image_answer), so
+the two styles' figures compare the drawing alone.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import numpy as np
 from PIL import Image
 
 from reasoning_engine.tiny.data import Sample
-from reasoning_engine.tiny.vision_data import COLOUR_QUESTIONS, COUNT_QUESTIONS, LEFT_QUESTIONS
 
 HELDOUT_SEED = 13579
 CANVASES = [(80, 60), (100, 100), (48, 64), (120, 80), (72, 72), (60, 90), (128, 96)]  # (width, height)
@@ -45,6 +45,9 @@ SHADES: dict[str, list[tuple[int, int, int]]] = {
 }
 BACKGROUNDS = [(255, 255, 250), (240, 244, 248), (248, 240, 232), (236, 236, 236), (242, 248, 238), (250, 238, 242)]
 SUPERSAMPLE = 4
+COLOUR_QUESTION = "What colour is the circle?"
+COUNT_QUESTION = "How many squares are there?"
+LEFT_QUESTION = "Which shape is on the left?"
 
 
 @dataclass
@@ -176,8 +179,7 @@ def heldout_colour(rng: random.Random) -> Sample:
     rng.shuffle(kinds)
     shapes = place(kinds, width, height, rng)
     circle = next(s for s in shapes if s.kind == "circle")
-    return _sample("image_colour", COLOUR_QUESTIONS[0].format(shape="circle"), shapes, width, height, circle.colour,
-                   rng)
+    return _sample("image_colour", COLOUR_QUESTION, shapes, width, height, circle.colour, rng)
 
 
 def heldout_count(rng: random.Random) -> Sample:
@@ -187,7 +189,7 @@ def heldout_count(rng: random.Random) -> Sample:
     kinds = ["square"] * n + [rng.choice(["circle", "triangle"]) for _ in range(rng.randint(0, 2))]
     rng.shuffle(kinds)
     shapes = place(kinds, width, height, rng)
-    return _sample("image_count", COUNT_QUESTIONS[0].format(shape="square"), shapes, width, height, n, rng)
+    return _sample("image_count", COUNT_QUESTION, shapes, width, height, n, rng)
 
 
 def heldout_left(rng: random.Random) -> Sample:
@@ -198,7 +200,7 @@ def heldout_left(rng: random.Random) -> Sample:
         shapes = place(kinds, width, height, rng)
         a, b = sorted(shapes, key=lambda s: s.left)
         if a.left + a.size + 1.5 + 0.02 * max(width, height) <= b.left:
-            return _sample("image_left", LEFT_QUESTIONS[0], shapes, width, height, a.kind, rng)
+            return _sample("image_left", LEFT_QUESTION, shapes, width, height, a.kind, rng)
 
 
 def heldout_samples(per_task: int = 100, seed: int = HELDOUT_SEED) -> list[Sample]:

@@ -146,6 +146,13 @@ class ChatOutputParser:
         return kept
 
 
+def answer_drop(reasoning_name: str | None, drop: Iterable[str]) -> tuple[str, ...]:
+    """What the parser chain drops from the answer text (the tool parser's `drop`): the special tokens `drop` and
+    the thinking markers."""
+    fmt = REASONING_FORMATS[reasoning_name] if reasoning_name else None
+    return (*drop, fmt.start, fmt.end) if fmt else tuple(drop)
+
+
 def build_output_parser(reasoning_name: str | None, tool_name: str | None, *, prompt_tail: str,
                         thinking_requested: bool | None, tools_active: bool, drop: Iterable[str],
                         tool_schemas: dict[str, dict] | None = None) -> ChatOutputParser:
@@ -154,7 +161,7 @@ def build_output_parser(reasoning_name: str | None, tool_name: str | None, *, pr
     a model may write them whether or not tools are offered). `tool_schemas` (the offered tools' parameter schemas by
     name) type the arguments of formats that write them untyped (glm45)."""
     fmt = REASONING_FORMATS[reasoning_name] if reasoning_name else None
-    content_drop = (*drop, fmt.start, fmt.end) if fmt else tuple(drop)
+    content_drop = answer_drop(reasoning_name, drop)
     tool_cls = TOOL_PARSERS[tool_name] if tool_name else ToolParser
     schemas = {"schemas": tool_schemas} if tool_cls.uses_schemas else {}
     tools = tool_cls(drop=content_drop, **schemas) if tool_name or content_drop else None

@@ -524,7 +524,8 @@ class OpenAIServing:
                 return None
             return build_output_parser(self.reasoning_parser, self.tool_parser, prompt_tail=rendered.tail,
                                        thinking_requested=rendered.thinking_requested, tools_active=tools_active,
-                                       drop=self.special_tokens, tool_schemas=tool_schemas)
+                                       drop=self.special_tokens, tool_schemas=tool_schemas,
+                                       constrained=constraint is not None)
 
         workload = "agent" if tools_active else "chat"
         if not refs:

@@ -205,9 +205,10 @@ def chat_tools() -> list[dict[str, Any]]:
 
 def test_forced_chat_calls_of_a_random_model_are_calls_only_and_end(forced: tuple[str, httpx.Client]) -> None:
     """#55: under tool_choice "required" or a named tool, every choice of a randomly sampled random model (n=3,
-    several seeds, parallel calls on and off) is calls only: each parses, its arguments valid against its tool's
-    schema, no content, and the turn ends after them (finish_reason "tool_calls", not the token limit). Streamed,
-    the same seed gives the same calls."""
+    several seeds, parallel calls on and off, thinking on and off) is calls only: each parses, its arguments valid
+    against its tool's schema, no content, and the turn ends after them (finish_reason "tool_calls", not the token
+    limit). A call opener the model writes inside its thinking is thinking: the engine holds only what follows
+    `</think>`. Streamed, the same seed gives the same calls."""
     fmt, http = forced
     for seed in SEEDS:
         named = seed % 3 == 2
@@ -215,7 +216,7 @@ def test_forced_chat_calls_of_a_random_model_are_calls_only_and_end(forced: tupl
         body = {"model": "m", "temperature": 1.0, "seed": seed, "n": 3, "max_tokens": 700, "tools": chat_tools(),
                 "tool_choice": choice, "parallel_tool_calls": seed % 2 == 0,
                 "messages": [{"role": "user", "content": "Convert 5 km."}],
-                "chat_template_kwargs": {"thinking": False}}
+                "chat_template_kwargs": {"thinking": seed % 4 >= 2}}
         out = http.post("/v1/chat/completions", json=body).json()
         assert len(out.get("choices", ())) == 3, out
         for c in out["choices"]:

@@ -146,22 +146,36 @@ class ChatOutputParser:
         return kept
 
 
+def answer_drop(reasoning_name: str | None, drop: Iterable[str]) -> tuple[str, ...]:
+    """What the parser chain drops from the answer text (the tool parser's `drop`): the special tokens `drop` and
+    the thinking markers."""
+    fmt = REASONING_FORMATS[reasoning_name] if reasoning_name else None
+    return (*drop, fmt.start, fmt.end) if fmt else tuple(drop)
+
+
 def build_output_parser(reasoning_name: str | None, tool_name: str | None, *, prompt_tail: str,
                         thinking_requested: bool | None, tools_active: bool, drop: Iterable[str],
-                        tool_schemas: dict[str, dict] | None = None) -> ChatOutputParser:
+                        tool_schemas: dict[str, dict] | None = None, constrained: bool = False) -> ChatOutputParser:
     """A fresh parser chain for one choice of one request; `drop` are special-token strings to keep out of the text
     (the thinking markers are also kept out of the answer, and the tool format's markers out of the thinking, where
     a model may write them whether or not tools are offered). `tool_schemas` (the offered tools' parameter schemas by
-    name) type the arguments of formats that write them untyped (glm45)."""
+    name) type the arguments of formats that write them untyped (glm45). `constrained`: the engine holds the answer
+    to a grammar from `</think>` on, so the thinking ends there only (a call opener inside it is thinking text, as
+    the engine took it, and the constrained calls after it are the calls)."""
     fmt = REASONING_FORMATS[reasoning_name] if reasoning_name else None
-    content_drop = (*drop, fmt.start, fmt.end) if fmt else tuple(drop)
+    content_drop = answer_drop(reasoning_name, drop)
     tool_cls = TOOL_PARSERS[tool_name] if tool_name else ToolParser
     schemas = {"schemas": tool_schemas} if tool_cls.uses_schemas else {}
     tools = tool_cls(drop=content_drop, **schemas) if tool_name or content_drop else None
     reasoning = None
     if fmt is not None:
-        extra_ends = tool_cls.start_markers if tools_active else ()
-        parser_cls = HarmonyReasoningParser if fmt.name == "gpt_oss" else ReasoningParser
-        reasoning = parser_cls(fmt, initial_mode(fmt, prompt_tail, thinking_requested), extra_ends=extra_ends,
-                                    drop=(*drop, *tool_cls.markers))
+        mode = initial_mode(fmt, prompt_tail, thinking_requested)
+        if fmt.name == "gpt_oss":  # its constraints hold the thinking too (tool_grammar.InlineThinking)
+            reasoning = HarmonyReasoningParser(fmt, mode, extra_ends=tool_cls.start_markers if tools_active else (),
+                                               drop=(*drop, *tool_cls.markers))
+        elif constrained:
+            reasoning = ReasoningParser(fmt, mode, drop=(*drop, *tool_cls.markers, *fmt.implicit_ends), implicit=False)
+        else:
+            reasoning = ReasoningParser(fmt, mode, extra_ends=tool_cls.start_markers if tools_active else (),
+                                        drop=(*drop, *tool_cls.markers))
     return ChatOutputParser(reasoning, tools, emit_tool_calls=tools_active and tool_name is not None)

@@ -77,14 +77,14 @@ class ReasoningParser:
 
     `extra_ends` are further markers that end the thinking and stay in the answer text (the active tool parser's
     call openers, so a call that starts inside the thinking still reaches the tool parser). `drop` are marker strings
-    (special tokens) removed from the thinking."""
+    (special tokens) removed from the thinking. `implicit`: the format's implicit ends end the thinking too."""
 
     def __init__(self, fmt: ReasoningFormat, mode: Mode, extra_ends: Iterable[str] = (),
-                 drop: Iterable[str] = ()) -> None:
+                 drop: Iterable[str] = (), implicit: bool = True) -> None:
         self.format = fmt
         self.mode: Mode = mode
         self.had_reasoning = mode == "reasoning"
-        self._ends = (*fmt.implicit_ends, *extra_ends)
+        self._ends = (*(fmt.implicit_ends if implicit else ()), *extra_ends)
         self._markers = MarkerSet([fmt.start, fmt.end, *self._ends, *drop])
         self._buf = ""
 

@@ -71,6 +71,7 @@ _PYDANTIC_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none
 _CHAT_PARAMS = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
                 ("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
                 ("thinking_token_budget", "reasoning.effort"))
+_CHAT_TOOL = re.compile(r"\btools\[(\d+)\]\.function\b")  # chat's tools[i].function.x is the flat tools[i].x
 _UNKNOWN_TAG = "unknown_type"
 
 
@@ -482,7 +483,8 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]],
 def renamed(error: APIError, message_params: list[str]) -> APIError:
     """A chat-path error restated in Responses terms: `messages[3].content[1]` -> `input[2].content[1]` (or the
     `instructions` / `previous_response_id` the message came from), `max_completion_tokens` -> `max_output_tokens`,
-    `response_format.json_schema.schema` -> `text.format.schema`; the message says the same names."""
+    `response_format.json_schema.schema` -> `text.format.schema`, `tools[0].function.parameters` ->
+    `tools[0].parameters`; the message says the same names."""
     old = error.param
     if old is None:
         return error
@@ -500,6 +502,7 @@ def renamed(error: APIError, message_params: list[str]) -> APIError:
             if new == chat or new.startswith((f"{chat}.", f"{chat}[")):
                 new = ours + new[len(chat):]
             message = message.replace(chat, ours)
+        new, message = _CHAT_TOOL.sub(r"tools[\1]", new), _CHAT_TOOL.sub(r"tools[\1]", message)
     if new == old:
         return error
     return APIError(error.status, message, param=new, code=error.code, type=error.type)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
@@ -41,6 +42,7 @@ from reasoning_engine.server.metrics import RequestTimer, ServerMetrics
 from reasoning_engine.server.parsing import (
     ChatOutputParser,
     ParsedDelta,
+    answer_drop,
     build_output_parser,
 )
 from reasoning_engine.server.protocol import (
@@ -57,6 +59,7 @@ from reasoning_engine.server.token_bytes import TokenBytes
 from reasoning_engine.server.tool_grammar import (
     CALL_SYNTAXES,
     INLINE_THINKING,
+    ToolSchemaError,
     answer_tag,
     bad_tool_schema,
     tool_call_tag,
@@ -258,6 +261,9 @@ def _structured_spec(fields: dict[str, Any], param: str | None) -> StructuredOut
         return StructuredOutputsParams(**fields)
     except ValueError as exc:
         path, _, detail = str(exc).partition(": ")
+        if param is not None:  # `structured_outputs.json.properties.x.not` -> `{param}.properties.x.not`
+            field = re.match(r"structured_outputs\.\w+", path)
+            param += path[field.end():] if field else ""
         raise bad_request(f"{param or path}: {detail}", param=param or path, code="invalid_value") from exc
 
 
@@ -355,6 +361,9 @@ class OpenAIServing:
         self.special_tokens = _special_token_strings(self.tokenizer)
         self.token_bytes = TokenBytes(self.tokenizer)
         self._reasoning_end_ids, self._think_end_id = self._marker_ids()
+        # what the parsers drop from the answer, kept out of tool calls' strings; the call markers that are tokens
+        self._answer_drop = answer_drop(self.reasoning_parser, self.special_tokens)
+        self._call_marker_ids = self._call_markers()
         self.media_loader = media_loader
         self.media_timeout = media_timeout  # seconds for all of a request's media: fetch, decode, preprocess
         self.vision: bool = engine.supports_media
@@ -473,9 +482,14 @@ class OpenAIServing:
         else:
             indices = list(range(len(req.tools)))
         tools = [req.tools[i].function for i in indices]
-        tag = tool_call_tag(self.tool_parser, tools, required=required,
-                            parallel=not named and req.parallel_tool_calls is not False,
-                            answer=None if required or answer is None else answer.spec, thinking=thinking)
+        try:
+            tag = tool_call_tag(self.tool_parser, tools, required=required,
+                                parallel=not named and req.parallel_tool_calls is not False,
+                                answer=None if required or answer is None else answer.spec, thinking=thinking,
+                                dropped=self._answer_drop, marker_ids=self._call_marker_ids)
+        except ToolSchemaError as exc:
+            param = f"tools[{indices[exc.index]}].{exc.where}"
+            raise bad_request(f"{param}: {exc.reason}", param=param, code="invalid_value") from exc
         try:
             return Constraint(StructuredOutputsParams(structural_tag=tag), "tools")
         except ValueError as exc:
@@ -527,7 +541,8 @@ class OpenAIServing:
                 return None
             return build_output_parser(self.reasoning_parser, self.tool_parser, prompt_tail=rendered.tail,
                                        thinking_requested=rendered.thinking_requested, tools_active=tools_active,
-                                       drop=self.special_tokens, tool_schemas=tool_schemas)
+                                       drop=self.special_tokens, tool_schemas=tool_schemas,
+                                       constrained=constraint is not None)
 
         workload = "agent" if tools_active else "chat"
         if not refs:
@@ -827,6 +842,13 @@ class OpenAIServing:
         openers = TOOL_PARSERS[self.tool_parser].start_markers if self.tool_parser else ()
         ids = {m: _single_token_id(self.tokenizer, m) for m in (fmt.end, *fmt.implicit_ends, *openers)}
         return {i for i in ids.values() if i is not None}, ids[fmt.end]
+
+    def _call_markers(self) -> dict[str, int]:
+        """The tool-call format's markers that are single tokens, by id: a constrained call writes them as such."""
+        if self.tokenizer is None or self.tool_parser not in TOOL_PARSERS:
+            return {}
+        ids = {m: _single_token_id(self.tokenizer, m) for m in TOOL_PARSERS[self.tool_parser].call_markers()}
+        return {m: i for m, i in ids.items() if i is not None}
 
     def reasoning_tokens(self, choice: Choice) -> int:
         """Generated tokens inside the thinking, `</think>` included; by token id where the markers are single

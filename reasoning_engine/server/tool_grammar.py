@@ -24,7 +24,15 @@ deepseek_v32 (`\\n\\n<｜DSML｜function_calls>\\n<｜DSML｜invoke name="NAME">
 string="true">raw string</｜DSML｜parameter>` or `string="false">JSON`) and gpt_oss (harmony: `<|channel|>commentary
 to=functions.NAME <|constrain|>json<|message|>{json}`; the `<|call|>` after it is a stop token, so a call ends the
 output and there is at most one), as in tool_parsers.py.
-Markers are matched as text, so they fit whether the tokenizer has them as single tokens or spells them out.
+Markers are matched as text, so they fit whether the tokenizer has them as single tokens or spells them out;
+the server passes the ones that are single tokens (`marker_ids`), and those are written only as their tokens.
+
+Inside a call, no string (argument value or property name) may hold a marker the output parsers act on: the
+format's own (its parser's `call_markers`), the thinking markers and the tokenizer's special tokens (the `excludes`
+the server passes, which the parsers drop from the text). Otherwise a model could write `<|tool_call_end|>` inside
+an argument string and the parser would cut the call there. xgrammar's `excludes` keep them out of plain strings;
+`schemas.marker_free_schema` covers the strings it does not filter (length bounds become a pattern, patterns and
+formats that could write a marker are refused), and `ToolSchemaError` names the tool and the keyword.
 
 gpt-oss has no `</think>` for the engine to wait for, so its constraint holds the output from the first token and
 lets the thinking through itself (`InlineThinking`): calls or an answer format come after any analysis messages,
@@ -33,9 +41,10 @@ the answer in a final message.
 
 from __future__ import annotations
 
+import functools
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +68,6 @@ from reasoning_engine.server.tool_parsers import (
     DSML_CALLS_END,
     DSML_INVOKE_BEGIN,
     DSML_INVOKE_END,
-    DSML_PARAMETER_END,
     GLM_CALL_BEGIN,
     GLM_CALL_END,
     HERMES_CALL_BEGIN,
@@ -72,10 +80,10 @@ from reasoning_engine.server.tool_parsers import (
     MINIMAX_CALLS_END,
     MINIMAX_INVOKE_BEGIN,
     MINIMAX_INVOKE_END,
-    DeepSeekV3ToolParser,
-    DeepSeekV31ToolParser,
+    TOOL_PARSERS,
 )
 from reasoning_engine.structured.params import StructuredOutputsParams
+from reasoning_engine.structured.schemas import SchemaError, enforceable_schema, join, marker_free_schema
 
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 MAX_WHITESPACE = 1
@@ -88,8 +96,7 @@ class CallSyntax(ABC):
     call is `call_begin(name)`, its content, `call_end`. `trigger` starts the calls inside free text. `lead` comes
     before the calls where they are the whole answer (DeepSeek-V3.2 writes its block after a blank line, which in
     free text is the model's own). `ends_turn`: the call's end marker is a stop token, left out of the grammar, so a
-    call ends the output and there is at most one (gpt-oss). `excludes`: markers the parser acts on inside a call's
-    arguments (ending or dropping them), kept out of the arguments' strings and keys."""
+    call ends the output and there is at most one (gpt-oss)."""
 
     trigger: str
     open: str
@@ -98,13 +105,13 @@ class CallSyntax(ABC):
     call_end: str
     lead: str = ""
     ends_turn: bool = False
-    excludes: tuple[str, ...] = ()
 
     @abstractmethod
     def call_begin(self, name: str) -> str:
         """What opens a call of `name`, up to its content."""
 
-    def call_content(self, arguments: dict[str, Any]) -> dict[str, Any]:
+    def call_content(self, arguments: dict[str, Any], text: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+        """A call's content around its `arguments` format; `text` makes a format of fixed text."""
         return arguments
 
 
@@ -112,10 +119,10 @@ class KimiCallSyntax(CallSyntax):
     def call_begin(self, name: str) -> str:
         return f"{KIMI_CALL_BEGIN}functions.{name}:"
 
-    def call_content(self, arguments: dict[str, Any]) -> dict[str, Any]:
+    def call_content(self, arguments: dict[str, Any], text: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
         """The call index, then the arguments."""
         return {"type": "sequence", "elements": [{"type": "regex", "pattern": _KIMI_CALL_INDEX},
-                                                 {"type": "const_string", "value": KIMI_ARGUMENT_BEGIN}, arguments]}
+                                                 text(KIMI_ARGUMENT_BEGIN), arguments]}
 
 
 class HermesCallSyntax(CallSyntax):
@@ -128,7 +135,7 @@ class GlmCallSyntax(CallSyntax):
     def call_begin(self, name: str) -> str:
         return f"{GLM_CALL_BEGIN}{name}"
 
-    def call_content(self, arguments: dict[str, Any]) -> dict[str, Any]:
+    def call_content(self, arguments: dict[str, Any], text: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
         """The schema's properties as `<arg_key>` / `<arg_value>` pairs: strings raw, other values JSON."""
         return {**arguments, "style": "glm_xml"}
 
@@ -137,7 +144,7 @@ class MiniMaxCallSyntax(CallSyntax):
     def call_begin(self, name: str) -> str:
         return f'{MINIMAX_INVOKE_BEGIN}"{name}">\n'
 
-    def call_content(self, arguments: dict[str, Any]) -> dict[str, Any]:
+    def call_content(self, arguments: dict[str, Any], text: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
         """The schema's properties as `<parameter name="K">V</parameter>` lines: strings raw, other values JSON. An
         array parameter declared without `items` gets `items: {}` (what the schema means), since xgrammar's
         `minimax_xml` refuses every value of such a parameter."""
@@ -159,7 +166,7 @@ class DsmlCallSyntax(CallSyntax):
     def call_begin(self, name: str) -> str:
         return f'{DSML_INVOKE_BEGIN}"{name}">\n'
 
-    def call_content(self, arguments: dict[str, Any]) -> dict[str, Any]:
+    def call_content(self, arguments: dict[str, Any], text: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
         """The schema's properties as `<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>` lines:
         strings raw (`true`), other values JSON (`false`); an array without `items` as for MiniMax-M2."""
         return {**arguments, "json_schema": _array_items_given(arguments["json_schema"]), "style": "deepseek_xml"}
@@ -197,17 +204,15 @@ CALL_SYNTAXES: dict[str, CallSyntax] = {
     "minimax_m2": MiniMaxCallSyntax(trigger=MINIMAX_CALLS_BEGIN, open=f"{MINIMAX_CALLS_BEGIN}\n",
                                     close=MINIMAX_CALLS_END, separator="", call_end=f"{MINIMAX_INVOKE_END}\n"),
     "deepseek_v3": DeepSeekV3CallSyntax(trigger=DEEPSEEK_CALLS_BEGIN, open=DEEPSEEK_CALLS_BEGIN,
-                                        close=DEEPSEEK_CALLS_END, separator="\n", call_end=f"\n```{DEEPSEEK_CALL_END}",
-                                        excludes=DeepSeekV3ToolParser.markers),
+                                        close=DEEPSEEK_CALLS_END, separator="\n", call_end=f"\n```{DEEPSEEK_CALL_END}"),
     "deepseek_v31": DeepSeekV31CallSyntax(trigger=DEEPSEEK_CALLS_BEGIN, open=DEEPSEEK_CALLS_BEGIN,
-                                          close=DEEPSEEK_CALLS_END, separator="", call_end=DEEPSEEK_CALL_END,
-                                          excludes=DeepSeekV31ToolParser.markers),
+                                          close=DEEPSEEK_CALLS_END, separator="", call_end=DEEPSEEK_CALL_END),
     # as DeepSeek-V3.2's encoding writes it: parameters and invokes one a line
     "deepseek_v32": DsmlCallSyntax(trigger=DSML_CALLS_BEGIN, open=f"{DSML_CALLS_BEGIN}\n",
                                    close=f"\n{DSML_CALLS_END}", separator="\n", call_end=f"\n{DSML_INVOKE_END}",
-                                   lead="\n\n", excludes=(DSML_PARAMETER_END, DSML_INVOKE_END, DSML_CALLS_END)),
+                                   lead="\n\n"),
     "gpt_oss": HarmonyCallSyntax(trigger=f"{HARMONY_CHANNEL}commentary to=functions.", open="", close="",
-                                 separator="", call_end="", ends_turn=True, excludes=HARMONY_MARKERS),
+                                 separator="", call_end="", ends_turn=True),
 }
 
 
@@ -243,8 +248,48 @@ INLINE_THINKING: dict[str, InlineThinking] = {
 }
 
 
+class ToolSchemaError(ValueError):
+    """Tool `index` (of those passed to `tool_call_tag`) cannot be held to its call format: `where` is the field at
+    fault under the tool (`function.parameters.properties.x.not`, `function.name`)."""
+
+    def __init__(self, index: int, where: str, reason: str) -> None:
+        super().__init__(f"tools[{index}].{where}: {reason}")
+        self.index = index
+        self.where = where
+        self.reason = reason
+
+
+def call_excludes(parser: str, dropped: Iterable[str] = ()) -> list[str]:
+    """What no string inside a call of `parser`'s format may hold: the openings (`marker_opening`) of its parser's
+    markers and of `dropped` (what the output parsers drop from the text: special tokens, the thinking markers).
+    Each once, none that holds another; none with whitespace at an end, which xgrammar's XML styles refuse."""
+    return list(_call_excludes(parser, tuple(dropped)))
+
+
+@functools.lru_cache(maxsize=64)  # a server asks with the same few arguments, and a vocabulary may have hundreds
+def _call_excludes(parser: str, dropped: tuple[str, ...]) -> tuple[str, ...]:
+    openings = dict.fromkeys(marker_opening(m) for m in (*TOOL_PARSERS[parser].call_markers(), *dropped) if m)
+    kept = [m for m in openings if m == m.strip()]
+    return tuple(m for m in kept if not any(other != m and other in m for other in kept))
+
+
+def marker_opening(marker: str) -> str:
+    """A marker up to its first character after the first that is no letter, digit, `/` or space: `<|` for
+    `<|tool_call_end|>` (and every `<|...|>` special token), `<tool_` for `<tool_call>`, `</think>` whole. Keeping
+    the opening out keeps the marker out, and costs the grammar far less: xgrammar's compile time grows with the
+    length of what it excludes (eight whole Kimi markers take about a second against a 50k vocabulary, `<|`
+    almost nothing), at the price of strings that cannot hold `<|` either."""
+    for i, ch in enumerate(marker[1:], 1):
+        if not (ch.isalnum() or ch in "/ "):
+            return marker[:i + 1]
+    return marker
+
+
 def arguments_format(parameters: dict[str, Any] | None, excludes: Sequence[str] = ()) -> dict[str, Any]:
-    fmt = {"type": "json_schema", "json_schema": parameters if parameters is not None else NO_PARAMETERS,
+    """A call's arguments held to `parameters` (no parameters: `{}`), no string holding one of `excludes`;
+    SchemaError (schemas.py) naming the keyword the grammar cannot hold."""
+    schema = enforceable_schema(parameters if parameters is not None else NO_PARAMETERS)
+    fmt = {"type": "json_schema", "json_schema": marker_free_schema(schema, excludes),
            "max_whitespace_cnt": MAX_WHITESPACE}
     return {**fmt, "excludes": list(excludes)} if excludes else fmt
 
@@ -253,7 +298,7 @@ def answer_format(spec: StructuredOutputsParams) -> dict[str, Any]:
     """A request's answer constraint as a structural-tag format, to offer beside the tool calls."""
     kind = spec.kind
     if kind == "json":
-        return {"type": "json_schema", "json_schema": spec.schema(), "max_whitespace_cnt": MAX_WHITESPACE}
+        return {"type": "json_schema", "json_schema": spec.enforced_schema(), "max_whitespace_cnt": MAX_WHITESPACE}
     if kind == "json_object":
         return {"type": "json_schema", "json_schema": {"type": "object"}, "max_whitespace_cnt": MAX_WHITESPACE}
     if kind == "regex":
@@ -271,39 +316,103 @@ def answer_tag(answer: StructuredOutputsParams, thinking: InlineThinking) -> dic
 
 
 def tool_call_tag(parser: str, tools: Sequence[FunctionDef], *, required: bool, parallel: bool,
-                  answer: StructuredOutputsParams | None = None,
-                  thinking: InlineThinking | None = None) -> dict[str, Any]:
+                  answer: StructuredOutputsParams | None = None, thinking: InlineThinking | None = None,
+                  dropped: Iterable[str] = (), marker_ids: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The structural tag for `tools` in `parser`'s format. `required`: the output is calls only (pass just the
     named function for a named tool_choice, with `parallel` false); otherwise the calls are optional: the output is
     `answer` or calls when `answer` is given, else free text with constrained calls. `thinking`: the model's
-    thinking is part of the constrained output, before the calls or the answer (free text holds it anyway)."""
+    thinking is part of the constrained output, before the calls or the answer (free text holds it anyway).
+    `dropped`: what the output parsers drop from the text (special tokens, thinking markers), kept out of the
+    calls' strings with the format's markers. `marker_ids`: the markers that are single tokens of the model's
+    vocabulary, by id: where the grammar writes one, it takes only that token (a marker spelled out of smaller
+    tokens is text the model never learnt, and it loses its way). ToolSchemaError names a tool the calls cannot
+    be held to."""
     syntax = CALL_SYNTAXES[parser]
     parallel = parallel and not syntax.ends_turn
-    tags = [{"type": "tag", "begin": syntax.call_begin(tool.name),
-             "content": syntax.call_content(arguments_format(tool.parameters, syntax.excludes)),
-             "end": syntax.call_end}
-            for tool in tools]
-    calls = {"type": "tags_with_separator", "tags": tags, "separator": syntax.separator, "at_least_one": True,
-             "stop_after_first": not parallel}
-    if syntax.open:
-        block: dict[str, Any] = {"type": "tag", "begin": syntax.open, "content": calls, "end": syntax.close}
-    else:
-        block = calls
-    whole = block if not syntax.lead else {"type": "sequence", "elements": [
-        {"type": "const_string", "value": syntax.lead}, block]}
+    excludes = call_excludes(parser, dropped)
+    bound = _Bound(marker_ids or {})
+    arguments = []
+    for i, tool in enumerate(tools):
+        marker = next((m for m in excludes if m in tool.name), None)
+        if marker is not None:
+            raise ToolSchemaError(i, "function.name", f"the name holds {marker!r}, which opens a marker the "
+                                                      "tool parser acts on")
+        try:
+            arguments.append(syntax.call_content(arguments_format(tool.parameters, excludes), bound.text))
+        except SchemaError as exc:
+            raise ToolSchemaError(i, join("function.parameters", exc.path) if exc.path else "function.parameters",
+                                  exc.reason) from None
+
+    def calls(text_begins: bool) -> dict[str, Any]:
+        tags = [bound.tag(syntax.call_begin(tool.name), content, syntax.call_end, text_begin=text_begins)
+                for tool, content in zip(tools, arguments, strict=True)]
+        return {"type": "tags_with_separator", "tags": tags, "separator": syntax.separator, "at_least_one": True,
+                "stop_after_first": not parallel}
+
+    def block(text_begin: bool) -> dict[str, Any]:
+        """The calls in their section, if the format has one; a triggered one starts at its text."""
+        if not syntax.open:
+            return calls(text_begin)
+        return bound.tag(syntax.open, calls(False), syntax.close, text_begin=text_begin)
+
+    whole = block(False) if not syntax.lead else {"type": "sequence", "elements": [
+        {"type": "const_string", "value": syntax.lead}, block(False)]}
     if required:
         fmt = whole
     elif answer is not None:
         answered = answer_format(answer)
         fmt = {"type": "or", "elements": [answered if thinking is None else thinking.answer(answered), whole]}
     elif syntax.open:
-        fmt = {"type": "triggered_tags", "triggers": [syntax.trigger], "tags": [block]}
+        fmt = {"type": "triggered_tags", "triggers": [syntax.trigger], "tags": [block(True)]}
     else:
-        fmt = {"type": "triggered_tags", "triggers": [syntax.trigger], "tags": tags,
+        fmt = {"type": "triggered_tags", "triggers": [syntax.trigger], "tags": calls(True)["tags"],
                "stop_after_first": not parallel}
     if thinking is not None and (required or answer is not None):
         fmt = thinking.then(fmt)
     return {"type": "structural_tag", "format": fmt}
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """Fixed text as structural-tag formats, each single-token marker in it (`marker_ids`) as its token."""
+
+    marker_ids: Mapping[str, int]
+
+    def pieces(self, value: str) -> list[dict[str, Any]]:
+        """`value` as text and token formats, in order (nothing for "")."""
+        out: list[dict[str, Any]] = []
+        while value:
+            found = [(value.find(m), -len(m), m) for m in self.marker_ids if m in value]
+            if not found:
+                out.append({"type": "const_string", "value": value})
+                break
+            at, _, marker = min(found)  # the first one, the longest where two start together
+            if at:
+                out.append({"type": "const_string", "value": value[:at]})
+            out.append({"type": "token", "token": self.marker_ids[marker]})
+            value = value[at + len(marker):]
+        return out
+
+    def text(self, value: str) -> dict[str, Any]:
+        pieces = self.pieces(value)
+        return pieces[0] if len(pieces) == 1 else {"type": "sequence", "elements": pieces}
+
+    def tag(self, begin: str, content: dict[str, Any], end: str, *, text_begin: bool) -> dict[str, Any]:
+        """A tag whose begin and end are each one piece (text or a token: what xgrammar takes), the other pieces
+        moved into its content. `text_begin`: the begin stays text (a trigger in free text is found as text)."""
+        head = [] if text_begin else self.pieces(begin)
+        tail = self.pieces(end)
+        elements = [*head[1:], content, *tail[:-1]]
+        return {"type": "tag", "begin": _tag_end(head[:1]) if head else begin,
+                "content": elements[0] if len(elements) == 1 else {"type": "sequence", "elements": elements},
+                "end": _tag_end(tail[-1:])}
+
+
+def _tag_end(piece: list[dict[str, Any]]) -> str | dict[str, Any]:
+    """A tag's begin or end from its one piece: a token format, or the text."""
+    if not piece:
+        return ""
+    return piece[0] if piece[0]["type"] == "token" else piece[0]["value"]
 
 
 def bad_tool_schema(tools: Sequence[FunctionDef]) -> tuple[int, str] | None:

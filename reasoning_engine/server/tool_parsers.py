@@ -74,6 +74,11 @@ class ToolParser:
     #: The format writes arguments untyped: the constructor takes the offered tools' schemas (`schemas=`).
     uses_schemas: bool = False
 
+    @classmethod
+    def call_markers(cls) -> tuple[str, ...]:
+        """Every marker the parser acts on, inside a call included (what a call's arguments must not hold)."""
+        return cls.markers
+
     def __init__(self, drop: Iterable[str] = ()) -> None:
         self.calls: list[ToolCall] = []
         self._drop = tuple(drop)
@@ -425,8 +430,9 @@ class Glm45ToolParser(_MarkerStateParser):
     """GLM-4.5 / 4.6 / 4.7: `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>` (4.5 and
     4.6 put newlines between the parts). The template writes a string value as is and anything else as JSON, so a
     value is JSON-decoded unless the tool's schema says the argument is a string (without a schema for it: when it
-    decodes to something else than a string). The arguments stream as one JSON object: each key at its `</arg_key>`,
-    string values escaped piece by piece as they arrive, other values whole at their `</arg_value>`.
+    decodes to something else than a string); a value's outer whitespace is dropped. The arguments stream as one
+    JSON object: each key at its `</arg_key>`, string values escaped piece by piece as they arrive, other values
+    whole at their `</arg_value>`.
 
     States: text -> name -> key -> await_value -> value -> between -> key ... -> text; `skip` drops a nameless call.
     Text between the parts (the newlines) is dropped.
@@ -494,26 +500,37 @@ class Glm45ToolParser(_MarkerStateParser):
         return _string_schema(properties.get(self._key.strip()) if isinstance(properties, dict) else None)
 
     def _value_text(self, text: str) -> None:
-        if self._string_value() is True:  # the escaped text of a JSON string is the escaped text of its pieces
-            if not self._quoted:
-                self._add_arguments('"')
-                self._quoted = True
-            self._add_arguments(json.dumps(text, ensure_ascii=False)[1:-1])
-        else:
+        if self._string_value() is not True:
             self._value += text
+            return
+        # the escaped text of a JSON string is the escaped text of its pieces; its outer whitespace (which the
+        # call grammar, like the reference parsers, allows around a value) is dropped: trailing whitespace waits
+        text = self._value + text
+        if not self._quoted:
+            text = text.lstrip()
+            if not text:
+                return
+            self._add_arguments('"')
+            self._quoted = True
+        kept = text.rstrip()
+        self._value = text[len(kept):]
+        if kept:
+            self._add_arguments(json.dumps(kept, ensure_ascii=False)[1:-1])
 
     def _end_pair(self) -> None:
         """Finish the key-value pair in progress: close its value, or give a key without one an empty string."""
         if self._state == "await_value":
             self._add_arguments('""')
         elif self._state == "value":
+            kind, text = self._string_value(), self._value.strip()
             if self._quoted:
                 self._add_arguments('"')
+            elif kind is True:
+                self._add_arguments('""')
             else:
-                kind = self._string_value()
-                value: object = _decoded(self._value, keep_strings=kind is None)
+                value: object = _decoded(text, keep_strings=kind is None)
                 if kind == "nullable":
-                    value = None if self._value == "null" else self._value
+                    value = None if text == "null" else text
                 self._add_arguments(json.dumps(value, ensure_ascii=False))
         self._state, self._key, self._value, self._quoted = "between", "", "", False
 
@@ -599,6 +616,10 @@ class _InvokeTagsToolParser(ToolParser, ABC):
     (block begin, end) and `_tags` (invoke begin, end, parameter begin, end)."""
 
     _tags: tuple[str, str, str, str]
+
+    @classmethod
+    def call_markers(cls) -> tuple[str, ...]:
+        return (*cls.markers, *cls._tags)
 
     def __init__(self, drop: Iterable[str] = ()) -> None:
         super().__init__(drop)

@@ -67,7 +67,8 @@ class GrammarCompiler:
         c = self._compiler
         try:
             if kind == "json":
-                return c.compile_json_schema(json.dumps(spec.schema()), any_whitespace=False, separators=JSON_SEPARATORS)
+                return c.compile_json_schema(json.dumps(spec.enforced_schema()), any_whitespace=False,
+                                             separators=JSON_SEPARATORS)
             if kind == "json_object":
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=JSON_SEPARATORS,
                                              strict_mode=False)

@@ -1,9 +1,11 @@
 """What a request asks its output to match: vLLM's `StructuredOutputsParams` shape (exactly one of json, regex, choice,
 grammar, json_object, structural_tag).
 
-Checked at construction, without a tokenizer: the shape of each field, and whether the schema, regex or grammar
-parses at all (xgrammar's tokenizer-free front end), so a bad request fails with a ValueError naming the field
-before it reaches the engine. The engine compiles it against its vocabulary (compiler.py).
+Checked at construction, without a tokenizer: the shape of each field, whether the schema, regex or grammar
+parses at all (xgrammar's tokenizer-free front end), and whether the grammar can enforce every keyword of a JSON
+schema (schemas.py: rewritten where it can be, else refused), so a bad request fails with a ValueError naming the
+field (and the keyword's path in the schema) before it reaches the engine. The engine compiles it against its
+vocabulary (compiler.py).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
+
+from reasoning_engine.structured.schemas import SchemaError, enforceable_schema, join
 
 FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -38,6 +42,7 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs: exactly one of {', '.join(FIELDS)} must be set, got "
                              f"{', '.join(chosen) or 'none'}")
         self._check_shape()
+        self._enforced = self._enforced_text()
         self.frontend_grammar()
 
     @classmethod
@@ -60,23 +65,43 @@ class StructuredOutputsParams:
         """Hashable and canonical (a schema dict and its JSON text are the same key): the compile cache's key. Key
         order is kept: a schema's property order is the order the grammar writes the properties in."""
         kind = self.kind
-        if kind == "json":
-            return kind, json.dumps(self.schema())
+        if kind in ("json", "structural_tag"):
+            return kind, self._enforced
         if kind == "choice":
             return kind, json.dumps(self.choice)
         if kind == "json_object":
             return kind, ""
-        if kind == "structural_tag":
-            return kind, self.structural_tag_json()
         return kind, getattr(self, kind)
 
     def schema(self) -> dict[str, Any] | bool:
+        """The JSON schema as given."""
         return json.loads(self.json) if isinstance(self.json, str) else self.json
 
+    def enforced_schema(self) -> dict[str, Any] | bool:
+        """The JSON schema as the grammar holds it (schemas.enforceable_schema): what xgrammar compiles."""
+        return json.loads(self._enforced)
+
     def structural_tag_json(self) -> str:
-        """The structural tag as JSON text (what xgrammar parses), the same for a dict and its JSON text."""
-        value = json.loads(self.structural_tag) if isinstance(self.structural_tag, str) else self.structural_tag
-        return json.dumps(value)
+        """The structural tag as JSON text (what xgrammar parses), the same for a dict and its JSON text; its JSON
+        schemas as the grammar holds them."""
+        return self._enforced
+
+    def _enforced_text(self) -> str:
+        """The schema (json) or the structural tag with its schemas, rewritten so the grammar enforces every
+        keyword; ValueError naming the field and the keyword's path."""
+        if self.kind == "json":
+            try:
+                return json.dumps(enforceable_schema(self.schema()))
+            except SchemaError as e:
+                raise ValueError(f"{join('structured_outputs.json', e.path) if e.path else 'structured_outputs.json'}"
+                                 f": {e.reason}") from None
+        if self.kind == "structural_tag":
+            value = json.loads(self.structural_tag) if isinstance(self.structural_tag, str) else self.structural_tag
+            try:
+                return json.dumps(_enforced_formats(value, "structured_outputs.structural_tag"))
+            except RecursionError:
+                raise ValueError("structured_outputs.structural_tag: nested too deeply") from None
+        return ""
 
     def ebnf(self) -> str:
         """`choice` as a grammar: one alternative per string (JSON string escapes are the GBNF literal's)."""
@@ -119,7 +144,7 @@ class StructuredOutputsParams:
         kind = self.kind
         try:
             if kind == "json":
-                return xgrammar.Grammar.from_json_schema(json.dumps(self.schema()), any_whitespace=False,
+                return xgrammar.Grammar.from_json_schema(self._enforced, any_whitespace=False,
                                                          separators=JSON_SEPARATORS)
             if kind == "json_object":
                 return xgrammar.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False,
@@ -131,6 +156,25 @@ class StructuredOutputsParams:
             return xgrammar.Grammar.from_ebnf(self.ebnf() if kind == "choice" else self.grammar)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"structured_outputs.{kind}: {short_error(e)}") from None
+
+
+def _enforced_formats(value: Any, path: str) -> Any:
+    """A structural tag (or a part of one) with each `json_schema` format's schema made enforceable."""
+    if isinstance(value, list):
+        return [_enforced_formats(item, join(path, i)) for i, item in enumerate(value)]
+    if not isinstance(value, dict):
+        return value
+    out = {key: _enforced_formats(item, join(path, key)) for key, item in value.items() if key != "json_schema"}
+    if "json_schema" in value:
+        schema = value["json_schema"]
+        if value.get("type") == "json_schema" and isinstance(schema, (dict, bool)):
+            try:
+                schema = enforceable_schema(schema)
+            except SchemaError as e:
+                where = join(join(path, "json_schema"), e.path) if e.path else join(path, "json_schema")
+                raise ValueError(f"{where}: {e.reason}") from None
+        out["json_schema"] = schema
+    return {key: out[key] for key in value}  # the keys in their order
 
 
 def short_error(error: Exception) -> str:

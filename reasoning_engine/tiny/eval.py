@@ -2,8 +2,10 @@
 
 Problems come from the training generators with a different seed (100 per task by default) and are decoded greedily,
 thinking on (``--thinking off`` asks without it). A checkpoint with a vision tower (kimi_k25) is also asked about
-freshly drawn pictures (vision_data: the circle's colour, the number of squares, the shape on the left), each sent as
-an ``image_pil`` part. ``--engine reasoning_engine`` runs our own engine (``LLM.chat`` with the checkpoint's template);
+freshly drawn pictures (the circle's colour, the number of squares, the shape on the left), each sent as an
+``image_pil`` part, in two drawing styles: the training program's (vision_data, tasks ``image_*``) and the held-out
+program's that training never sees (vision_heldout, tasks ``heldout_*``; ``--no-heldout`` leaves them out).
+``--engine reasoning_engine`` runs our own engine (``LLM.chat`` with the checkpoint's template);
 ``--engine transformers`` runs Hugging Face's DeepseekV3ForCausalLM (Kimi_K25ForConditionalGeneration for a kimi_k25
 checkpoint) as an independent reference on the text tasks.
 """
@@ -31,6 +33,7 @@ from reasoning_engine.tiny.chat_format import (
 )
 from reasoning_engine.tiny.data import EVAL_SEED, Sample, check_answer, eval_samples
 from reasoning_engine.tiny.vision_data import IMAGE_TASKS, VISION_EVAL_SEED, check_image_answer, eval_image_samples
+from reasoning_engine.tiny.vision_heldout import HELDOUT_SEED, heldout_samples
 
 MAX_NEW_TOKENS = 200
 TARGETS = {"addition": 0.95, "subtraction": 0.95, "comparison": 0.95, "multiplication": 0.90, "sorting": 0.90,
@@ -118,12 +121,21 @@ def has_vision(model_dir: Path) -> bool:
     return json.loads((model_dir / "config.json").read_text()).get("model_type") == "kimi_k25"
 
 
+def task_name(sample: Sample) -> str:
+    """The task a figure is reported under: a held-out picture's question as ``heldout_colour`` and so on."""
+    if sample.meta.get("style") == "heldout":
+        return "heldout_" + sample.task.removeprefix("image_")
+    return sample.task
+
+
 def evaluate(model_dir: Path, engine: str, per_task: int, seed: int, show: int = 0,
-             thinking: bool = True) -> dict[str, dict[str, float]]:
+             thinking: bool = True, heldout: bool = True) -> dict[str, dict[str, float]]:
     """Per-task accuracy and share of answers preceded by a thinking section."""
     samples = eval_samples(per_task, seed, thinking)
     if has_vision(model_dir) and engine == "reasoning_engine":
         pictures = eval_image_samples(per_task, VISION_EVAL_SEED + seed - EVAL_SEED)
+        if heldout:
+            pictures += heldout_samples(per_task, HELDOUT_SEED + seed - EVAL_SEED)
         if not thinking:
             for sample in pictures:
                 sample.thinking = False
@@ -138,16 +150,17 @@ def evaluate(model_dir: Path, engine: str, per_task: int, seed: int, show: int =
             ok = check_image_answer(s, parsed.content)
         else:
             ok = check_answer(s, parsed.content, parsed.tool_calls)
-        st = stats[s.task]
+        task = task_name(s)
+        st = stats[task]
         st["n"] += 1
         st["correct"] += ok
         st["thinking"] += parsed.has_thinking
-        if not ok and shown[s.task] < show:
-            shown[s.task] += 1
+        if not ok and shown[task] < show:
+            shown[task] += 1
             question = s.messages[-1]["content"]
             if isinstance(question, list):
                 question = " ".join(p["text"] for p in question if p["type"] == "text") + f" {s.meta['objects']}"
-            print(f"--- {s.task} wrong: {question!r}\n{text}")
+            print(f"--- {task} wrong: {question!r}\n{text}")
     return {task: {"accuracy": st["correct"] / st["n"], "thinking": st["thinking"] / st["n"], "n": st["n"]}
             for task, st in stats.items()}
 
@@ -161,11 +174,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--show-failures", type=int, default=0, help="print up to N wrong completions per task")
     parser.add_argument("--thinking", choices=["on", "off"], default="on",
                         help="off: ask without thinking (the reply shows its working; targets apply to on)")
+    parser.add_argument("--no-heldout", action="store_true",
+                        help="leave out the pictures of the held-out drawing program")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     ns = parser.parse_args(argv)
     start = time.time()
     thinking = ns.thinking == "on"
-    results = evaluate(ns.model, ns.engine, ns.per_task, ns.seed, ns.show_failures, thinking)
+    results = evaluate(ns.model, ns.engine, ns.per_task, ns.seed, ns.show_failures, thinking, not ns.no_heldout)
     print(f"{'task':<18}{'accuracy':>9}{'target':>8}{'thinking':>10}")
     for task, r in results.items():
         target = TARGETS.get(task) if thinking else None

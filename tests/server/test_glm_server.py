@@ -44,6 +44,10 @@ def engine(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     config["eos_token_id"] = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config["max_position_embeddings"] = 4096  # one token per character: the template's tools block alone is ~1k
     (folder / "config.json").write_text(json.dumps(config))
+    generation = folder / "generation_config.json"  # the random checkpoint's own end id is a character here
+    if generation.is_file():
+        kept = json.loads(generation.read_text())
+        generation.write_text(json.dumps({**kept, "eos_token_id": config["eos_token_id"]}))
     llm = AsyncLLM(model=str(folder), device="cpu", dtype="float32", max_model_len=4096, kv_cache_blocks=512,
                    block_size=16, max_num_seqs=4)
     yield llm

@@ -272,6 +272,91 @@ def test_tool_grammars_hold_what_the_parsers_read(engine: Any, fmt: str) -> None
     assert not valid_prefix(engine, required, "The weather is fine.")
 
 
+CALCULATE = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "required": ["expression"], "properties": {"expression": {"type": "string"}}}}}
+SORT = {"type": "function", "function": {
+    "name": "sort_numbers", "description": "Sort numbers.",
+    "parameters": {"type": "object", "required": ["numbers"],
+                   "properties": {"numbers": {"type": "array", "items": {"type": "number"}}}}}}
+# what a call's strings must not hold: the Kimi parser's markers, the thinking markers, a special token
+CALL_MARKERS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<think>", "</think>", "<|im_end|>")
+
+
+def forced_tag(*tools: dict[str, Any]) -> dict[str, Any]:
+    from reasoning_engine.server.protocol import FunctionDef
+    from reasoning_engine.server.tool_grammar import tool_call_tag
+
+    return {"structural_tag": tool_call_tag("kimi_k2", [FunctionDef(**t["function"]) for t in tools], required=True,
+                                            parallel=True)}
+
+
+def test_forced_calls_hold_what_the_model_wrote_and_nothing_else(http: httpx.Client, engine: Any) -> None:
+    """#55: a forced call's strings took any marker, and the model (which would not call a tool here) wrote
+    `</think>` inside its argument string: the parser dropped it, or at `<|tool_call_end|>` cut the call and spilled
+    the rest as content and a second call. Now the arguments are exactly what the model wrote (the raw tokens),
+    with no marker, nothing is outside the calls, and a call cut by max_tokens is a prefix the grammar allows."""
+    cases = [([CALCULATE], "required", "What is 12 + 5?"),
+             ([CALCULATE, SORT], {"type": "function", "function": {"name": "sort_numbers"}},
+              "Sort these numbers: 42, 7, 19")]
+    for tools, choice, question in cases:
+        out = http.post("/v1/chat/completions", json={
+            "model": "tiny-reasoner", "temperature": 0, "max_tokens": 48, "logprobs": True, "tools": tools,
+            "tool_choice": choice, "messages": [{"role": "user", "content": question}], **THINKING_OFF}).json()
+        choice_out = out["choices"][0]
+        raw = "".join(entry["token"] for entry in choice_out["logprobs"]["content"])
+        message = choice_out["message"]
+        assert message["content"] is None and len(message["tool_calls"]) == 1, message
+        call = message["tool_calls"][0]["function"]
+        assert raw.startswith(f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{call['name']}:"), raw
+        written = raw.split("<|tool_call_argument_begin|>", 1)[1].split("<|tool_call_end|>")[0]
+        assert not any(marker in written for marker in CALL_MARKERS), written
+        assert call["arguments"] == written
+        offered = [t for t in tools if t["function"]["name"] == call["name"]]
+        if choice_out["finish_reason"] == "tool_calls":
+            jsonschema.validate(json.loads(call["arguments"]), offered[0]["function"]["parameters"])
+        else:
+            assert choice_out["finish_reason"] == "length" and valid_prefix(engine, forced_tag(*offered), raw)
+
+
+def test_forced_call_markers_are_the_tokens_the_model_learnt(http: httpx.Client) -> None:
+    """After its thinking the model would answer, not call: the grammar wrote the section's markers as text, the
+    model spelled them out of characters (`<`, `|`, `t`, ...), text it never saw, and lost its way. Now a marker
+    that is one token is written as that token."""
+    out = http.post("/v1/chat/completions", json={
+        "model": "tiny-reasoner", "temperature": 0, "max_tokens": 56, "logprobs": True, "tools": [CALCULATE],
+        "tool_choice": "required", "messages": [{"role": "user", "content": "What is 12 + 5?"}]}).json()["choices"][0]
+    tokens = [entry["token"] for entry in out["logprobs"]["content"]]
+    assert out["message"]["reasoning_content"] and out["message"]["content"] is None
+    after = tokens[tokens.index("</think>") + 1:]
+    assert after[:2] == ["<|tool_calls_section_begin|>", "<|tool_call_begin|>"], after
+    header = "".join(after[2:after.index("<|tool_call_argument_begin|>")])
+    assert re.fullmatch(r"functions\.calculator:\d+", header), header
+
+
+def test_forced_calls_in_responses_and_messages_are_calls_only(http: httpx.Client) -> None:
+    """The Responses API's tool_choice "required" and Anthropic's {"type": "any"} go through the same grammar: the
+    call the model completes is the whole answer, arguments valid against the schema, and the turn ends there
+    (was: a second half-call and text up to max_tokens). A random model sampled at random: test_tool_grammar.py."""
+    parameters = CALCULATE["function"]["parameters"]
+    response = http.post("/v1/responses", json={
+        "model": "tiny-reasoner", "temperature": 0, "max_output_tokens": 60, "input": "What is 1234 * 5678?",
+        "tools": [{"type": "function", "name": "calculator", "parameters": parameters}], "tool_choice": "required",
+        "reasoning": {"effort": "minimal"}}).json()
+    assert response["status"] == "completed", response
+    assert [item["type"] for item in response["output"]] == ["function_call"], response["output"]
+    arguments = json.loads(response["output"][0]["arguments"])
+    assert arguments == {"expression": "1234 * 5678"}
+    message = http.post("/v1/messages", json={
+        "model": "tiny-reasoner", "temperature": 0, "max_tokens": 60, "tool_choice": {"type": "any"},
+        "tools": [{"name": "calculator", "input_schema": parameters}], "thinking": {"type": "disabled"},
+        "messages": [{"role": "user", "content": "What is 1234 * 5678?"}]}).json()
+    assert message["stop_reason"] == "tool_use", message
+    assert [block["type"] for block in message["content"]] == ["tool_use"], message["content"]
+    assert message["content"][0]["input"] == arguments
+
+
 BAD_REQUESTS = [
     ("/v1/chat/completions", {"logit_bias": {"92500": 5}}, "logit_bias"),
     ("/v1/chat/completions", {"logit_bias": {"one": 5}}, "logit_bias"),
@@ -293,6 +378,19 @@ BAD_REQUESTS = [
         "type": "structural_tag", "format": {"type": "token", "token": 92500}}}}, "structured_outputs.structural_tag"),
     ("/v1/chat/completions", {"tools": [CONVERT, {"type": "function", "function": {
         "name": "broken", "parameters": {"type": "objct"}}}], "tool_choice": "required"}, "tools[1].function.parameters"),
+    # keywords the grammar cannot enforce are named, under the field they came in
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}}}},
+     "response_format.json_schema.schema.properties.x.uniqueItems"),
+    ("/v1/chat/completions", {"guided_json": {"type": "integer", "not": {"const": 3}}}, "guided_json.not"),
+    ("/v1/chat/completions", {"structured_outputs": {"json": {"oneOf": [{"type": "integer"}, {"minimum": 0}]}}},
+     "structured_outputs.json.oneOf"),
+    ("/v1/chat/completions", {"tools": [CONVERT, {"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"xs": {"type": "array", "contains": {}}}}}}],
+        "tool_choice": "required"}, "tools[1].function.parameters.properties.xs.contains"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {
+        "name": "f", "strict": True, "parameters": {"type": "object", "properties": {
+            "q": {"type": "string", "pattern": "^.*$"}}}}}]}, "tools[0].function.parameters.properties.q.pattern"),
     ("/v1/completions", {"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
     ("/v1/completions", {"allowed_token_ids": [-1]}, "allowed_token_ids"),
 ]

@@ -138,7 +138,7 @@ def test_max_tokens_too_small_ends_with_length_and_a_valid_prefix(client: openai
     with pytest.raises(json.JSONDecodeError):
         json.loads(cut.message.content)
     # json_object: unbounded strings, which this model never closes; the answer is a JSON-object prefix
-    kwargs = {"messages": PLAYER_QUESTION, "max_tokens": 40, "response_format": {"type": "json_object"}}
+    kwargs = {"messages": PLAYER_QUESTION, "max_tokens": 100, "response_format": {"type": "json_object"}}
     obj = chat(client, **kwargs).choices[0]
     assert obj.finish_reason == "length" and obj.message.reasoning_content
     assert obj.message.content.startswith("{") and valid_prefix(engine, {"json_object": True}, obj.message.content)
@@ -325,7 +325,7 @@ def test_forced_call_markers_are_the_tokens_the_model_learnt(http: httpx.Client)
     model spelled them out of characters (`<`, `|`, `t`, ...), text it never saw, and lost its way. Now a marker
     that is one token is written as that token."""
     out = http.post("/v1/chat/completions", json={
-        "model": "tiny-reasoner", "temperature": 0, "max_tokens": 56, "logprobs": True, "tools": [CALCULATE],
+        "model": "tiny-reasoner", "temperature": 0, "max_tokens": 100, "logprobs": True, "tools": [CALCULATE],
         "tool_choice": "required", "messages": [{"role": "user", "content": "What is 12 + 5?"}]}).json()["choices"][0]
     tokens = [entry["token"] for entry in out["logprobs"]["content"]]
     assert out["message"]["reasoning_content"] and out["message"]["content"] is None

@@ -514,7 +514,14 @@ class LLMEngine:
         params = request.params
         allowed = request.grammar.accept(token) if constrained else True
         # stop strings, like EOS and stop_token_ids, count only from min_tokens on
-        stop = self.detokenizers[request.seq_id].append([token], len(request.output_token_ids) >= params.min_tokens)
+        min_reached = len(request.output_token_ids) >= params.min_tokens
+        ends_here = ((token in self.eos_token_ids and not params.ignore_eos)
+                     or (token in params.stop_token_ids and min_reached))
+        # the token that ends the output is in its token ids, not in its text (as vLLM; an end id of a plain
+        # character would otherwise show), unless include_stop_str_in_output
+        stop = None
+        if not ends_here or params.include_stop_str_in_output:
+            stop = self.detokenizers[request.seq_id].append([token], min_reached)
         if stop is not None:
             self._finish(request, "stop", stop)
         elif not allowed:  # only when bad_words banned every token the grammar allows: end it, not crash
@@ -524,7 +531,7 @@ class LLMEngine:
             self._finish(request, "stop", None)
         elif constrained and request.grammar.is_terminated:
             self._finish(request, "stop", None)  # the grammar is complete (its stop token, even under ignore_eos)
-        elif token in params.stop_token_ids and len(request.output_token_ids) >= params.min_tokens:
+        elif token in params.stop_token_ids and min_reached:
             self._finish(request, "stop", token)
         elif params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens:
             self._finish(request, "length", None)

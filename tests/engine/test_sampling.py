@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
+from transformers import GenerationConfig
 
 from reasoning_engine import LLM, SamplingParams
 
@@ -47,6 +49,30 @@ def test_stop_token_ids_min_tokens_and_max_tokens(llm: LLM) -> None:
                                              min_tokens=first + 2))[0].outputs[0]
     assert stop_id not in late.token_ids[: first + 2]
     assert len(late.token_ids) >= first + 2
+
+
+def test_the_token_that_ends_the_output_is_not_in_its_text(llm: LLM, llama_dir: Path, tmp_path: Path) -> None:
+    """A stop token id, or an end-of-sequence id, that is a plain character: its id ends the token ids, its text is
+    left out of the text (as vLLM), unless include_stop_str_in_output (was: the character ended every answer)."""
+    free = llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    stop_id = free.token_ids[5]
+    first = free.token_ids.index(stop_id)
+    tokenizer = llm.engine.tokenizer
+    cut = llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                            stop_token_ids=[stop_id]))[0].outputs[0]
+    assert tokenizer.decode([stop_id]).strip()  # a visible character
+    assert cut.token_ids == free.token_ids[: first + 1]
+    assert cut.text == tokenizer.decode(free.token_ids[:first]) != tokenizer.decode(free.token_ids[: first + 1])
+    kept = llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id],
+                                             include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == tokenizer.decode(free.token_ids[: first + 1])
+    # the same with the id as the checkpoint's end of sequence
+    folder = tmp_path / "plain_eos"
+    shutil.copytree(llama_dir, folder)
+    GenerationConfig(eos_token_id=stop_id).save_pretrained(folder)
+    ended = LLM(folder, dtype="float32", device="cpu").generate("Hi", SamplingParams(temperature=0.0, max_tokens=20))
+    assert ended[0].outputs[0].token_ids == free.token_ids[: first + 1]
+    assert ended[0].outputs[0].text == cut.text and ended[0].outputs[0].finish_reason == "stop"
 
 
 def test_stop_strings_wait_for_min_tokens(llm: LLM) -> None:

@@ -250,7 +250,8 @@ def report(data: dict[str, Any], args: argparse.Namespace) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("dev", "held-out"), default="held-out")
+    parser.add_argument("--part", choices=("dev", "held-out"), default="dev",
+                        help="dev to tune on (the default); held-out only to report")
     parser.add_argument("--workloads", default="tasks,agentic")
     parser.add_argument("--model", default=None, help="checkpoint folder, or 'smollm2' (default: the bundled model)")
     parser.add_argument("--concurrency", default="1,4,16")

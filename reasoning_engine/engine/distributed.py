@@ -222,6 +222,7 @@ class _Ranks:
         self.lifeline: int | None = None
         self.ray_tasks: list[Any] = []
         self.ray_actors: list[Any] = []
+        self.ray_group: Any = None  # the placement group the actors hold, removed at shutdown
         self.control: dist.ProcessGroup | None = None
         self.failure: str | None = None
         self.callbacks: list[Callable[[str], None]] = []
@@ -291,6 +292,12 @@ class _Ranks:
 
             ray.wait(self.ray_tasks, num_returns=len(self.ray_tasks), timeout=max(0.1, deadline - time.monotonic()))
             self.kill()
+        if self.ray_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.ray_group)  # its resources go back to the user's cluster
+        # dropped while Ray is still connected: a handle freed after ray.shutdown() makes Ray end the process
+        self.ray_tasks, self.ray_actors, self.ray_group = [], [], None
         if dist.is_initialized() and self.failure is None:  # after a failure a thread may be stuck in a collective
             dist.destroy_process_group()
         self.control = self.store = None
@@ -409,6 +416,7 @@ class DistributedExecutor:
         pc = config.parallel
         resource = {"GPU": 1} if config.device.type == "cuda" else {"CPU": 1}
         group = placement_group([resource] * (pc.world_size - 1), strategy="PACK")
+        self._ranks.ray_group = group
         ray.get(group.ready(), timeout=STARTUP_TIMEOUT.total_seconds())
         actor_cls = ray.remote(num_cpus=resource.get("CPU", 0), num_gpus=resource.get("GPU", 0))(_RankActor)
         master = ray.util.get_node_ip_address() if pc.master_addr in ("127.0.0.1", "localhost") and pc.nnodes > 1 \

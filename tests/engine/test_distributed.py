@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -244,6 +245,7 @@ def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         import ray as ray_module
 
         ray_module.shutdown()
+        gc.collect()  # a Ray handle the engine kept and freed only now would end this process (Ray's core worker)
         subprocess.run([*ray, "stop", "--force"], env=env, capture_output=True)
 
 
@@ -258,6 +260,10 @@ def test_ray_executor_places_the_ranks_in_a_placement_group(one_process, ray_clu
 
         assert ray.is_initialized() and ray.cluster_resources().get("CPU") == 2
     _assert_same(outs, reference)
+    deadline = time.monotonic() + 20  # the placement group is removed: its CPU goes back to the cluster
+    while ray.available_resources().get("CPU") != 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU") == 2
 
 
 def test_two_nodes_on_loopback(one_process) -> None:

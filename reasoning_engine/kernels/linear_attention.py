@@ -82,7 +82,8 @@ def _check_conv(x: Tensor, weight: Tensor, state: Tensor) -> None:
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
         raise ValueError(f"x must be [T, C] and weight [C, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if state.dim() != 3 or state.shape[1] != x.shape[1] or state.shape[2] != weight.shape[1] - 1:
-        raise ValueError(f"state must be [B, C, K-1] = [B, {x.shape[1]}, {weight.shape[1] - 1}], got {tuple(state.shape)}")
+        raise ValueError(f"state must be [B, C, K-1] = [B, {x.shape[1]}, {weight.shape[1] - 1}], "
+                         f"got {tuple(state.shape)}")
 
 
 def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, query_start_loc: Tensor, state: Tensor,
@@ -152,7 +153,8 @@ def causal_conv1d_tree(x: Tensor, weight: Tensor, bias: Tensor | None, state: Te
 
 def _check_delta(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> None:
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
-        raise ValueError(f"q, k must be [T, Hk, Dk] and v [T, Hv, Dv], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(f"q, k must be [T, Hk, Dk] and v [T, Hv, Dv], "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     num_tokens, hk, dk = q.shape
     hv, dv = v.shape[1:]
     if hv % hk:
@@ -221,7 +223,8 @@ def _chunk_intra(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tu
     return u0, w, qk, q * G.exp(), k * (G_end - G).exp(), G_end.squeeze(2).exp()
 
 
-def _chunk_plan(lens: list[int], starts: list[int], save_after: list[list[int]]) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+def _chunk_plan(lens: list[int], starts: list[int],
+                save_after: list[list[int]]) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
     """Chunks (seq, first row, length) of the sequences longer than one token, in order within each sequence, cut at
     its save points as well as every CHUNK tokens; and the saves (chunk id, seq, slot) taken at a chunk's end."""
     chunks: list[tuple[int, int, int]] = []
@@ -419,7 +422,8 @@ def _fla_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
         seqs = [b for b, p in enumerate(pieces) if r < len(p) and p[r][1] > p[r][0]]
         if not seqs:
             continue
-        rows = torch.cat([torch.arange(starts[b] + pieces[b][r][0], starts[b] + pieces[b][r][1]) for b in seqs]).to(q.device)
+        rows = torch.cat([torch.arange(starts[b] + pieces[b][r][0], starts[b] + pieces[b][r][1]) for b in seqs])
+        rows = rows.to(q.device)
         seq_lens = torch.tensor([pieces[b][r][1] - pieces[b][r][0] for b in seqs])
         cu = F.pad(seq_lens.cumsum(0), (1, 0)).to(device=q.device, dtype=torch.long)
         fn = recurrent_fn if int(seq_lens.max()) == 1 else chunk_fn

@@ -111,6 +111,33 @@ def test_prefill_split_in_two_calls_equals_one_call(per_channel):
     _close(end, final, 1e-5)
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gated_deltanet", "kda"])
+def test_random_batches_with_empty_sequences_strong_decay_and_saves(per_channel):
+    """Random lengths (0 included), random save points and decays strong enough that a chunk's cumulative decay
+    underflows exp: every output, final and saved state equals the token-by-token reference; nothing is NaN."""
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        lens = torch.randint(0, 140, (5,), generator=gen).tolist() + [0, 1]
+        x = _delta_inputs(lens, per_channel)
+        x["g"] = x["g"] * 20
+        save_after = [sorted(set(torch.randint(1, n + 1, (3,), generator=gen).tolist())) if n else [] for n in lens]
+        qsl = _ragged(lens)
+        out, final, saved = la.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], qsl, x["state"],
+                                                save_after=save_after)
+        assert not out.isnan().any() and not final.isnan().any()
+        for b, n in enumerate(lens):
+            start = int(qsl[b])
+            if n == 0:
+                torch.testing.assert_close(final[b], x["state"][b], rtol=0, atol=0)
+                continue
+            ref_out, ref_state = _reference_delta(x, slice(start, start + n), x["state"][b], chunked=False)
+            _close(out[start:start + n], ref_out, 1e-5)
+            _close(final[b], ref_state, 1e-5)
+            for point, snapshot in zip(save_after[b], saved[b]):
+                _, ref_saved = _reference_delta(x, slice(start, start + point), x["state"][b], chunked=False)
+                _close(snapshot, ref_saved, 1e-5)
+
+
 def _forest() -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
     """Two sequences' draft trees: seq 0 a branching tree of 6 tokens, seq 1 a chain of 3, rows interleaved (parents
     first). Returns (seq_index, parent, root-to-leaf paths as row lists)."""
@@ -237,3 +264,48 @@ def test_cpu_tensors_take_the_torch_path(monkeypatch):
     la.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], _ragged([1, 1]), x["state"])
     c = _conv_inputs([1, 1])
     la.causal_conv1d(c["x"], c["weight"], c["bias"], _ragged([1, 1]), c["state"])
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gated_deltanet", "kda"])
+def test_gpu_library_path_cuts_sequences_at_save_points(monkeypatch, per_channel):
+    """The flash-linear-attention path, with the library stood in for by transformers' functions called per
+    cu_seqlens segment: rounds of pieces cut at the save points give the same outputs, final and saved states."""
+    import sys
+    import types
+
+    calls = []
+
+    def library(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+        assert q.shape[0] == 1 and q.shape[2] == v.shape[2] and scale is None and output_final_state
+        calls.append(cu_seqlens.tolist())
+        ref = kimi.chunk_kimi_delta_attention if g.dim() == 4 else qwen.torch_chunk_gated_delta_rule
+        outs, finals = [], []
+        for n, (lo, hi) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+            piece = (t[:, lo:hi] for t in (q, k, v, g, beta))
+            o, s = ref(*piece, initial_state=initial_state[n:n + 1], output_final_state=True,
+                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            outs.append(o)
+            finals.append(s)
+        return torch.cat(outs, dim=1), torch.cat(finals)
+
+    for name in ("fla", "fla.ops", "fla.ops.kda", "fla.ops.gated_delta_rule"):
+        module = types.ModuleType(name)
+        module.chunk_kda = module.fused_recurrent_kda = library
+        module.chunk_gated_delta_rule = module.fused_recurrent_gated_delta_rule = library
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(la, "_fla_applies", lambda q: True)
+    x = _delta_inputs(LENS, per_channel)
+    qsl = _ragged(LENS)
+    save_after = [[1], [], [16, 64], [3, 100]]
+    out, final, saved = la.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], qsl, x["state"],
+                                            save_after=save_after)
+    assert calls == [[0, 1, 6, 22, 25], [0, 48, 145], [0, 30]]  # pieces: (1, 5, 16, 3), (48, 97), (30,)
+    for b in range(len(LENS)):
+        rows = slice(int(qsl[b]), int(qsl[b + 1]))
+        ref_out, ref_state = _reference_delta(x, rows, x["state"][b])
+        _close(out[rows], ref_out, 1e-5)
+        _close(final[b], ref_state, 1e-5)
+        for n, snapshot in zip(save_after[b], saved[b]):
+            _, ref_saved = _reference_delta(x, slice(int(qsl[b]), int(qsl[b]) + n), x["state"][b])
+            _close(snapshot, ref_saved, 1e-5)
+        assert len(saved[b]) == len(save_after[b])

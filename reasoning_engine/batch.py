@@ -37,6 +37,14 @@ class ForwardBatch:
     # (image and video placeholders), and those embeddings, in the same order
     media_rows: torch.Tensor | None = None  # [M] int64
     media_embeds: torch.Tensor | None = None  # [M, hidden]
+    # hybrid models' linear-attention state (engine/state_cache.py, layers/linear_attention.py), per sequence: its
+    # slot, whether it starts from zeros, the snapshots to save (tokens into this step, slot), and for a sequence
+    # verifying a draft tree the first of its scratch slots (one per query token; -1: no draft)
+    state_slots: torch.Tensor | None = None  # [B] int64
+    state_fresh: torch.Tensor | None = None  # [B] bool
+    state_saves: list[list[tuple[int, int]]] | None = None
+    state_scratch: list[int] | None = None
+    state_metadata: Any = None  # built once per step from the fields above (layers/linear_attention.py)
 
     @property
     def num_seqs(self) -> int:

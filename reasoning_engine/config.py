@@ -17,7 +17,10 @@ from typing import Any
 import torch
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v2", "qwen3", "qwen3_moe", "llama", "glm4_moe",
-                         "minimax_m2", "deepseek_v32", "glm_moe_dsa", "gpt_oss", "glm4_moe_lite")
+                         "minimax_m2", "deepseek_v32", "glm_moe_dsa", "gpt_oss", "glm4_moe_lite",
+                         "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
+# Qwen3.5's checkpoints wrap the text model (with a vision tower beside it); the text config class reads its fields
+_TEXT_CONFIG_CLASS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -134,11 +137,25 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
                    ("lm_head.", "lm_head."))
         raw.setdefault("quantization_config", outer.get("quantization_config"))
         raw.setdefault("torch_dtype", outer.get("torch_dtype") or outer.get("dtype"))
+    if model_type in _TEXT_CONFIG_CLASS:
+        if "text_config" not in outer:
+            raise ValueError(f"{model_type} config in {config_file} has no text_config")
+        raw = dict(outer["text_config"])
+        skipped = ("model.visual.", "mtp.")
+        renames = (("model.language_model.", "model."), ("lm_head.", "lm_head."))
+        raw.setdefault("tie_word_embeddings", outer.get("tie_word_embeddings"))
+        raw.setdefault("torch_dtype", outer.get("torch_dtype") or outer.get("dtype"))
+        raw.setdefault("quantization_config", outer.get("quantization_config"))
+    elif model_type in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
+        skipped = ("mtp.",)  # the multi-token-prediction layer: a draft model, not the text model
     # GLM-4.7-Flash (glm4_moe_lite) is DeepSeek-V3's MLA and MoE; its own config class reads its fields
     # (`mlp_layer_types`, GLM's defaults)
     family = {"kimi_k2": "deepseek_v3", "kimi_k25": "deepseek_v3",
-              "glm4_moe_lite": "deepseek_v3"}.get(model_type, model_type)
-    raw = normalise_config(model_type if model_type == "glm4_moe_lite" else family, raw, config_file)
+              "glm4_moe_lite": "deepseek_v3", "qwen3_5": "qwen3_next", "qwen3_5_moe": "qwen3_next",
+              "qwen3_5_text": "qwen3_next", "qwen3_5_moe_text": "qwen3_next"}.get(model_type, model_type)
+    config_class = {"glm4_moe_lite": "glm4_moe_lite", **_TEXT_CONFIG_CLASS}.get(
+        model_type, model_type if family == "qwen3_next" else family)
+    raw = normalise_config(config_class, raw, config_file)
     theta, scaling = _rope(raw)
     num_heads = raw["num_attention_heads"]
     eos = raw.get("eos_token_id", outer.get("eos_token_id"))

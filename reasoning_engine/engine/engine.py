@@ -20,6 +20,7 @@ from reasoning_engine.engine.executor import start_executor
 from reasoning_engine.engine.model_runner import ModelRunner, StepResult
 from reasoning_engine.engine.request import Request, RequestStatus
 from reasoning_engine.engine.scheduler import Scheduler
+from reasoning_engine.engine.state_cache import StateCache
 from reasoning_engine.engine.tuning import EngineTuner
 from reasoning_engine.models.chat_templates import bundled_chat_template
 from reasoning_engine.multimodal.inputs import MediaItem
@@ -87,8 +88,13 @@ class LLMEngine:
         # one scheduler and KV cache per data-parallel replica (one without data parallelism)
         self.schedulers = [
             Scheduler(BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching),
-                      config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len)
+                      config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
+                      self._state_cache(config))
             for _ in range(config.parallel.data_parallel_size)]
+        for replica, scheduler in enumerate(self.schedulers):
+            self.runner.state_caches[replica] = scheduler.states
+            self.runner.key_of[replica] = lambda request, i, blocks=scheduler.blocks: blocks._block_hash(
+                request, i, request.all_token_ids)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.eos_token_ids = frozenset(self._eos_ids())
         self.think_start_id = self._token_id("<think>")
@@ -104,6 +110,14 @@ class LLMEngine:
                      if spec_config is not None else None)
         if self.tuner is not None:
             self.tuner.calibrate(self.runner)
+
+    def _state_cache(self, config: EngineConfig) -> StateCache | None:
+        """A replica's linear-attention state slots (hybrid models), or None."""
+        worker = self.runner.worker
+        if not worker.linear_layers:
+            return None
+        return StateCache(worker.num_state_slots, config.max_num_seqs, config.block_size,
+                          enable_prefix_caching=config.enable_prefix_caching)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -361,6 +375,9 @@ class LLMEngine:
                     request.metrics.first_scheduled_time = now
                 self._postprocess(request, item.num_tokens, result)
                 touched[request.group_id] = None
+        for scheduler in self.schedulers:
+            if scheduler.states is not None:
+                scheduler.states.end_step()
         proposing = 0.0
         if self.spec is not None:
             started = time.perf_counter()
@@ -468,6 +485,9 @@ class LLMEngine:
             self._append_token(request, token, result.logprob_values[i], result.logprobs[i])
             if request.is_finished:
                 break
+        if result.accepted_nodes is not None and scheduler.states is not None:
+            self.runner.commit_state(request.replica, request, request.num_computed_tokens - 1 - len(result.accepted_nodes),
+                                     result.accepted_nodes)
         scheduler.blocks.cache_full_blocks(request, blocks_before)
         if request.is_finished:
             scheduler.finish(request)

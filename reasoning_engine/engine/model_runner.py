@@ -19,6 +19,7 @@ from reasoning_engine.config import EngineConfig
 from reasoning_engine.engine.encoder_cache import EncoderCachePlan, MediaSlice
 from reasoning_engine.engine.request import Request
 from reasoning_engine.engine.scheduler import ScheduledRequest
+from reasoning_engine.engine.state_cache import StateCache, StatePlan
 from reasoning_engine.engine.worker import DraftFinal, DraftObservation, ModelWorker, StepInput
 from reasoning_engine.layers.sampler import Sampler, SamplingMetadata, top_logprobs
 from reasoning_engine.multimodal.inputs import MediaItem
@@ -118,6 +119,12 @@ class ModelRunner:
         self.drafters = {method: DraftProposer(method, executor, self.replicas, replica_of)
                          for method in executor.local.drafters}
         self.encoder_caches = [EncoderCachePlan(config.encoder_cache_tokens) for _ in range(self.replicas)]
+        # hybrid models: each replica's state slots (the engine sets them beside its schedulers), the first scratch
+        # slot of each request verifying a draft in the last step, and the copies the next step makes first
+        self.state_caches: list[StateCache | None] = [None] * self.replicas
+        self.key_of: list[Callable[[Request, int], bytes] | None] = [None] * self.replicas
+        self.verify_scratch: list[dict[str, int]] = [{} for _ in range(self.replicas)]
+        self.state_commits: list[list[tuple[int, int]]] = [[] for _ in range(self.replicas)]
 
     @property
     def worker(self) -> ModelWorker:
@@ -145,12 +152,18 @@ class ModelRunner:
         media: list[MediaItem] = []
         media_slices: list[MediaSlice] = []
         bs = self.block_size
+        states = self.state_caches[replica]
+        plans: list[StatePlan] = []
+        scratch: list[int] = []
+        self.verify_scratch[replica] = {}
         for item in scheduled:
             request, start = item.request, item.request.num_computed_tokens
             stop = start + item.num_tokens
             draft = request.draft if item.num_draft_tokens else None
             table = request.block_table
             row0 = len(input_ids)
+            if states is not None:
+                plans.append(self._state_plan(states, replica, item, draft is not None, scratch))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, stop))
             query_lens.append(stop - start)
             seq_lens.append(stop)
@@ -189,10 +202,51 @@ class ModelRunner:
                 sample_rows.append([])
         step = StepInput(input_ids, positions, slots, query_lens, seq_lens,
                          [list(item.request.block_table) for item in scheduled], logits_rows, tree_parts)
+        if states is not None:
+            step.state_slots = [p.slot for p in plans]
+            step.state_fresh = [p.fresh for p in plans]
+            step.state_saves = [p.saves for p in plans]
+            step.state_scratch = scratch if any(s >= 0 for s in scratch) else None
+            step.state_restores = [(p.restore, p.slot) for p in plans if p.restore is not None]
+            step.state_commits, self.state_commits[replica] = self.state_commits[replica], []
         if media:
             step.media_encode, step.media_drop = self.encoder_caches[replica].plan(media)
             step.media_slices = media_slices
         return step, sample_rows, prompt_rows
+
+    def _state_plan(self, states: StateCache, replica: int, item: ScheduledRequest, verifies: bool,
+                    scratch: list[int]) -> StatePlan:
+        """A hybrid model's state work for one scheduled request (appends its first scratch slot, or -1)."""
+        request = item.request
+        if not verifies:
+            scratch.append(-1)
+            start = request.num_computed_tokens
+            stop = min(start + item.num_tokens, request.num_tokens)
+            return states.plan(request, start, stop, lambda i: self.key_of[replica](request, i))
+        worker = self.worker
+        if len(request.draft) + 1 > worker.state_scratch_per_seq:
+            raise RuntimeError(f"a draft of {len(request.draft)} nodes exceeds the state scratch of "
+                               f"{worker.state_scratch_per_seq - 1}")
+        base = worker.state_scratch_start + len(self.verify_scratch[replica]) * worker.state_scratch_per_seq
+        self.verify_scratch[replica][request.seq_id] = base
+        scratch.append(base)
+        return StatePlan(request.state_slot, fresh=False)
+
+    def commit_state(self, replica: int, request: Request, root: int, accepted: list[int]) -> None:
+        """After a verified draft: the next step first copies the state of the last accepted node (or of the root)
+        into the request's live slot, and the states at block boundaries the accepted path crossed into snapshot
+        slots. `root`: the position of the step's first token."""
+        states, base = self.state_caches[replica], self.verify_scratch[replica].get(request.seq_id)
+        if states is None or base is None:
+            return
+        rows = [0] + [1 + node for node in accepted]  # the path's rows among the request's verified tokens
+        if request.state_slot is not None:
+            self.state_commits[replica].append((base + rows[-1], request.state_slot))
+        stop = min(root + len(rows), request.num_tokens)
+        for boundary in states.boundaries_after_verify(request, root, stop):
+            slot = states.save(request, self.key_of[replica](request, boundary // self.block_size - 1), decode=True)
+            if slot is not None:
+                self.state_commits[replica].append((base + rows[boundary - 1 - root], slot))
 
     @torch.inference_mode()
     def execute(self, plans: list[list[ScheduledRequest]], forced: list[dict[int, int]]) -> list[list[StepResult]]:
@@ -200,6 +254,9 @@ class ModelRunner:
         `forced[r]` maps an index of them to a token it must emit (thinking budget)."""
         prepared = [self.prepare(scheduled, r) if scheduled else None for r, scheduled in enumerate(plans)]
         steps = [p[0] if p is not None else StepInput.idle(self.num_blocks, self.block_size) for p in prepared]
+        for replica, step in enumerate(steps):
+            if prepared[replica] is None and self.state_commits[replica]:  # an idle replica still makes its copies
+                step.state_commits, self.state_commits[replica] = self.state_commits[replica], []
         logits = self.executor.execute_model(steps)
         results = [self._results(scheduled, forced[r], logits[r], p[0], p[1], p[2]) if p is not None else []
                    for r, (scheduled, p) in enumerate(zip(plans, prepared))]

@@ -39,6 +39,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of the full blocks seen so far
+    state_slot: int | None = None  # linear-attention models: its live state slot while running (engine/state_cache.py)
+    state_restore: int | None = None  # a prefix hit's state snapshot, copied into the live slot at its next step
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0

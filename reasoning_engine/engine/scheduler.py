@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from reasoning_engine.engine.kv_cache import BlockManager
 from reasoning_engine.engine.request import Request, RequestStatus
+from reasoning_engine.engine.state_cache import StateCache
 
 
 class SchedulerStalled(RuntimeError):
@@ -42,8 +43,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 states: StateCache | None = None) -> None:
+        """`states`: the linear-attention state slots of a hybrid model (None for attention-only models)."""
         self.blocks = block_manager
+        self.states = states
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -89,11 +93,15 @@ class Scheduler:
                 break  # keep FCFS: the siblings share sample 0's prompt blocks once they are computed
             if not request.block_table:
                 self.blocks.match_prefix(request)
+                if self.states is not None:
+                    self._restore_state(request)
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.blocks.can_allocate(request, num_tokens):
                 self.blocks.free(request)  # give back prefix-cache hits; matched again next time
                 break
             self.blocks.allocate(request, num_tokens)
+            if self.states is not None:
+                self.states.admit(request)
             if request.num_preemptions == 0:
                 self.returned_turns += self.blocks.record_prefix_lookup(request)
             self.waiting.popleft()
@@ -104,6 +112,17 @@ class Scheduler:
         if not out.scheduled and self.waiting:
             raise SchedulerStalled(self._stall_report())
         return out
+
+    def _restore_state(self, request: Request) -> None:
+        """A hybrid model's prefix hit ends where a state snapshot is kept: the blocks past it are given back."""
+        hit = len(request.block_table)
+        request.state_restore = None
+        usable = self.states.usable_hit(request.block_hashes, hit)
+        if usable < hit:
+            self.blocks.truncate(request, usable * self.blocks.block_size)
+            request.num_computed_tokens = usable * self.blocks.block_size
+        if usable:
+            self.states.restore(request, request.block_hashes[usable - 1])
 
     def _stall_report(self) -> str:
         head = self.waiting[0]
@@ -124,6 +143,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.blocks.free(request)
+        if self.states is not None:
+            self.states.release(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         request.draft = None
@@ -149,6 +170,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.blocks.free(request)
+        if self.states is not None:
+            self.states.release(request)
         request.status = RequestStatus.FINISHED
         if self.group_leaders.get(request.group_id) is request:
             del self.group_leaders[request.group_id]

@@ -37,6 +37,7 @@ from reasoning_engine.engine.compiled_decode import CompiledDecode
 from reasoning_engine.engine.cuda_graph import CudaGraphRunner, cuda_graphs_enabled
 from reasoning_engine.engine.encoder_cache import MediaSlice
 from reasoning_engine.kernels import kernel_module
+from reasoning_engine.layers.linear_attention import prepare_state
 from reasoning_engine.models.kimi_vision import build_vision_encoder
 from reasoning_engine.models.registry import build_model
 from reasoning_engine.multimodal.inputs import MediaItem
@@ -66,6 +67,16 @@ class StepInput:
     media_encode: list[MediaItem] = field(default_factory=list)
     media_drop: list[str] = field(default_factory=list)
     media_slices: list[MediaSlice] = field(default_factory=list)
+    # hybrid models (engine/state_cache.py): per sequence its state slot, whether it starts from zeros, snapshots to
+    # save and its first scratch slot (-1: no draft); then copies made before the forward pass, in this order: the
+    # accepted draft nodes' states of the last step into live and snapshot slots, then prefix hits' snapshots into
+    # live slots (all reads of a phase happen before its writes)
+    state_slots: list[int] | None = None
+    state_fresh: list[bool] | None = None
+    state_saves: list[list[tuple[int, int]]] | None = None
+    state_scratch: list[int] | None = None
+    state_commits: list[tuple[int, int]] = field(default_factory=list)
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
 
     @staticmethod
     def idle(padding_block: int, block_size: int) -> StepInput:
@@ -144,6 +155,10 @@ class ModelWorker:
         self.num_blocks = 0
         self.padding_block = 0
         self.kv_caches: list[list[torch.Tensor]] = []
+        self.state_caches: list[list[torch.Tensor]] = []
+        self.linear_layers = self.model.linear_layers()
+        self.num_state_slots, self.state_scratch_per_seq = self.state_slot_counts(config, self.max_draft_tokens,
+                                                                                  bool(self.linear_layers))
         self.drafters: dict[str, DraftRunner] = {}
         self.decode_graphs: CudaGraphRunner | None = None
         self.compiled_decode: CompiledDecode | None = None
@@ -168,6 +183,53 @@ class ModelWorker:
         """Every rank's result of `method`: here, the only one's."""
         return [getattr(self, method)(*args)]
 
+    # ---- linear-attention state ----
+    @staticmethod
+    def state_slot_counts(config: EngineConfig, max_draft_tokens: int, hybrid: bool) -> tuple[int, int]:
+        """(live and snapshot slots, scratch slots per sequence) of a hybrid model's state cache; (0, 0) otherwise.
+        A live slot for every sequence that may run, as many again for prefix-cache snapshots, and for drafts one
+        scratch slot per verified token (the root and each node) of every sequence."""
+        if not hybrid:
+            return 0, 0
+        snapshots = 2 * config.max_num_seqs if config.enable_prefix_caching else 0
+        return config.max_num_seqs + snapshots, (max_draft_tokens + 1 if max_draft_tokens else 0)
+
+    @property
+    def state_padding_slot(self) -> int:
+        return self.num_state_slots
+
+    @property
+    def state_scratch_start(self) -> int:
+        return self.num_state_slots + 1
+
+    def state_bytes(self) -> int:
+        """Bytes of the whole state cache (live, snapshot, padding and scratch slots of every linear layer)."""
+        slots = self.num_state_slots + 1 + self.config.max_num_seqs * self.state_scratch_per_seq
+        size = torch.tensor([], dtype=self.config.dtype).element_size()
+        return sum(torch.Size(shape).numel() * (torch.tensor([], dtype=dtype).element_size() if dtype else size)
+                   for layer in self.linear_layers for shape, dtype in layer.state_shapes(slots))
+
+    def allocate_states(self) -> None:
+        slots = self.num_state_slots + 1 + self.config.max_num_seqs * self.state_scratch_per_seq
+        self.state_caches = []
+        for layer in self.linear_layers:
+            tensors = [torch.zeros(shape, dtype=dtype or self.config.dtype, device=self.device)
+                       for shape, dtype in layer.state_shapes(slots)]
+            layer.bind_state(tensors)
+            self.state_caches.append(tensors)
+        logger.info("linear-attention state: %d slots (%d live and snapshot) for %d layers (%.1f MiB)", slots,
+                    self.num_state_slots, len(self.linear_layers), self.state_bytes() / 2**20)
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole slots (src, dst) in every linear layer; every source is read before any destination is written."""
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], device=self.device)
+        dst = torch.tensor([b for _, b in pairs], device=self.device)
+        for tensors in self.state_caches:
+            for tensor in tensors:
+                tensor[dst] = tensor[src]
+
     # ---- KV cache ----
     def available_blocks(self) -> int:
         """How many KV blocks this rank can hold: the configured count, or what fits in its share of free memory."""
@@ -177,13 +239,13 @@ class ModelWorker:
         per_block = per_token * c.block_size
         if c.kv_cache_blocks is not None:
             blocks = c.kv_cache_blocks
-        elif c.kv_cache_memory is not None:
-            blocks = c.kv_cache_memory // per_block
+        elif c.kv_cache_memory is not None:  # one budget: a hybrid model's state slots come out of it first
+            blocks = max(0, c.kv_cache_memory - self.state_bytes()) // per_block
         else:
             # enough for every sequence at full length, within a share of the free memory
             wanted = c.max_num_seqs * ((c.max_model_len + c.block_size - 1) // c.block_size) + 1
             share = 0.85 if self.device.type == "cuda" else 0.3 / self.local_ranks
-            blocks = min(wanted, int(available_memory(self.device) * share) // per_block)
+            blocks = min(wanted, max(0, int(available_memory(self.device) * share) - self.state_bytes()) // per_block)
         min_blocks = (c.max_model_len + c.block_size - 1) // c.block_size
         if blocks < min_blocks:
             raise ValueError(
@@ -198,12 +260,15 @@ class ModelWorker:
         # so do the steps that compile the decode graphs (compile_decode)
         self.padding_block = num_blocks
         self.kv_caches = self.allocate_caches(self.model.attention_layers(), num_blocks + 1)
+        if self.linear_layers:
+            self.allocate_states()
         self.drafters = {method: DraftRunner(method, m, self, self.max_draft_tokens)
                          for method, m in self.draft_models.items()}
         # EAGLE-3 reads intermediate layers, which a captured forward does not return: its steps stay eager
-        if cuda_graphs_enabled(self.config) and not self.aux_layers:
+        # hybrid models' steps stay eager: their state addressing is not part of the captured or compiled graphs
+        if cuda_graphs_enabled(self.config) and not self.aux_layers and not self.linear_layers:
             self.decode_graphs = CudaGraphRunner(self.model, self.config, self.padding_block, capture=True)
-        if self.config.compile_decode and not self.aux_layers:
+        if self.config.compile_decode and not self.aux_layers and not self.linear_layers:
             self.compiled_decode = CompiledDecode(self.model)
             self._compile_decode_graphs()
 
@@ -293,6 +358,19 @@ class ModelWorker:
             batch.attn_metadata = self.attention_ops.prepare_attention(batch, self.block_size)
         return batch
 
+    def add_state(self, batch: ForwardBatch, step: StepInput | None) -> None:
+        """A hybrid model's state addressing for the batch (a step without it, such as an idle replica's, runs its
+        rows in the padding slot from zeros)."""
+        n = len(batch.query_lens_cpu)
+        if step is None or step.state_slots is None:
+            slots, fresh, saves, scratch = [self.state_padding_slot] * n, [True] * n, None, None
+        else:
+            slots, fresh, saves, scratch = step.state_slots, step.state_fresh, step.state_saves, step.state_scratch
+        batch.state_slots = torch.tensor(slots, dtype=torch.long, device=self.device)
+        batch.state_fresh = torch.tensor(fresh, dtype=torch.bool, device=self.device)
+        batch.state_saves, batch.state_scratch = saves, scratch
+        batch.state_metadata = prepare_state(batch)
+
     @property
     def replica(self) -> int:
         return self.parallel.dp.rank
@@ -307,6 +385,10 @@ class ModelWorker:
                                 step.block_tables, step.logits_rows, step.tree_parts, with_attention=False)
         if len(steps) > 1:
             batch.dp_num_tokens = [len(s.input_ids) for s in steps]
+        if self.linear_layers:
+            self.copy_states(step.state_commits)
+            self.copy_states(step.state_restores)
+            self.add_state(batch, step)
         self._media_embeddings(step, batch)
         aux_hidden = dict.fromkeys(self.aux_layers) if self.aux_layers else None
         logits: torch.Tensor | None = None

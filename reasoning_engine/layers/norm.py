@@ -43,3 +43,11 @@ class ShardedRMSNorm(RMSNorm):
         sum_sq = self.tp.all_reduce(h.pow(2).sum(-1, keepdim=True))
         h = h * torch.rsqrt(sum_sq / self.full_dim + self.eps)
         return (self.weight.to(x.dtype) * h.to(x.dtype)).to(x.dtype)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """RMSNorm whose checkpoint stores weight - 1 (Qwen3-Next, Qwen3.5: a zero-centred weight, so weight decay pulls
+    it towards the identity); the one is added once the weights are loaded."""
+
+    def process_weights_after_loading(self) -> None:
+        self.weight.data += 1

@@ -116,6 +116,10 @@ class CausalLM(nn.Module):
     def attention_layers(self) -> list[nn.Module]:
         return [layer.self_attn for layer in self.layers]
 
+    def linear_layers(self) -> list[nn.Module]:
+        """Layers whose memory is a fixed-size state per sequence (linear attention), not paged K/V."""
+        return []
+
     def forward(self, batch: ForwardBatch, aux_hidden: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every token of the step.
 

@@ -16,6 +16,7 @@ from reasoning_engine.models.gpt_oss import GptOssForCausalLM
 from reasoning_engine.models.llama import LlamaForCausalLM
 from reasoning_engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from reasoning_engine.models.qwen3 import Qwen3ForCausalLM
+from reasoning_engine.models.qwen3_next import Qwen3NextForCausalLM
 from reasoning_engine.parallel import Parallel
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ FAMILIES: dict[str, type[CausalLM]] = {
     "gpt_oss": GptOssForCausalLM,
     "minimax_m2": MiniMaxM2ForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
 }
 
 

@@ -75,7 +75,19 @@ _BASES: dict[str, dict[str, Any]] = {
                                                            beta_slow=1.0, truncate=False)),
     "minimax_m2": dict(_GQA_BASE, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
                        rope_parameters=dict(rope_type="default", rope_theta=5000000.0, partial_rotary_factor=0.5)),
+    # hybrid: Gated DeltaNet layers (2 key heads, 4 value heads: each key head serves two) and one gated full-attention
+    # layer in four, a quarter of each head rotated; Qwen3-Next fuses its projections, Qwen3.5 keeps them apart
+    "qwen3_next": dict(_GQA_BASE, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                       linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=32, norm_topk_prob=True,
+                       rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)),
 }
+_BASES["qwen3_5_text"] = {k: v for k, v in _BASES["qwen3_next"].items()
+                          if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                       "shared_expert_intermediate_size", "norm_topk_prob")}
+_BASES["qwen3_5_moe_text"] = {k: v for k, v in _BASES["qwen3_next"].items()
+                              if k not in ("intermediate_size", "norm_topk_prob")}
 # keys transformers adds that the published configs do not have
 _NOT_PUBLISHED = ("qk_head_dim", "transformers_version", "output_router_logits", "pretraining_tp")
 
@@ -87,7 +99,8 @@ class Variant:
     family: str
     overrides: dict[str, Any] = field(default_factory=dict)
     published: bool = True  # config.json as the published checkpoints write it, else as transformers 5 writes it
-    layout: str = "plain"  # "plain", "kimi_k2" (model_type kimi_k2) or "kimi_k25" (wrapper, language_model. prefix)
+    layout: str = "plain"  # "plain", "kimi_k2" (model_type kimi_k2), "kimi_k25" (wrapper, language_model. prefix) or
+    # "qwen3_5" (Qwen3.5's image-text wrapper: text_config, model.language_model. prefix, a vision tower beside)
     mtp: bool = False  # add DeepSeek's MTP layer at index num_hidden_layers
     shards: int = 1
     quant: str | None = None  # "int4" (routed experts, compressed-tensors), "fp8" (block FP8) or "fp8_channel"
@@ -160,6 +173,10 @@ VARIANTS: dict[str, Variant] = {
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)), published=False),
     # the official block FP8 (every linear but the router and LM head, MiniMax's quantization_config spelling) with
     # partial edge blocks: k/v projections 96 x 192, experts 160 x 192
+    # hybrid linear-attention models as transformers saves them (the hub's Qwen3.5 configs wrap the text model)
+    "qwen3_next": Variant("qwen3_next", published=False),
+    "qwen3_5": Variant("qwen3_5_text", published=False, layout="qwen3_5"),
+    "qwen3_5_moe_text": Variant("qwen3_5_moe_text", published=False),
     "minimax_m2_fp8": Variant("minimax_m2", dict(hidden_size=192, head_dim=48, intermediate_size=160, num_hidden_layers=2),
                               quant="fp8", shards=2),
 }
@@ -181,6 +198,11 @@ class TinyCheckpoint:
 
         if self.layout == "plain":
             model, info = AutoModelForCausalLM.from_pretrained(self.reference_path, dtype=torch.float32, output_loading_info=True)
+        elif self.layout == "qwen3_5":
+            from transformers import Qwen3_5ForConditionalGeneration
+
+            model, info = Qwen3_5ForConditionalGeneration.from_pretrained(self.reference_path, dtype=torch.float32,
+                                                                          output_loading_info=True)
         else:
             raw = json.loads((self.reference_path / "config.json").read_text())
             text = raw["text_config"] if self.layout == "kimi_k25" else raw
@@ -215,7 +237,7 @@ def build_checkpoint(name: str, root: Path, seed: int = 0) -> TinyCheckpoint:
     tensors = read_tensors(path)
     if variant.mtp:
         tensors.update(_mtp_tensors(tensors, config, seed))
-    if variant.layout != "plain":
+    if variant.layout in ("kimi_k2", "kimi_k25"):
         config["model_type"] = "kimi_k2"
         config["auto_map"] = {
             "AutoConfig": "configuration_deepseek.DeepseekV3Config",
@@ -255,10 +277,17 @@ def _random_model(variant: Variant, seed: int) -> torch.nn.Module:
         "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM"),
         "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
         "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+        "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+        "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+        "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
     }[variant.family]
     kwargs = {**_BASES[variant.family], **variant.overrides}
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**kwargs)
+    if variant.layout == "qwen3_5":  # the image-text wrapper with a one-block vision tower
+        config = transformers.Qwen3_5Config(text_config=config.to_dict(), vision_config=dict(
+            depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=config.hidden_size))
+        model_cls = "Qwen3_5ForConditionalGeneration"
     model = getattr(transformers, model_cls)(config).float().eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

@@ -12,8 +12,9 @@ a hit needs a snapshot at its end as well as the blocks.
 Which boundaries get a snapshot (every block's would cost far more than the KV it saves): the last boundary of the
 prompt (a repeated prompt, the samples of an n > 1 request), every `interval` blocks (shared long prefixes, such as
 system prompts), and while decoding the latest boundary only (an agent's next turn starts with this turn's text).
-Snapshots are evicted least recently used first, and never hold a slot a running request needs: the pool has a live
-slot for every sequence the scheduler may run, plus the snapshots.
+Snapshots are evicted least recently used first, those in the middle of a prompt before those at the end of a turn
+(a long prompt's interval snapshots would otherwise push out every other conversation's), and never hold a slot a
+running request needs: the pool has a live slot for every sequence the scheduler may run, plus the snapshots.
 
 A snapshot becomes visible only after the step that writes it (`end_step`); a hit's copy into the live slot runs at
 the start of the step that admits the request, before any write of that step, so a slot evicted and reused in the
@@ -50,6 +51,7 @@ class StateCache:
         self.enable_prefix_caching = enable_prefix_caching
         self.free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() takes the lowest
         self.snapshots: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
+        self.turn_ends: set[bytes] = set()  # snapshots at a prompt's end or a decode's latest boundary: evicted last
         self.slot_keys: dict[int, bytes] = {}
         self.pending: list[tuple[bytes, int]] = []  # written by this step, visible after it
         self.latest: dict[str, bytes] = {}  # seq_id -> key of its latest decode-boundary snapshot
@@ -84,8 +86,10 @@ class StateCache:
         if not self.free:
             if not self.snapshots:
                 raise RuntimeError("no state slot free and no snapshot to evict")  # the pool was sized too small
-            key, slot = self.snapshots.popitem(last=False)
+            key = next((k for k in self.snapshots if k not in self.turn_ends), next(iter(self.snapshots)))
+            slot = self.snapshots.pop(key)
             del self.slot_keys[slot]
+            self.turn_ends.discard(key)
             return slot
         return self.free.pop()
 
@@ -112,8 +116,10 @@ class StateCache:
                          restore=request.state_restore)
         request.state_restore = None
         if self.enable_prefix_caching:
+            prompt_end = self._prompt_boundary(request)
             for boundary in self._boundaries(request, start, stop):
-                slot = self.save(request, key_of(boundary // self.block_size - 1), decode=boundary > self._prompt_boundary(request))
+                slot = self.save(request, key_of(boundary // self.block_size - 1), decode=boundary > prompt_end,
+                                 turn_end=boundary >= prompt_end)
                 if slot is not None:
                     plan.saves.append((boundary - start, slot))
         return plan
@@ -122,10 +128,12 @@ class StateCache:
         """Boundaries in (start, stop] worth a snapshot, for the accepted part of a verified draft."""
         return list(self._boundaries(request, start, stop)) if self.enable_prefix_caching else []
 
-    def save(self, request: Request, key: bytes, decode: bool) -> int | None:
+    def save(self, request: Request, key: bytes, decode: bool, turn_end: bool = True) -> int | None:
         """A slot to write the snapshot `key` into during this step, or None when it is already kept."""
         if key in self.snapshots or any(k == key for k, _ in self.pending):
             return None
+        if not self.free and not self.snapshots:
+            return None  # every slot is live or written this step: this boundary goes without a snapshot
         if decode:  # while decoding, only the latest boundary's snapshot is kept
             previous = self.latest.get(request.seq_id)
             if previous is not None and previous in self.snapshots:
@@ -133,6 +141,8 @@ class StateCache:
             self.latest[request.seq_id] = key
         slot = self._take_slot()
         self.pending.append((key, slot))
+        if turn_end:
+            self.turn_ends.add(key)
         return slot
 
     def end_step(self) -> None:
@@ -148,6 +158,7 @@ class StateCache:
             self._drop(key)
 
     def _drop(self, key: bytes) -> None:
+        self.turn_ends.discard(key)
         slot = self.snapshots.pop(key)
         del self.slot_keys[slot]
         self.free.append(slot)

@@ -157,8 +157,7 @@ class ModelWorker:
         self.kv_caches: list[list[torch.Tensor]] = []
         self.state_caches: list[list[torch.Tensor]] = []
         self.linear_layers = self.model.linear_layers()
-        self.num_state_slots, self.state_scratch_per_seq = self.state_slot_counts(config, self.max_draft_tokens,
-                                                                                  bool(self.linear_layers))
+        self.num_state_slots, self.state_scratch_per_seq = self.state_slot_counts()
         self.drafters: dict[str, DraftRunner] = {}
         self.decode_graphs: CudaGraphRunner | None = None
         self.compiled_decode: CompiledDecode | None = None
@@ -184,15 +183,30 @@ class ModelWorker:
         return [getattr(self, method)(*args)]
 
     # ---- linear-attention state ----
-    @staticmethod
-    def state_slot_counts(config: EngineConfig, max_draft_tokens: int, hybrid: bool) -> tuple[int, int]:
+    SNAPSHOT_SHARE = 0.1  # of the cache budget that prefix-cache state snapshots may take
+
+    def state_slot_counts(self) -> tuple[int, int]:
         """(live and snapshot slots, scratch slots per sequence) of a hybrid model's state cache; (0, 0) otherwise.
-        A live slot for every sequence that may run, as many again for prefix-cache snapshots, and for drafts one
-        scratch slot per verified token (the root and each node) of every sequence."""
-        if not hybrid:
+        A live slot for every sequence that may run; snapshots within SNAPSHOT_SHARE of the cache budget (the
+        configured KV memory or blocks, else what max_num_seqs full-length sequences would need: a figure every rank
+        computes alike), at least two and at most 32 per sequence; for drafts, one scratch slot per verified token
+        (the root and each node) of every sequence."""
+        if not self.linear_layers:
             return 0, 0
-        snapshots = 2 * config.max_num_seqs if config.enable_prefix_caching else 0
-        return config.max_num_seqs + snapshots, (max_draft_tokens + 1 if max_draft_tokens else 0)
+        c = self.config
+        scratch = self.max_draft_tokens + 1 if self.max_draft_tokens else 0
+        snapshots = 0
+        if c.enable_prefix_caching:
+            per_token = cache_bytes_per_token(self.model.attention_layers(), c.dtype)
+            if c.kv_cache_memory is not None:
+                budget = c.kv_cache_memory
+            elif c.kv_cache_blocks is not None:
+                budget = c.kv_cache_blocks * c.block_size * per_token
+            else:
+                budget = c.max_num_seqs * c.max_model_len * per_token
+            fit = int(self.SNAPSHOT_SHARE * budget) // max(self._state_bytes(1), 1)
+            snapshots = min(max(fit, 2 * c.max_num_seqs), 32 * c.max_num_seqs)
+        return c.max_num_seqs + snapshots, scratch
 
     @property
     def state_padding_slot(self) -> int:
@@ -204,7 +218,9 @@ class ModelWorker:
 
     def state_bytes(self) -> int:
         """Bytes of the whole state cache (live, snapshot, padding and scratch slots of every linear layer)."""
-        slots = self.num_state_slots + 1 + self.config.max_num_seqs * self.state_scratch_per_seq
+        return self._state_bytes(self.num_state_slots + 1 + self.config.max_num_seqs * self.state_scratch_per_seq)
+
+    def _state_bytes(self, slots: int) -> int:
         size = torch.tensor([], dtype=self.config.dtype).element_size()
         return sum(torch.Size(shape).numel() * (torch.tensor([], dtype=dtype).element_size() if dtype else size)
                    for layer in self.linear_layers for shape, dtype in layer.state_shapes(slots))

@@ -18,6 +18,11 @@ from reasoning_engine.server.reasoning_parsers import (
 from reasoning_engine.server.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallDelta, ToolParser
 
 _KIMI_VOCAB_MARKERS = ("<|tool_calls_section_begin|>", "<|im_middle|>")
+# Qwen3-Next, Qwen3.5 / 3.6: `<think>` reasoning (their templates open it in the prompt when thinking)
+_QWEN_THINKING_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# Qwen3.5 / 3.6 write Qwen3-Coder's XML calls; Qwen3-Next (and Qwen3) say which format in their template
+_QWEN_XML_CALL_TYPES = ("qwen3_5", "qwen3_5_moe")
+_QWEN_XML_TEMPLATE_TAGS = ("<function=", "<parameter=")
 
 
 @dataclass
@@ -28,14 +33,17 @@ class ParsedDelta:
 
 
 def resolve_reasoning_parser(name: str, model_type: str, vocab: Container[str]) -> str | None:
-    """`auto`: Kimi's chat tokens mean kimi_k2; otherwise any model with `</think>` in its vocabulary gets the
-    DeepSeek-R1 parser for DeepSeek families and the Qwen3 one (which detects an opening `<think>`) for the rest."""
+    """`auto`: Kimi's chat tokens mean kimi_k2 (Kimi Linear included); Qwen3-Next and Qwen3.5 / 3.6 the Qwen3 one;
+    otherwise any model with `</think>` in its vocabulary gets the DeepSeek-R1 parser for DeepSeek families and the
+    Qwen3 one (which detects an opening `<think>`) for the rest."""
     if name != "auto":
         return None if name == "none" else name
     if model_type.startswith("kimi") or any(m in vocab for m in _KIMI_VOCAB_MARKERS):
         return "kimi_k2"
     if model_type == "gpt_oss":  # harmony: no `</think>`, the thinking is the analysis channel
         return "gpt_oss"
+    if model_type in _QWEN_THINKING_TYPES:
+        return "qwen3"
     if "</think>" not in vocab:
         return None
     if model_type.startswith("glm"):
@@ -48,8 +56,9 @@ def resolve_reasoning_parser(name: str, model_type: str, vocab: Container[str]) 
 
 
 def resolve_tool_parser(name: str, model_type: str, vocab: Container[str], chat_template: str | None) -> str | None:
-    """`auto`: Kimi's call tokens mean kimi_k2, GLM's `<arg_key>` glm45, a `<tool_call>` token or template mention
-    hermes."""
+    """`auto`: Kimi's call tokens mean kimi_k2 (Kimi Linear included), GLM's `<arg_key>` glm45, Qwen3.5 / 3.6 or a
+    template that writes `<function=` and `<parameter=` (Qwen3-Coder, Qwen3-Coder-Next) qwen3_coder, a `<tool_call>` token or template
+    mention hermes (Qwen3, Qwen3-Next, whose templates write JSON calls)."""
     if name != "auto":
         return None if name == "none" else name
     if model_type.startswith("kimi") or "<|tool_call_begin|>" in vocab:
@@ -68,6 +77,8 @@ def resolve_tool_parser(name: str, model_type: str, vocab: Container[str], chat_
             return "deepseek_v3" if "```json" in template else "deepseek_v31"
         if model_type == "deepseek_v32":
             return "deepseek_v32"
+    if model_type in _QWEN_XML_CALL_TYPES or all(tag in (chat_template or "") for tag in _QWEN_XML_TEMPLATE_TAGS):
+        return "qwen3_coder"
     if "<tool_call>" in vocab or "<tool_call>" in (chat_template or ""):
         return "hermes"
     return None

@@ -21,7 +21,9 @@ calls separated by a newline), deepseek_v31
 (`<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`),
 deepseek_v32 (`\\n\\n<｜DSML｜function_calls>\\n<｜DSML｜invoke name="NAME">\\n` ... `</｜DSML｜invoke>\\n
 </｜DSML｜function_calls>`, the arguments in xgrammar's `deepseek_xml` rendering: `<｜DSML｜parameter name="K"
-string="true">raw string</｜DSML｜parameter>` or `string="false">JSON`) and gpt_oss (harmony: `<|channel|>commentary
+string="true">raw string</｜DSML｜parameter>` or `string="false">JSON`), qwen3_coder / qwen3_xml
+(`<tool_call>\\n<function=NAME>\\n` ... `</function>\\n</tool_call>`, calls separated by a newline, the arguments in
+xgrammar's `qwen_xml` rendering: `<parameter=K>V</parameter>`) and gpt_oss (harmony: `<|channel|>commentary
 to=functions.NAME <|constrain|>json<|message|>{json}`; the `<|call|>` after it is a stop token, so a call ends the
 output and there is at most one), as in tool_parsers.py.
 Markers are matched as text, so they fit whether the tokenizer has them as single tokens or spells them out;
@@ -80,6 +82,8 @@ from reasoning_engine.server.tool_parsers import (
     MINIMAX_CALLS_END,
     MINIMAX_INVOKE_BEGIN,
     MINIMAX_INVOKE_END,
+    QWEN_FUNCTION_BEGIN,
+    QWEN_FUNCTION_END,
     TOOL_PARSERS,
 )
 from reasoning_engine.structured.params import StructuredOutputsParams
@@ -172,6 +176,19 @@ class DsmlCallSyntax(CallSyntax):
         return {**arguments, "json_schema": _array_items_given(arguments["json_schema"]), "style": "deepseek_xml"}
 
 
+class QwenCoderCallSyntax(CallSyntax):
+    def call_begin(self, name: str) -> str:
+        return f"{HERMES_CALL_BEGIN}\n{QWEN_FUNCTION_BEGIN}{name}>\n"
+
+    def call_content(self, arguments: dict[str, Any], text: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+        """The schema's properties as `<parameter=K>V</parameter>` lines (xgrammar's `qwen_xml`): strings raw,
+        other values JSON; an array without `items` as for MiniMax-M2. `qwen_xml` allows one whitespace character
+        around each value where the template writes a newline; the parser drops that newline from a string (and
+        any whitespace around other values), so a length-bounded string with a space or tab there reads one or two
+        characters longer than the grammar held it to."""
+        return {**arguments, "json_schema": _array_items_given(arguments["json_schema"]), "style": "qwen_xml"}
+
+
 class HarmonyCallSyntax(CallSyntax):
     def call_begin(self, name: str) -> str:
         """The header gpt-oss writes for a call (the one the harmony guide shows); the recipient-first form
@@ -211,6 +228,11 @@ CALL_SYNTAXES: dict[str, CallSyntax] = {
     "deepseek_v32": DsmlCallSyntax(trigger=DSML_CALLS_BEGIN, open=f"{DSML_CALLS_BEGIN}\n",
                                    close=f"\n{DSML_CALLS_END}", separator="\n", call_end=f"\n{DSML_INVOKE_END}",
                                    lead="\n\n"),
+    # as Qwen3-Coder's and Qwen3.5's templates write them: one call per `<tool_call>`, a newline between calls
+    "qwen3_coder": QwenCoderCallSyntax(trigger=HERMES_CALL_BEGIN, open="", close="", separator="\n",
+                                       call_end=f"{QWEN_FUNCTION_END}\n{HERMES_CALL_END}"),
+    "qwen3_xml": QwenCoderCallSyntax(trigger=HERMES_CALL_BEGIN, open="", close="", separator="\n",
+                                     call_end=f"{QWEN_FUNCTION_END}\n{HERMES_CALL_END}"),
     "gpt_oss": HarmonyCallSyntax(trigger=f"{HARMONY_CHANNEL}commentary to=functions.", open="", close="",
                                  separator="", call_end="", ends_turn=True),
 }

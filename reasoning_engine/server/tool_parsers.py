@@ -16,6 +16,9 @@ Formats:
   <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`.
 - deepseek_v32 (DeepSeek-V3.2's DSML): `<｜DSML｜function_calls><｜DSML｜invoke name="NAME"><｜DSML｜parameter
   name="K" string="true|false">V</｜DSML｜parameter>...</｜DSML｜invoke></｜DSML｜function_calls>`.
+- qwen3_coder (Qwen3-Coder, Qwen3.5 / 3.6; `qwen3_xml` names the same parser): `<tool_call>\n<function=NAME>\n
+  <parameter=K>\nV\n</parameter>\n...</function>\n</tool_call>`, values typed by the tool's schema (see
+  `Qwen3CoderToolParser`).
 - gpt_oss (gpt-oss's harmony format): `<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json
   <|message|>{json}<|call|>`; final and preamble messages are content (see `HarmonyToolParser`).
 
@@ -660,12 +663,21 @@ class _InvokeTagsToolParser(ToolParser, ABC):
                 continue
             before, marker, self._buf = self._markers.split(self._buf)
             if self._state == "text":
-                self._content.append(before)
+                self._text(before)
             elif self._state == "value":
                 self._value_text(before)
+            elif self._state == "calls":
+                self._between_invokes(before)
             if marker is None:
                 return
             self._on_marker(marker)
+
+    def _text(self, text: str) -> None:
+        """Text outside call blocks: content."""
+        self._content.append(text)
+
+    def _between_invokes(self, text: str) -> None:
+        """Text in a call block outside any invoke: the newlines between the parts, dropped."""
 
     def _on_marker(self, marker: str) -> None:
         if marker in self._drop:
@@ -676,7 +688,7 @@ class _InvokeTagsToolParser(ToolParser, ABC):
             if marker == block_begin:
                 self._state = "calls"
             elif marker != block_end:
-                self._content.append(marker)  # a tag outside a call block is text; a stray block end is dropped
+                self._text(marker)  # a tag outside a call block is text; a stray block end is dropped
             return
         if self._state == "value":
             if marker not in self._value_ends:
@@ -714,7 +726,7 @@ class _InvokeTagsToolParser(ToolParser, ABC):
     def _flush(self) -> None:
         rest, self._buf = self._buf, ""
         if self._state == "text":
-            self._content.append(rest)
+            self._text(rest)
             return
         if self._state == "value":
             self._value_text(rest)
@@ -749,10 +761,15 @@ class MiniMaxM2ToolParser(_InvokeTagsToolParser):
     def _open_parameter(self, header: str) -> None:
         key = _unquote(header)
         self._add_key(key)
+        self._kind = _minimax_kind(self._property(key))
+        self._value, self._quoted = "", False
+
+    def _property(self, key: str) -> dict:
+        """The schema of the current call's parameter `key` ({} where the tool's schema says nothing)."""
         schema = self._schemas.get(self.calls[-1].name)
         properties = schema.get("properties") if isinstance(schema, dict) else None
-        self._kind = _minimax_kind(properties.get(key) if isinstance(properties, dict) else None)
-        self._value, self._quoted = "", False
+        prop = properties.get(key) if isinstance(properties, dict) else None
+        return prop if isinstance(prop, dict) else {}
 
     def _value_text(self, text: str) -> None:
         if self._kind != "string":
@@ -775,8 +792,12 @@ class MiniMaxM2ToolParser(_InvokeTagsToolParser):
         if self._quoted:
             self._add_arguments('"')
         else:
-            self._add_arguments(json.dumps(_minimax_value(self._value.strip(), self._kind), ensure_ascii=False))
+            self._add_arguments(json.dumps(self._whole_value(), ensure_ascii=False))
         self._value, self._quoted = "", False
+
+    def _whole_value(self) -> object:
+        """A value that did not stream, read whole."""
+        return _minimax_value(self._value.strip(), self._kind)
 
 
 DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -967,6 +988,115 @@ class DeepSeekV32ToolParser(_InvokeTagsToolParser):
         self._value = ""
 
 
+QWEN_FUNCTION_BEGIN, QWEN_FUNCTION_END = "<function=", "</function>"
+QWEN_PARAMETER_BEGIN, QWEN_PARAMETER_END = "<parameter=", "</parameter>"
+
+
+def _template_newlines_off(text: str) -> str:
+    """A Qwen3-Coder value without the newline the template writes after `<parameter=KEY>` and the one before
+    `</parameter>`: one each, so a value's own indentation and blank lines stay."""
+    return text.removeprefix("\n").removesuffix("\n")
+
+
+def _listed_value(text: str, schema: dict) -> tuple[bool, object]:
+    """(True, the value) when the raw `text` is one of the values the schema lists (`enum`, `const`), written as the
+    template writes it (a string as is, anything else as JSON), with or without whitespace around it."""
+    values = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else []
+    for candidate in (_template_newlines_off(text), text.strip()):
+        for value in values:
+            if candidate == (value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)):
+                return True, value
+    return False, None
+
+
+class Qwen3CoderToolParser(MiniMaxM2ToolParser):
+    """Qwen3-Coder, Qwen3-Coder-Next, Qwen3.5 / 3.6: `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n
+    </parameter>\n...</function>\n</tool_call>`, one call per `<tool_call>`, calls a newline apart. The template
+    writes a string value as is and anything else as JSON, so each value is read by the tool's schema: a string is
+    the text less the template's newline on each side (`_template_newlines_off`), streamed escaped piece by piece
+    (held while it could still be `null`, where the schema allows null); a value the schema lists is matched to the
+    list; integers, numbers, booleans, null, objects and arrays are parsed whole at their end tag
+    (`_minimax_value`: text that does not parse stays text). A parameter without a schema type is a string.
+    A value also ends at the next `<parameter=` (a model that left out `</parameter>`), `</function>` or
+    `</tool_call>`. A `<tool_call>` followed by prose rather than `<function=` was the tag mentioned in the text:
+    the tag is dropped and the prose stays content. Whitespace after a call (the newline between calls, or before
+    the end) is not content; text after it is, whitespace included."""
+
+    start_markers = (HERMES_CALL_BEGIN,)
+    markers = (HERMES_CALL_BEGIN, HERMES_CALL_END)
+    _tags = (QWEN_FUNCTION_BEGIN, QWEN_FUNCTION_END, QWEN_PARAMETER_BEGIN, QWEN_PARAMETER_END)
+
+    def __init__(self, drop: Iterable[str] = (), schemas: dict[str, dict] | None = None) -> None:
+        """`schemas`: each offered tool's `parameters` JSON schema, by tool name."""
+        super().__init__(drop, schemas)
+        self._value_ends = (*self._value_ends, QWEN_PARAMETER_BEGIN)
+        self._schema: dict = {}  # the current parameter's
+        self._streams = False  # a plain string value: it goes out as it arrives
+        self._nullable = False
+        self._opening = False  # a `<tool_call>` was just written: a function or prose follows
+        self._after_call = False  # a `</tool_call>` was: whitespace after it is the separator, not content
+        self._held_space = ""  # whitespace after either, until what follows shows what it is
+
+    def _on_marker(self, marker: str) -> None:
+        if marker not in self._drop:
+            opening = self._state == "text" and marker == HERMES_CALL_BEGIN
+            closing = self._state != "text" and marker == HERMES_CALL_END
+            if opening or closing:
+                self._held_space = ""
+            self._opening = opening
+            self._after_call = self._after_call or closing
+        super()._on_marker(marker)
+
+    def _text(self, text: str) -> None:
+        if not self._after_call:
+            self._content.append(text)
+            return
+        self._held_space += text
+        if self._held_space.strip():
+            self._content.append(self._held_space)
+            self._after_call, self._held_space = False, ""
+
+    def _between_invokes(self, text: str) -> None:
+        if not self._opening:
+            return
+        self._held_space += text
+        if self._held_space.strip():  # prose: the tag was text
+            self._content.append(self._held_space)
+            self._state, self._opening, self._after_call, self._held_space = "text", False, False, ""
+
+    def _open_parameter(self, header: str) -> None:
+        super()._open_parameter(header)
+        self._schema = self._property(_unquote(header))
+        self._streams = self._kind == "string" and not {"enum", "const"} & self._schema.keys()
+        self._nullable = _string_schema(self._schema) == "nullable"
+
+    def _value_text(self, text: str) -> None:
+        if not self._streams:
+            self._value += text
+            return
+        text = self._value + text
+        if not self._quoted:
+            body = text.removeprefix("\n")
+            if not body or (self._nullable and ("null".startswith(body) or body == "null\n")):
+                self._value = text  # nothing yet, or it may still be `null`
+                return
+            self._add_arguments('"')
+            self._quoted, text = True, body
+        kept = text.removesuffix("\n")  # a last newline waits: it is the template's if the value ends here
+        self._value = text[len(kept):]
+        if kept:
+            self._add_arguments(json.dumps(kept, ensure_ascii=False)[1:-1])
+
+    def _whole_value(self) -> object:
+        listed, value = _listed_value(self._value, self._schema)
+        if listed:
+            return value
+        if self._kind == "string":
+            text = _template_newlines_off(self._value)
+            return None if self._nullable and text == "null" else text
+        return super()._whole_value()
+
+
 _HARMONY_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 
 
@@ -1020,5 +1150,6 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {"kimi_k2": KimiK2ToolParser, "herme
                                             "minimax_m2": MiniMaxM2ToolParser,
                                             "deepseek_v3": DeepSeekV3ToolParser, "deepseek_v31": DeepSeekV31ToolParser,
                                             "deepseek_v32": DeepSeekV32ToolParser,
+                                            "qwen3_coder": Qwen3CoderToolParser, "qwen3_xml": Qwen3CoderToolParser,
                                             "gpt_oss": HarmonyToolParser}
 TOOL_PARSER_CHOICES = (*TOOL_PARSERS, "auto", "none")

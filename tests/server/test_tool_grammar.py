@@ -8,6 +8,7 @@ Tokenizer-free (xgrammar's front end) but for the token test."""
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +42,8 @@ def written(fmt: str, args: dict[str, str]) -> str:
         body = "".join(f"<arg_key>{k}</arg_key><arg_value>{v}</arg_value>" for k, v in args.items())
     elif fmt == "minimax_m2":
         body = "".join(f'<parameter name="{k}">{v}</parameter>\n' for k, v in args.items())
+    elif fmt in ("qwen3_coder", "qwen3_xml"):
+        body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args.items())
     elif fmt == "deepseek_v32":
         body = "\n".join(f'<｜DSML｜parameter name="{k}" string="true">{v}</｜DSML｜parameter>' for k, v in args.items())
     else:
@@ -74,7 +77,8 @@ def parsed(fmt: str, text: str) -> tuple[str, list[tuple[str, Any]]]:
 # the marker that ends a call in each format (hermes scans its JSON, so only the grammar keeps its tag out)
 CALL_ENDS = {"kimi_k2": "<|tool_call_end|>", "glm45": "</tool_call>", "glm47": "</tool_call>",
              "minimax_m2": "</invoke>", "deepseek_v3": "<｜tool▁call▁end｜>", "deepseek_v31": "<｜tool▁call▁end｜>",
-             "deepseek_v32": "</｜DSML｜invoke>", "gpt_oss": "<|call|>"}
+             "deepseek_v32": "</｜DSML｜invoke>", "gpt_oss": "<|call|>", "qwen3_coder": "</parameter>",
+             "qwen3_xml": "</function>"}
 
 
 @pytest.mark.parametrize("fmt", sorted(CALL_SYNTAXES))
@@ -94,7 +98,7 @@ def test_no_string_in_a_call_holds_a_marker_the_parsers_act_on(fmt: str) -> None
         assert parsed(fmt, written(fmt, args)) != ("", [("search", args)])
 
 
-@pytest.mark.parametrize("fmt", ["kimi_k2", "hermes", "glm45", "minimax_m2", "deepseek_v32"])
+@pytest.mark.parametrize("fmt", ["kimi_k2", "hermes", "glm45", "minimax_m2", "deepseek_v32", "qwen3_coder"])
 def test_length_bounds_hold_beside_the_marker_exclusion(fmt: str) -> None:
     """xgrammar drops a filtered string's length bounds: they become a pattern that cannot open a marker (the
     characters that start a marker that fits are left out; a string shorter than every marker keeps them)."""
@@ -104,6 +108,67 @@ def test_length_bounds_hold_beside_the_marker_exclusion(fmt: str) -> None:
     assert not accepts(tag, written(fmt, {"query": "q", "code": "abcdef"}))
     assert not accepts(tag, written(fmt, {"query": "q", "sign": "<<"}))
     assert not accepts(tag, written(fmt, {"query": "q", "note": "a<b"}))
+
+
+QWEN_TOOLS = {
+    "get_weather": {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}, "days": {"type": "integer"},
+        "hourly": {"type": "boolean"}, "threshold": {"type": "number"}, "note": {"type": ["string", "null"]},
+        "tags": {"type": "array", "items": {"type": "string"}}, "raw": {"type": "array"},
+        "filters": {"type": "object", "properties": {"rain": {"type": "boolean"}}}}},
+    "ping": {"type": "object", "properties": {}},
+}
+
+
+def qwen_call(name: str, args: dict[str, Any], around: str = "\n") -> str:
+    """A call as Qwen3-Coder's template writes it (`around` each value: the template's newline)."""
+    body = "".join(f"<parameter={k}>{around}{v if isinstance(v, str) else json.dumps(v)}{around}</parameter>\n"
+                   for k, v in args.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def qwen_parsed(text: str) -> tuple[str, list[tuple[str, Any]]]:
+    parser = TOOL_PARSERS["qwen3_coder"](drop=DROPPED, schemas=QWEN_TOOLS)
+    content = parser.feed(text)[0] + parser.finish()[0]
+    return content.strip(), [(c.name, json.loads(c.arguments)) for c in parser.calls]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_qwen3_coder_grammar_accepts_what_the_parser_reads_as_valid_calls(seed: int) -> None:
+    """Constrained Qwen3-Coder calls: the template's text of random valid calls is accepted by the required, named
+    and strict-auto grammars and parses back to the arguments written (so to the schema's types); a value of the
+    wrong type, a string holding `</parameter>` or a missing required parameter is refused."""
+    rng = random.Random(seed)
+    tools = [FunctionDef(name=n, parameters=p) for n, p in QWEN_TOOLS.items()]
+    required = tool_call_tag("qwen3_coder", tools, required=True, parallel=True, dropped=DROPPED)
+    strict = tool_call_tag("qwen3_coder", tools, required=False, parallel=True, dropped=DROPPED)
+    named = tool_call_tag("qwen3_coder", tools[:1], required=True, parallel=False, dropped=DROPPED)
+    texts = ["x", "a < b", "  indented\n\tcode\n", "<b>bold</b>", "line\n\nline", "é ☕ \\ \"q\""]
+    calls = []
+    for _ in range(rng.randint(1, 3)):
+        args: dict[str, Any] = {"city": rng.choice(texts)}
+        optional = {"unit": rng.choice(["celsius", "fahrenheit"]), "days": rng.randint(-9, 999),
+                    "hourly": rng.choice([True, False]), "threshold": rng.choice([0.5, -2, 1e-3]),
+                    "note": rng.choice([None, "n <1>"]), "tags": rng.sample(texts, 2), "raw": [1, "two", None],
+                    "filters": {"rain": rng.choice([True, False])}}
+        args |= {k: v for k, v in optional.items() if rng.random() < 0.6}
+        args = {k: args[k] for k in QWEN_TOOLS["get_weather"]["properties"] if k in args}  # the schema's order
+        calls.append(("get_weather", args))
+    text = "\n".join(qwen_call(n, {k: "null" if v is None else v for k, v in a.items()}) for n, a in calls)
+    for value in calls:
+        jsonschema.validate(value[1], QWEN_TOOLS["get_weather"])
+    assert accepts(required, text) and accepts(strict, "Let me look.\n\n" + text)
+    assert qwen_parsed(text) == ("", calls)
+    assert accepts(named, qwen_call(*calls[0])) and not accepts(named, text if len(calls) > 1 else text + "\n" + text)
+    assert accepts(required, qwen_call("ping", {})) and qwen_parsed(qwen_call("ping", {})) == ("", [("ping", {})])
+    # one whitespace character around a value is what the grammar allows: where it is not the template's newline
+    # a listed or typed value still parses to itself
+    spaced = qwen_call("get_weather", {"city": "x", "unit": "celsius", "days": 3}, around=" ")
+    assert accepts(required, spaced) and qwen_parsed(spaced)[1] == [
+        ("get_weather", {"city": " x ", "unit": "celsius", "days": 3})]
+    for bad in ({"city": "x", "days": "3.5"}, {"city": "x", "hourly": "yes"}, {"city": "x", "unit": "kelvin"},
+                {"city": "a</parameter>b"}, {"days": 3}, {"city": "x", "filters": {"rain": 1}}):
+        assert not accepts(required, qwen_call("get_weather", bad)), bad
 
 
 def refusal(parameters: dict[str, Any], name: str = "search") -> str:

@@ -66,6 +66,9 @@ class EngineStats:
     encoder_cache_misses: int = 0
     encoder_cache_hits: int = 0
     encoder_seconds: float = 0.0
+    # hybrid models: the linear-attention state group (engine/state_cache.py), slots in use and snapshots kept
+    state_cache_usage: float | None = None
+    state_cache_snapshots: int | None = None
 
 
 class LLMEngine:
@@ -610,7 +613,15 @@ class LLMEngine:
             adaptive=adaptive, adaptive_counters=adaptive_counters,
             encoder_cache_misses=sum(plan.misses for plan in self.runner.encoder_caches),
             encoder_cache_hits=sum(plan.hits for plan in self.runner.encoder_caches),
-            encoder_seconds=self.runner.worker.encoder_seconds)
+            encoder_seconds=self.runner.worker.encoder_seconds,
+            **self._state_cache_stats())
+
+    def _state_cache_stats(self) -> dict[str, float | int]:
+        caches = [scheduler.states for scheduler in self.schedulers if scheduler.states is not None]
+        if not caches:
+            return {}
+        return {"state_cache_usage": sum(c.usage() for c in caches) / len(caches),
+                "state_cache_snapshots": sum(c.num_snapshots for c in caches)}
 
     def _adaptive_metrics(self) -> tuple[dict[str, float], dict[str, float]]:
         """Numbers of the adaptive snapshot for Prometheus: gauges (the cost model, the latest choices, blocks kept

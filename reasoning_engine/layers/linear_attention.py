@@ -31,6 +31,7 @@ class LinearStateMetadata:
     plain_qsl: torch.Tensor  # their query_start_loc
     plain_slots: torch.Tensor  # [Bp] int64
     plain_fresh: torch.Tensor  # [Bp] bool: start from zeros
+    any_fresh: bool  # whether any plain sequence starts from zeros (decode steps: none)
     save_after: list[list[int]] | None  # per plain sequence, token counts to snapshot after
     save_index: list[tuple[int, int]]  # (plain sequence, token count) of each snapshot, in save_slots order
     save_slots: torch.Tensor | None  # [S] int64
@@ -69,6 +70,7 @@ def prepare_state(batch: ForwardBatch) -> LinearStateMetadata:
         plain_qsl=torch.tensor(plain_qsl, dtype=torch.long, device=dev),
         plain_slots=torch.tensor([slots[b] for b in plain], dtype=torch.long, device=dev),
         plain_fresh=torch.tensor([fresh[b] for b in plain], dtype=torch.bool, device=dev),
+        any_fresh=any(fresh[b] for b in plain),
         save_after=save_after if save_slots else None,
         save_index=save_index,
         save_slots=torch.tensor(save_slots, dtype=torch.long, device=dev) if save_slots else None,
@@ -136,7 +138,8 @@ class LinearAttention(nn.Module):
         xp = x if meta.plain_rows is None else x[meta.plain_rows]
         if xp.shape[0]:
             state = self.conv_state[meta.plain_slots]
-            state = state.masked_fill(meta.plain_fresh[:, None, None], 0)
+            if meta.any_fresh:
+                state = state.masked_fill(meta.plain_fresh[:, None, None], 0)
             yp, final = ops.causal_conv1d(xp, weight, None, meta.plain_qsl, state)
             if meta.save_slots is not None:
                 self.conv_state[meta.save_slots] = _conv_states_after(state, xp, meta)
@@ -163,7 +166,8 @@ class LinearAttention(nn.Module):
         if rows is None or rows.numel():
             pick = (lambda t: t) if rows is None else (lambda t: t[rows])
             state = self.recurrent_state[meta.plain_slots]
-            state = state.masked_fill(meta.plain_fresh[:, None, None, None], 0)
+            if meta.any_fresh:
+                state = state.masked_fill(meta.plain_fresh[:, None, None, None], 0)
             o, final, saved = ops.gated_delta_rule(pick(q), pick(k), pick(v), pick(g), pick(beta), meta.plain_qsl,
                                                    state, save_after=meta.save_after)
             self.recurrent_state[meta.plain_slots] = final

@@ -39,6 +39,11 @@ class _EngineCollector(Collector):
             "kv_cache_free_blocks": ("KV-cache blocks free.", stats.free_blocks),
             "kv_cache_total_blocks": ("KV-cache blocks in all.", stats.total_blocks),
         }
+        if getattr(stats, "state_cache_usage", None) is not None:  # hybrid models' linear-attention state group
+            gauges["state_cache_usage_perc"] = ("Fraction of linear-attention state slots in use, live and snapshots "
+                                                "(0..1).", stats.state_cache_usage)
+            gauges["state_cache_snapshots"] = ("Linear-attention state snapshots kept for prefix-cache hits.",
+                                               stats.state_cache_snapshots)
         for name, (doc, value) in gauges.items():
             yield self._one(GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"]), value)
         counters = {

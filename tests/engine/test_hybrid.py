@@ -227,3 +227,17 @@ def test_random_stress_with_aborts_preemption_and_drafts(path: str, plain) -> No
             assert tokens == wanted[rid], rid
     assert set(wanted) - aborted <= set(done)
     _assert_no_leak(llm)
+
+
+def test_state_group_usage_in_stats_and_metrics(path: str) -> None:
+    from reasoning_engine.server.metrics import _EngineCollector
+
+    llm = LLM(path, dtype="float32", device="cpu", block_size=BS)
+    _generate(llm, _prompts(12, (40,)))
+    stats = llm.engine.stats()
+    states = llm.engine.scheduler.states
+    assert stats.state_cache_snapshots == states.num_snapshots > 0
+    assert stats.state_cache_usage == pytest.approx(states.num_snapshots / states.num_slots)
+    samples = {s.name: s.value for family in _EngineCollector(llm.engine.stats, "m").collect() for s in family.samples}
+    assert samples["reasoning_engine:state_cache_snapshots"] == states.num_snapshots
+    assert samples["reasoning_engine:state_cache_usage_perc"] == pytest.approx(stats.state_cache_usage)

@@ -19,6 +19,7 @@ import re
 import torch
 from torch import nn
 
+from reasoning_engine.cache_groups import CacheGroup
 from reasoning_engine.config import ModelConfig
 from reasoning_engine.kernels.fused_moe import MoEQuant, fused_moe_op
 from reasoning_engine.layers.attention import GQAttention
@@ -94,6 +95,16 @@ class GptOssForCausalLM(CausalLM):
             layers.append(DecoderLayer(attn, SparseMoE(router, experts, None, parallel), config.hidden_size,
                                        config.rms_norm_eps))
         super().__init__(config, layers, parallel)
+
+    def cache_groups(self) -> list[CacheGroup]:
+        """The full layers, then the sliding ones (one group per window size): group 0 keeps every block, so draft
+        models, which mirror its block ids, read a whole context."""
+        windows = [attn.sliding_window for attn in self.attention_layers()]
+        full = tuple(i for i, w in enumerate(windows) if w is None)
+        groups = [CacheGroup("full", full)] if full else []
+        for window in sorted({w for w in windows if w is not None}):
+            groups.append(CacheGroup("sliding", tuple(i for i, w in enumerate(windows) if w == window), window))
+        return groups
 
     def map_weight(self, name: str) -> WeightTarget | None:
         c, tp, ep = self.config, self.parallel.tp, self.parallel.ep

@@ -45,6 +45,16 @@ def single_group(num_layers: int) -> list[CacheGroup]:
     return [CacheGroup("full", tuple(range(num_layers)))]
 
 
+def groups_by_window(windows: list[int | None]) -> list[CacheGroup]:
+    """Groups for layers given by their sliding window (None: full attention): the full layers first, so group 0
+    keeps every block (draft models mirror its block ids), then one sliding group per window size."""
+    full = tuple(i for i, w in enumerate(windows) if w is None)
+    groups = [CacheGroup("full", full)] if full else []
+    for window in sorted({w for w in windows if w is not None}):
+        groups.append(CacheGroup("sliding", tuple(i for i, w in enumerate(windows) if w == window), window))
+    return groups
+
+
 def group_names(groups: list[CacheGroup]) -> list[str]:
     """A label per group for metrics: its kind, with its index where two groups share a kind."""
     kinds = [g.kind for g in groups]

@@ -203,3 +203,49 @@ def test_random_stress_leaks_no_block_and_keeps_the_tokens(tiny_checkpoint: Call
     assert sum(request_id is not None for request_id in ids) == len(got)  # every request not aborted finished
     assert _all_free(tight)
     assert all(used == 0 for used in engine.block_manager.group_used)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gpt_oss_padded_static_decode_reads_each_groups_tables(tiny_checkpoint: Callable[[str], object],
+                                                               backend: str) -> None:
+    """The CUDA-graph decode path's static buffers (run without capture, as on CPU) hold each group's slots and
+    tables: the tokens and logprobs of eager decoding past the window, with sliding blocks given back."""
+    from engine.test_cuda_graph import DEVICE
+    from reasoning_engine.engine.cuda_graph import CudaGraphRunner
+
+    ckpt = tiny_checkpoint("gpt_oss")
+    prompts = _ids(_long_prompts(ckpt.vocab_size))
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in (20, 12, 16)]
+    llm = LLM(str(ckpt.path), dtype="float32", device=DEVICE, kernel_backend=backend, block_size=4, max_model_len=128,
+              max_num_seqs=4, enable_prefix_caching=False, enforce_eager=True)
+    eager = [o.outputs[0] for o in llm.generate(prompts, params)]
+    worker = llm.engine.runner.worker
+    worker.decode_graphs = CudaGraphRunner(worker.model, worker.config, worker.padding_block, capture=False)
+    assert len(worker.decode_graphs.group_tables) == 2
+    padded = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert worker.decode_graphs.num_steps > 0
+    assert [o.token_ids for o in padded] == [o.token_ids for o in eager]
+    assert [o.cumulative_logprob for o in padded] == pytest.approx([o.cumulative_logprob for o in eager], abs=1e-4)
+    assert _all_free(llm)
+
+
+def test_kv_usage_per_group_in_metrics(tiny_checkpoint: Callable[[str], object]) -> None:
+    """/metrics has each group's share of the pool: while a long prompt decodes, the sliding group holds less."""
+    from reasoning_engine.server.metrics import ServerMetrics
+
+    ckpt = tiny_checkpoint("gpt_oss")
+    llm = LLM(str(ckpt.path), **GPT_OSS)
+    engine = llm.engine
+    engine.add_request(None, {"prompt_token_ids": _long_prompts(ckpt.vocab_size)[0]}, GREEDY)
+    for _ in range(3):
+        engine.step()
+    usage = engine.stats().kv_cache_group_usage
+    assert 0 < usage["sliding"] < usage["full"]
+    text = ServerMetrics(engine.stats, "gpt").render().decode()
+    for group in ("full", "sliding"):
+        line = next(x for x in text.splitlines()
+                    if x.startswith("reasoning_engine:kv_cache_group_usage_perc{") and f'group="{group}"' in x)
+        assert float(line.rsplit(" ", 1)[1]) == pytest.approx(usage[group])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().kv_cache_group_usage == {"full": 0.0, "sliding": 0.0}

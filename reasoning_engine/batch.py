@@ -6,7 +6,7 @@ reads it. Tokens of all scheduled sequences are flattened into one ragged batch 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, absolute position of each token (draft trees: context length + depth)
     slot_mapping: torch.Tensor  # [T] int64, cache slot (block * block_size + offset) each token's K/V is written to
+    # (this field and block_tables: KV cache group 0's; other groups' are in `groups`)
     query_start_loc: torch.Tensor  # [B + 1] int64, cumulative query lengths
     seq_lens: torch.Tensor  # [B] int64, context length including this step's tokens
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
@@ -45,6 +46,17 @@ class ForwardBatch:
     state_saves: list[list[tuple[int, int]]] | None = None
     state_scratch: list[int] | None = None
     state_metadata: Any = None  # built once per step from the fields above (layers/linear_attention.py)
+    # hybrid models (cache_groups.py): the same batch as KV cache groups 1, 2, ... see it, each with its own
+    # slot_mapping, block_tables and attn_metadata; empty with one group
+    groups: list[ForwardBatch] = field(default_factory=list)
+
+    def group(self, index: int) -> ForwardBatch:
+        """The batch as the layers of KV cache group `index` see it."""
+        return self if index == 0 else self.groups[index - 1]
+
+    def with_groups(self) -> list[ForwardBatch]:
+        """This batch and its other groups' views: what attention metadata is prepared for."""
+        return [self, *self.groups]
 
     @property
     def num_seqs(self) -> int:

@@ -95,7 +95,7 @@ class CompiledDecode:
         """One query token per sequence, no draft tree, and contexts even enough to attend as one batch (a step
         the attention splits by length runs eager: a graph traced over one split would not fit the next)."""
         return (batch.max_query_len == 1 and batch.tree_mask is None and batch.num_seqs > 0
-                and not isinstance(batch.attn_metadata, MixedAttentionMetadata))
+                and not any(isinstance(view.attn_metadata, MixedAttentionMetadata) for view in batch.with_groups()))
 
     def warm_up(self, batch: ForwardBatch) -> None:
         """Compile the graph this decode batch needs (the runner does so for one, three and MAX_SEQS + 1 sequences
@@ -116,7 +116,8 @@ class CompiledDecode:
         return self._forward(batch)
 
     def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        batch.attn_metadata.fused_decode = True
+        for view in batch.with_groups():  # a hybrid model's other KV cache groups have their own metadata
+            view.attn_metadata.fused_decode = True
         return (self.step if batch.num_seqs <= self.MAX_SEQS else self.large_step)(batch)
 
 

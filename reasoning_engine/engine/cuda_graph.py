@@ -5,6 +5,7 @@ bound by the CPU launching them. A CUDA graph records the whole forward once and
 replays fixed kernels on fixed memory, so each batch-size bucket (1, 2, 4, ... up to max_num_seqs) gets its own graph
 over static input buffers, captured at engine start. A step copies its tensors into those buffers, pads the batch to
 the bucket with rows that write their K/V to a spare cache slot, replays, and keeps the first rows of the output.
+A hybrid model's KV cache groups (cache_groups.py) each have their own slot and block-table buffers.
 
 Only the model forward (ids -> final hidden states) is captured; logits and sampling stay eager. Steps that are not
 pure decode (a prefill chunk, draft verification) or are larger than the largest bucket run eagerly.
@@ -22,6 +23,7 @@ the CPU tests check against eager decoding.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -64,12 +66,14 @@ class CudaGraphRunner:
         self.num_steps = 0  # steps that took the static path (replayed, or run directly without capture)
         largest = self.batch_sizes[-1]
         self.max_blocks = -(-config.max_model_len // config.block_size)
+        num_groups = len(model.cache_groups())
         with torch.inference_mode(), torch.device(self.device):
             self.input_ids = torch.zeros(largest, dtype=torch.long)
             self.positions = torch.zeros(largest, dtype=torch.long)
-            self.slot_mapping = torch.zeros(largest, dtype=torch.long)
+            # per KV cache group (cache_groups.py), its slots and block tables
+            self.group_slots = [torch.zeros(largest, dtype=torch.long) for _ in range(num_groups)]
+            self.group_tables = [torch.zeros(largest, self.max_blocks, dtype=torch.int32) for _ in range(num_groups)]
             self.seq_lens = torch.zeros(largest, dtype=torch.long)
-            self.block_tables = torch.zeros(largest, self.max_blocks, dtype=torch.int32)
             self.query_start_loc = torch.arange(largest + 1, dtype=torch.long)  # one query token per sequence
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -128,15 +132,23 @@ class CudaGraphRunner:
         logger.info("CUDA graphs: decode batch sizes %s captured in %.1f s (%.0f MiB)", self.captured_batch_sizes,
                     time.perf_counter() - start, used / 2**20)
 
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.group_slots[0]
+
+    @property
+    def block_tables(self) -> torch.Tensor:
+        return self.group_tables[0]
+
     def _static_batch(self, size: int) -> ForwardBatch:
         """A ForwardBatch over the first `size` rows of the static buffers; host-side lengths are the static bound."""
-        return ForwardBatch(
+        batch = ForwardBatch(
             input_ids=self.input_ids[:size],
             positions=self.positions[:size],
-            slot_mapping=self.slot_mapping[:size],
+            slot_mapping=self.group_slots[0][:size],
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size],
+            block_tables=self.group_tables[0][:size],
             logits_indices=self.query_start_loc[:size],
             max_query_len=1,
             max_seq_len=self.max_model_len,
@@ -144,11 +156,15 @@ class CudaGraphRunner:
             seq_lens_cpu=[self.max_model_len] * size,
             static_shapes=True,
         )
+        batch.groups = [dataclasses.replace(batch, slot_mapping=slots[:size], block_tables=tables[:size], groups=[])
+                        for slots, tables in zip(self.group_slots[1:], self.group_tables[1:])]
+        return batch
 
     def _forward(self, size: int) -> torch.Tensor:
         """The captured region: attention metadata (it converts the buffers, so it must replay too) and the model."""
         batch = self._static_batch(size)
-        batch.attn_metadata = self.attention_ops.prepare_attention(batch, self.block_size)
+        for view in batch.with_groups():
+            view.attn_metadata = self.attention_ops.prepare_attention(view, self.block_size)
         return self.model(batch)
 
     def _fill(self, batch: ForwardBatch, size: int) -> None:
@@ -157,9 +173,10 @@ class CudaGraphRunner:
         n = batch.num_seqs
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
-        self.slot_mapping[:n].copy_(batch.slot_mapping)
         self.seq_lens[:n].copy_(batch.seq_lens)
-        self.block_tables[:n, : batch.block_tables.shape[1]].copy_(batch.block_tables)
+        for view, slots, tables in zip(batch.with_groups(), self.group_slots, self.group_tables):
+            slots[:n].copy_(view.slot_mapping)
+            tables[:n, : view.block_tables.shape[1]].copy_(view.block_tables)
         self._pad(n, size)
 
     def _pad(self, start: int, stop: int) -> None:
@@ -169,6 +186,7 @@ class CudaGraphRunner:
             return
         self.input_ids[start:stop] = 0
         self.positions[start:stop] = 0
-        self.slot_mapping[start:stop] = self.padding_block * self.block_size
         self.seq_lens[start:stop] = 1
-        self.block_tables[start:stop, 0] = self.padding_block
+        for slots, tables in zip(self.group_slots, self.group_tables):
+            slots[start:stop] = self.padding_block * self.block_size
+            tables[start:stop, 0] = self.padding_block

@@ -382,8 +382,8 @@ class DistributedExecutor:
     def release_draft_state(self, method: str, seq_id: str) -> None:
         self._call("release_draft_state", method, seq_id)
 
-    def move_kv(self, replica: int, block_table: list[int], moves: list[tuple[int, int]]) -> None:
-        self._call("move_kv", replica, block_table, moves)
+    def move_kv(self, replica: int, block_tables: list[list[int]], moves: list[tuple[int, int]]) -> None:
+        self._call("move_kv", replica, block_tables, moves)
 
     def gather(self, method: str, *args: Any) -> list[Any]:
         """Every rank's result of the worker method `method`, in rank order (reports such as `memory_report`)."""

@@ -15,6 +15,7 @@ import torch
 from reasoning_engine.adaptive.state import check_state_dir
 from reasoning_engine.config import EngineConfig
 from reasoning_engine.engine.detokenizer import IncrementalDetokenizer
+from reasoning_engine.cache_groups import group_names
 from reasoning_engine.engine.kv_cache import BlockManager, check_cache_salt, prefix_hashes
 from reasoning_engine.engine.executor import start_executor
 from reasoning_engine.engine.model_runner import ModelRunner, StepResult
@@ -69,6 +70,8 @@ class EngineStats:
     # hybrid models: the linear-attention state group (engine/state_cache.py), slots in use and snapshots kept
     state_cache_usage: float | None = None
     state_cache_snapshots: int | None = None
+    # per KV cache group (labelled "full", "sliding", ...: cache_groups.group_names), the share of its pool it holds
+    kv_cache_group_usage: dict[str, float] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -90,7 +93,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, start_executor(config), self._replica_of)
         # one scheduler and KV cache per data-parallel replica (one without data parallelism)
         self.schedulers = [
-            Scheduler(BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching),
+            Scheduler(BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                   self.runner.worker.cache_groups),
                       config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
                       self._state_cache(config))
             for _ in range(config.parallel.data_parallel_size)]
@@ -506,7 +510,7 @@ class LLMEngine:
         draft, root = request.draft, request.num_computed_tokens
         moves = [(root + 1 + node, root + 1 + i) for i, node in enumerate(accepted) if node != i]
         if moves:
-            self.runner.move_kv(request.replica, request.block_table, moves)
+            self.runner.move_kv(request.replica, request.block_tables, moves)
         request.num_computed_tokens = root + 1 + len(accepted)
         self.schedulers[request.replica].blocks.truncate(request, request.num_computed_tokens)
         if self.spec is not None:
@@ -606,6 +610,8 @@ class LLMEngine:
             num_requests_running=sum(len(s.running) for s in self.schedulers),
             num_requests_waiting=sum(len(s.waiting) for s in self.schedulers),
             kv_cache_usage=sum(bm.usage for bm in managers) / len(managers),
+            kv_cache_group_usage={name: sum(bm.group_usage()[g] for bm in managers) / len(managers)
+                                  for g, name in enumerate(group_names(managers[0].groups))},
             free_blocks=sum(bm.num_free_blocks for bm in managers), total_blocks=sum(bm.num_blocks for bm in managers),
             prefix_cache_queries=sum(bm.prefix_queries for bm in managers),
             prefix_cache_hits=sum(bm.prefix_hits for bm in managers), num_preemptions=self.num_preemptions,

@@ -30,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from reasoning_engine.cache_groups import CacheGroup, single_group
 from reasoning_engine.engine.request import Request
 from reasoning_engine.multimodal.inputs import MediaItem, media_keys
 
@@ -45,13 +46,24 @@ class Protection:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    """One data-parallel replica's block pool, shared by every KV cache group (cache_groups.py). Each request has a
+    block table per group (`Request.block_tables`); a sliding group's entries before its window are `null_block`.
+    Prefix-cache keys name the same prefix in every group; each group keeps its own key -> block map."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 groups: list[CacheGroup] | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.groups = groups if groups else single_group(1)
+        # past the pool and the worker's padding block (num_blocks): table entries of blocks a sliding group gave
+        # back point here; nothing writes it and the attention kernels' window masks never read it
+        self.null_block = num_blocks + 1
         self.ref_counts = [0] * num_blocks
         self.block_keys: list[bytes | None] = [None] * num_blocks
-        self.cached: dict[bytes, int] = {}
+        self.block_group = [0] * num_blocks  # the group a block was last allocated to (whose map holds its key)
+        self.group_cached: list[dict[bytes, int]] = [{} for _ in self.groups]
+        self.group_used = [0] * len(self.groups)  # referenced blocks per group
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.protected: dict[bytes, Protection] = {}  # key -> protection
         self.protected_free: OrderedDict[int, None] = OrderedDict()  # unreferenced protected blocks, oldest first
@@ -61,6 +73,11 @@ class BlockManager:
         self.retention_hits = 0  # of those, tokens found in protected blocks
 
     @property
+    def cached(self) -> dict[bytes, int]:
+        """Group 0's prefix-cache keys and their blocks (the only group's, for a model with one kind of layer)."""
+        return self.group_cached[0]
+
+    @property
     def num_free_blocks(self) -> int:
         return len(self.free_queue) + len(self.protected_free)
 
@@ -68,9 +85,19 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    def group_usage(self) -> list[float]:
+        """Per group, the fraction of the pool its requests reference."""
+        return [used / self.num_blocks for used in self.group_used]
+
+    def held_blocks(self, request: Request) -> int:
+        """Blocks in the request's tables (null entries left out)."""
+        return sum(1 for table in request.block_tables for block in table if block != self.null_block)
+
     def blocks_needed(self, request: Request, num_tokens: int) -> int:
+        """New blocks over all groups for num_computed_tokens + num_tokens tokens."""
         total = (request.num_computed_tokens + num_tokens + self.block_size - 1) // self.block_size
-        return max(0, total - len(request.block_table))
+        tables = request.block_tables
+        return sum(max(0, total - (len(tables[g]) if g < len(tables) else 0)) for g in range(len(self.groups)))
 
     def can_allocate(self, request: Request, num_tokens: int) -> bool:
         return self.blocks_needed(request, num_tokens) <= self.num_free_blocks
@@ -80,21 +107,43 @@ class BlockManager:
         return self.enable_prefix_caching and request.params.prompt_logprobs is None
 
     def match_prefix(self, request: Request) -> None:
-        """Before admission: take the cached blocks of the longest computed prefix (leaving >= 1 token to run). A
-        request that cannot be admitted gives them back (`free`) and looks again on its next try."""
+        """Before admission: take the cached blocks of the longest computed prefix (leaving >= 1 token to run) that
+        every group holds what it reads of: a full group every block of it, a sliding group those of its window at
+        the prefix's end. A request that cannot be admitted gives them back (`free`) and looks again next try."""
         if not self.reads_prefix_cache(request):
             return
         tokens = request.all_token_ids
-        hits: list[int] = []
-        for i in range((len(tokens) - 1) // self.block_size):
-            block = self.cached.get(self._block_hash(request, i, tokens))
-            if block is None:
-                break
-            hits.append(block)
-        for block in hits:
-            self._take(block)
-        request.block_table = hits
-        request.num_computed_tokens = len(hits) * self.block_size
+        bs = self.block_size
+        hits = (len(tokens) - 1) // bs
+        for g, group in enumerate(self.groups):  # a full group needs every block: its run of hits bounds the rest
+            if group.kind == "full":
+                hits = min(hits, self._hit_run(g, request, tokens, hits))
+        while hits > 0 and not all(self._holds(g, request, tokens, group.first_needed_block(hits * bs, bs), hits)
+                                   for g, group in enumerate(self.groups) if group.kind != "full"):
+            hits -= 1
+        tables = []
+        for g, group in enumerate(self.groups):
+            first = group.first_needed_block(hits * bs, bs)
+            table = [self.null_block] * first
+            for i in range(first, hits):
+                block = self.group_cached[g][self._block_hash(request, i, tokens)]
+                self._take(block)
+                table.append(block)
+            tables.append(table)
+        request.block_tables = tables
+        request.num_computed_tokens = hits * bs
+
+    def _hit_run(self, group: int, request: Request, tokens: list[int], limit: int) -> int:
+        """How many leading blocks of the request group `group` has cached (at most `limit`)."""
+        cached = self.group_cached[group]
+        count = 0
+        while count < limit and self._block_hash(request, count, tokens) in cached:
+            count += 1
+        return count
+
+    def _holds(self, group: int, request: Request, tokens: list[int], start: int, stop: int) -> bool:
+        cached = self.group_cached[group]
+        return all(self._block_hash(request, i, tokens) in cached for i in range(start, stop))
 
     def record_prefix_lookup(self, request: Request) -> list[str]:
         """Count a request's prompt in the hit rate once, at its first admission: the retries of a request that did
@@ -107,42 +156,73 @@ class BlockManager:
         self.prefix_hits += request.num_cached_tokens
         origins: dict[str, None] = {}
         for block in request.block_table[: request.num_cached_tokens // self.block_size]:
-            protection = self.protected.get(self.block_keys[block])
+            protection = self.protected.get(self.block_keys[block]) if block != self.null_block else None
             if protection is not None:
                 self.retention_hits += self.block_size
                 origins[protection.origin] = None
         return list(origins)
 
     def allocate(self, request: Request, num_tokens: int) -> None:
-        """Grow the block table to hold num_computed_tokens + num_tokens tokens (caller checked can_allocate)."""
-        for _ in range(self.blocks_needed(request, num_tokens)):
-            queue = self.free_queue if self.free_queue else self.protected_free
-            block, _ = queue.popitem(last=False)
-            key = self.block_keys[block]
-            if key is not None:  # evict: the block is reused for other tokens
-                del self.cached[key]
-                self.protected.pop(key, None)
-                self.block_keys[block] = None
-            self.ref_counts[block] = 1
-            request.block_table.append(block)
+        """Grow every group's block table to hold num_computed_tokens + num_tokens tokens (caller checked
+        can_allocate)."""
+        total = (request.num_computed_tokens + num_tokens + self.block_size - 1) // self.block_size
+        while len(request.block_tables) < len(self.groups):
+            request.block_tables.append([])
+        for g, table in enumerate(request.block_tables):
+            for _ in range(total - len(table)):
+                queue = self.free_queue if self.free_queue else self.protected_free
+                block, _ = queue.popitem(last=False)
+                key = self.block_keys[block]
+                if key is not None:  # evict: the block is reused for other tokens
+                    del self.group_cached[self.block_group[block]][key]
+                    self.block_keys[block] = None
+                    if not any(key in cached for cached in self.group_cached):
+                        self.protected.pop(key, None)
+                self.ref_counts[block] = 1
+                self.block_group[block] = g
+                self.group_used[g] += 1
+                table.append(block)
+
+    def slide(self, request: Request) -> int:
+        """Give back the blocks of sliding groups that no query at num_computed_tokens or later reads (their
+        entries become the null block); returns how many entries were cleared. Run before each step's allocation."""
+        cleared = 0
+        for g, group in enumerate(self.groups):
+            if group.kind == "full" or g >= len(request.block_tables):
+                continue
+            table = request.block_tables[g]
+            stop = min(group.first_needed_block(request.num_computed_tokens, self.block_size), len(table))
+            first = stop
+            while first > 0 and table[first - 1] != self.null_block:
+                first -= 1
+            for i in range(first, stop):  # oldest first: under pressure the oldest cached window goes first
+                self._release(table[i])
+                table[i] = self.null_block
+            cleared += stop - first
+        return cleared
 
     def free(self, request: Request) -> None:
         """Release all of a request's blocks; the tail is freed first so shared prefixes are evicted last."""
-        for block in reversed(request.block_table):
-            self._release(block)
-        request.block_table = []
+        for table in request.block_tables:
+            for block in reversed(table):
+                if block != self.null_block:
+                    self._release(block)
+        request.block_tables = [[] for _ in self.groups]
         request.num_computed_tokens = 0
 
     def truncate(self, request: Request, num_tokens: int) -> None:
         """Keep only the blocks holding the first num_tokens tokens (drops rejected draft tokens' blocks)."""
         keep = (num_tokens + self.block_size - 1) // self.block_size
-        for block in reversed(request.block_table[keep:]):
-            self._release(block)
-        del request.block_table[keep:]
+        for table in request.block_tables:
+            for block in reversed(table[keep:]):
+                if block != self.null_block:
+                    self._release(block)
+            del table[keep:]
 
     def _release(self, block: int) -> None:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
+            self.group_used[self.block_group[block]] -= 1
             key = self.block_keys[block]
             if key is None:  # nothing to hit: reuse it before evicting any cached prefix
                 self.free_queue[block] = None
@@ -152,16 +232,17 @@ class BlockManager:
 
     def protect(self, keys: list[bytes], until: float, origin: str) -> int:
         """Keep these cached prefix keys (a finished turn's full blocks) out of eviction until `until`, unless
-        blocks run out; returns how many blocks are now protected for it."""
+        blocks run out; returns how many keys are now protected for it (in any group)."""
         count = 0
         for key in reversed(keys):  # tail first: under pressure a prefix loses its end before its start
-            block = self.cached.get(key)
-            if block is None:
+            blocks = [cached[key] for cached in self.group_cached if key in cached]
+            if not blocks:
                 continue
             self.protected[key] = Protection(until, origin)
-            if block in self.free_queue:
-                del self.free_queue[block]
-                self.protected_free[block] = None
+            for block in blocks:
+                if block in self.free_queue:
+                    del self.free_queue[block]
+                    self.protected_free[block] = None
             count += 1
         self._next_deadline = min(self._next_deadline, until)
         return count
@@ -176,10 +257,11 @@ class BlockManager:
                 self._next_deadline = min(self._next_deadline, protection.until)
                 continue
             del self.protected[key]
-            block = self.cached[key]
-            if block in self.protected_free:
-                del self.protected_free[block]
-                self.free_queue[block] = None
+            for cached in self.group_cached:
+                block = cached.get(key)
+                if block is not None and block in self.protected_free:
+                    del self.protected_free[block]
+                    self.free_queue[block] = None
 
     def cache_full_blocks(self, request: Request, start_block: int = 0) -> None:
         """Register blocks from start_block that are now full of computed tokens, so later requests can share them."""
@@ -191,10 +273,11 @@ class BlockManager:
         tokens = request.all_token_ids
         for i in range(start_block, full):
             key = self._block_hash(request, i, tokens)
-            block = request.block_table[i]
-            if self.block_keys[block] is None and key not in self.cached:
-                self.block_keys[block] = key
-                self.cached[key] = block
+            for table, cached in zip(request.block_tables, self.group_cached):
+                block = table[i]
+                if block != self.null_block and self.block_keys[block] is None and key not in cached:
+                    self.block_keys[block] = key
+                    cached[key] = block
 
     @staticmethod
     def full_block_keys(request: Request) -> list[bytes]:
@@ -210,7 +293,7 @@ class BlockManager:
         return hashes[index]
 
     def cached_prefix_blocks(self, hashes: list[bytes]) -> int:
-        """How many leading blocks of a prompt (its `prefix_hashes`) this cache holds."""
+        """How many leading blocks of a prompt (its `prefix_hashes`) group 0 of this cache holds."""
         count = 0
         while count < len(hashes) and hashes[count] in self.cached:
             count += 1
@@ -219,11 +302,13 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         for block, key in enumerate(self.block_keys):
             if key is not None and self.ref_counts[block] == 0:
-                del self.cached[key]
+                del self.group_cached[self.block_group[block]][key]
                 self.block_keys[block] = None
-                if self.protected.pop(key, None) is not None:
+                if block in self.protected_free:
                     del self.protected_free[block]
                     self.free_queue[block] = None
+        self.protected = {key: p for key, p in self.protected.items()
+                          if any(key in cached for cached in self.group_cached)}
 
     def _take(self, block: int) -> None:
         if self.ref_counts[block] == 0:
@@ -231,6 +316,7 @@ class BlockManager:
                 del self.free_queue[block]
             else:
                 del self.protected_free[block]
+            self.group_used[self.block_group[block]] += 1
         self.ref_counts[block] += 1
 
 

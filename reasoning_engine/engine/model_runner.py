@@ -62,7 +62,7 @@ class Executor(Protocol):
 
     def release_draft_state(self, method: str, seq_id: str) -> None: ...
 
-    def move_kv(self, replica: int, block_table: list[int], moves: list[tuple[int, int]]) -> None: ...
+    def move_kv(self, replica: int, block_tables: list[list[int]], moves: list[tuple[int, int]]) -> None: ...
 
     def on_failure(self, callback: Callable[[str], None]) -> None: ...
 
@@ -115,6 +115,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = executor.num_blocks
         self.replicas = config.parallel.data_parallel_size
+        self.num_groups = len(executor.local.cache_groups)  # KV cache groups (cache_groups.py)
         self.sampler = Sampler(config.seed)
         self.drafters = {method: DraftProposer(method, executor, self.replicas, replica_of)
                          for method in executor.local.drafters}
@@ -131,8 +132,9 @@ class ModelRunner:
         """The worker in this process (rank 0's): its model, caches and decode graphs."""
         return self.executor.local
 
-    def move_kv(self, replica: int, block_table: list[int], moves: list[tuple[int, int]]) -> None:
-        self.executor.move_kv(replica, block_table, moves)
+    def move_kv(self, replica: int, block_tables: list[list[int]], moves: list[tuple[int, int]]) -> None:
+        """Copy KV entries between positions of one sequence, in every cache group (one block table each)."""
+        self.executor.move_kv(replica, block_tables, moves)
 
     # ---- one step ----
     def prepare(self, scheduled: list[ScheduledRequest], replica: int = 0) -> tuple[StepInput, list[list[int]], list[int]]:
@@ -141,7 +143,8 @@ class ModelRunner:
         prompt-logprob chunk (-1 where none). Media placeholders among the tokens get their encoder rows."""
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        group_slots: list[list[int]] = [[] for _ in range(self.num_groups)]  # group 0's are the step's `slots`
+        slots = group_slots[0]
         query_lens: list[int] = []
         seq_lens: list[int] = []
         logits_rows: list[int] = []
@@ -160,11 +163,11 @@ class ModelRunner:
             request, start = item.request, item.request.num_computed_tokens
             stop = start + item.num_tokens
             draft = request.draft if item.num_draft_tokens else None
-            table = request.block_table
             row0 = len(input_ids)
             if states is not None:
                 plans.append(self._state_plan(states, replica, item, draft is not None, scratch))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, stop))
+            for table, group in zip(request.block_tables, group_slots):
+                group.extend(table[p // bs] * bs + p % bs for p in range(start, stop))
             query_lens.append(stop - start)
             seq_lens.append(stop)
             if draft is not None:  # verify: the last token, then the draft tree at positions by depth
@@ -201,7 +204,10 @@ class ModelRunner:
             else:
                 sample_rows.append([])
         step = StepInput(input_ids, positions, slots, query_lens, seq_lens,
-                         [list(item.request.block_table) for item in scheduled], logits_rows, tree_parts)
+                         [list(item.request.block_table) for item in scheduled], logits_rows, tree_parts,
+                         group_slots=group_slots[1:],
+                         group_block_tables=[[list(item.request.block_tables[g]) for item in scheduled]
+                                             for g in range(1, self.num_groups)])
         if states is not None:
             step.state_slots = [p.slot for p in plans]
             step.state_fresh = [p.fresh for p in plans]

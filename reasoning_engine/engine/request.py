@@ -37,7 +37,9 @@ class Request:
     queue_key: tuple[float, int] = (0.0, 0)  # the waiting queue's order, set by the scheduler (arrival, then added)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    block_table: list[int] = field(default_factory=list)
+    # per KV cache group (engine/kv_cache.py), its block ids by block index; a sliding group's blocks that fell
+    # out of its window are the null block
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of the full blocks seen so far
     state_slot: int | None = None  # linear-attention models: its live state slot while running (engine/state_cache.py)
     state_restore: int | None = None  # a prefix hit's state snapshot, copied into the live slot at its next step
@@ -74,6 +76,11 @@ class Request:
             self.prompt_logprobs = [None]  # the first prompt token has no logprob
         if self.params.seed is not None:
             self.stream_seed = stream_seed(self.params.seed, self.index)
+
+    @property
+    def block_table(self) -> list[int]:
+        """KV cache group 0's blocks (the only group's, for a model with one kind of attention layer)."""
+        return self.block_tables[0]
 
     @property
     def num_prompt_tokens(self) -> int:

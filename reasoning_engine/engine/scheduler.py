@@ -2,8 +2,9 @@
 
 Each step first gives every running request its next tokens (a decode token, the rest of a prefill, or a draft to
 verify), then admits waiting requests first-come-first-served while the token budget, the sequence cap and the free
-blocks allow. When blocks run out, the newest running request is preempted: its blocks are freed and it goes back to
-the waiting queue in its arrival order, to be recomputed later. Nothing is dropped.
+blocks allow (counted over every KV cache group at once). When blocks run out, the newest running request is
+preempted: its blocks are freed and it goes back to the waiting queue in its arrival order, to be recomputed later.
+Nothing is dropped. Before a step, sliding-window groups give back the blocks their next queries no longer read.
 
 The waiting queue is kept in `queue_key` order (arrival time, then the order requests were added), so the samples of
 an n > 1 request, which share an arrival time, always wait in index order: sample 0 stays ahead of its siblings.
@@ -71,6 +72,8 @@ class Scheduler:
         """The next step; `budget` (adaptive batching) replaces max_num_batched_tokens for it."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens if budget is None else budget
+        for request in self.running:  # sliding-window groups give back what their next queries no longer read
+            self.blocks.slide(request)
         for request in list(self.running):
             if budget == 0:
                 break

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from reasoning_engine.batch import ForwardBatch
+from reasoning_engine.cache_groups import CacheGroup, single_group
 from reasoning_engine.config import EngineConfig
 from reasoning_engine.engine.compiled_decode import CompiledDecode
 from reasoning_engine.engine.cuda_graph import CudaGraphRunner, cuda_graphs_enabled
@@ -62,6 +63,10 @@ class StepInput:
     block_tables: list[list[int]]
     logits_rows: list[int]
     tree_parts: list[torch.Tensor] | None = None  # per sequence, which of its query tokens each may see (drafts)
+    # hybrid models: per KV cache group past the first, its slots and block tables (slots and block_tables are group
+    # 0's); empty: every group uses group 0's (placeholder steps in the padding block)
+    group_slots: list[list[int]] = field(default_factory=list)
+    group_block_tables: list[list[list[int]]] = field(default_factory=list)
     # multimodal prompts (engine/encoder_cache.py): items to encode first, encoder outputs to drop, and which output
     # rows replace which tokens' embeddings
     media_encode: list[MediaItem] = field(default_factory=list)
@@ -113,6 +118,12 @@ class DraftObservation:
         return DraftObservation([0], [0], [0], [1], [[padding_block]], [])
 
 
+def _padded_tables(block_tables: list[list[int]]) -> torch.Tensor:
+    """[B, max blocks] int32, rows padded with block 0 (never read: beyond each sequence's length)."""
+    width = max(len(t) for t in block_tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+
+
 def available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -124,6 +135,22 @@ def cache_bytes_per_token(layers: Sequence[torch.nn.Module], dtype: torch.dtype)
     """Bytes one token takes in the caches of these attention layers."""
     size = torch.tensor([], dtype=dtype).element_size()
     return sum(torch.Size(shape).numel() * size for attn in layers for shape in attn.cache_shape(1, 1))
+
+
+def shared_cache_layers(layers: Sequence[torch.nn.Module], groups: Sequence[CacheGroup]) -> list[list[torch.nn.Module]]:
+    """Per cache tensor j, the layers that share it: the j-th layer of every group (cache_groups.py). Layers sharing
+    a tensor must have the same cache shapes."""
+    shared: list[list[torch.nn.Module]] = []
+    for group in groups:
+        for j, index in enumerate(group.layers):
+            if j == len(shared):
+                shared.append([])
+            shared[j].append(layers[index])
+    for members in shared:
+        shapes = {tuple(members[0].cache_shape(1, 1))} | {tuple(m.cache_shape(1, 1)) for m in members}
+        if len(shapes) > 1:
+            raise ValueError(f"cache groups: layers sharing a cache tensor need equal cache shapes, got {shapes}")
+    return shared
 
 
 class ModelWorker:
@@ -152,6 +179,7 @@ class ModelWorker:
         self.encoder_seconds = 0.0
         self.checkpoint_bytes_read = BYTES_READ.bytes - read_before
         self.aux_layers = sorted({i for m in self.draft_models.values() for i in m.aux_layers})
+        self.cache_groups = self.model.cache_groups()
         self.num_blocks = 0
         self.padding_block = 0
         self.kv_caches: list[list[torch.Tensor]] = []
@@ -250,7 +278,8 @@ class ModelWorker:
     def available_blocks(self) -> int:
         """How many KV blocks this rank can hold: the configured count, or what fits in its share of free memory."""
         c = self.config
-        per_token = cache_bytes_per_token(self.model.attention_layers(), c.dtype)
+        shared = shared_cache_layers(self.model.attention_layers(), self.cache_groups)
+        per_token = cache_bytes_per_token([members[0] for members in shared], c.dtype)
         per_token += sum(cache_bytes_per_token(m.attention_layers(), c.dtype) for m in self.draft_models.values())
         per_block = per_token * c.block_size
         if c.kv_cache_blocks is not None:
@@ -272,10 +301,11 @@ class ModelWorker:
     def init_cache(self, num_blocks: int) -> None:
         """Allocate the caches, then capture or compile the decode graphs (every rank at once: they run the model)."""
         self.num_blocks = num_blocks
-        # one block past those the BlockManager hands out: padding rows of CUDA-graph decode batches write there, and
-        # so do the steps that compile the decode graphs (compile_decode)
+        # two blocks past those the BlockManager hands out: padding rows of CUDA-graph decode batches write to the
+        # first, and so do the steps that compile the decode graphs (compile_decode); the second is the null block
+        # of sliding groups' tables (kv_cache.py), never written
         self.padding_block = num_blocks
-        self.kv_caches = self.allocate_caches(self.model.attention_layers(), num_blocks + 1)
+        self.kv_caches = self.allocate_caches(self.model.attention_layers(), num_blocks + 2, self.cache_groups)
         if self.linear_layers:
             self.allocate_states()
         self.drafters = {method: DraftRunner(method, m, self, self.max_draft_tokens)
@@ -288,17 +318,24 @@ class ModelWorker:
             self.compiled_decode = CompiledDecode(self.model)
             self._compile_decode_graphs()
 
-    def allocate_caches(self, layers: Sequence[torch.nn.Module], num_blocks: int) -> list[list[torch.Tensor]]:
-        """Allocate and bind the paged caches of these attention layers (the target's, or a draft model's)."""
+    def allocate_caches(self, layers: Sequence[torch.nn.Module], num_blocks: int,
+                        groups: Sequence[CacheGroup] | None = None) -> list[list[torch.Tensor]]:
+        """Allocate and bind the paged caches of these attention layers (the target's, or a draft model's, which has
+        one group): one set of tensors per position in a group, shared by that position's layer of every group."""
+        shared = shared_cache_layers(layers, groups or single_group(len(layers)))
+        for g, group in enumerate(groups or ()):
+            for index in group.layers:
+                layers[index].cache_group = g
         kv_caches: list[list[torch.Tensor]] = []
-        for attn in layers:
+        for members in shared:
             caches = [torch.zeros(shape, dtype=self.config.dtype, device=self.device)
-                      for shape in attn.cache_shape(num_blocks, self.block_size)]
-            attn.bind_cache(caches)
+                      for shape in members[0].cache_shape(num_blocks, self.block_size)]
+            for attn in members:
+                attn.bind_cache(caches)
             kv_caches.append(caches)
         total = sum(t.numel() * t.element_size() for caches in kv_caches for t in caches)
-        logger.info("KV cache: %d blocks of %d tokens for %d layers (%.1f MiB)", num_blocks, self.block_size,
-                    len(kv_caches), total / 2**20)
+        logger.info("KV cache: %d blocks of %d tokens for %d layers in %d cache groups (%.1f MiB)", num_blocks,
+                    self.block_size, len(layers), len(groups or [0]), total / 2**20)
         return kv_caches
 
     @torch.inference_mode()
@@ -324,29 +361,33 @@ class ModelWorker:
         kernels, enforce_eager, EAGLE-3). A step of n sequences replays the smallest of these >= n."""
         return self.decode_graphs.captured_batch_sizes if self.decode_graphs is not None else []
 
-    def move_kv(self, replica: int, block_table: list[int], moves: list[tuple[int, int]]) -> None:
+    def move_kv(self, replica: int, block_tables: list[list[int]], moves: list[tuple[int, int]]) -> None:
         """Copy cache entries between token positions of one sequence of `replica` (accepted draft-tree nodes into
-        place). Draft models' caches need no move: their pass after the step writes the accepted positions in place."""
+        place), in each cache group's blocks (`block_tables`, one per group) and tensors. Draft models' caches need no
+        move: their pass after the step writes the accepted positions in place."""
         if replica != self.replica:
             return
         bs = self.block_size
-        src = torch.tensor([block_table[a // bs] * bs + a % bs for a, _ in moves], device=self.device)
-        dst = torch.tensor([block_table[b // bs] * bs + b % bs for _, b in moves], device=self.device)
-        for caches in self.kv_caches:
-            for cache in caches:
-                flat = cache.view(-1, *cache.shape[2:])
-                flat[dst] = flat[src]
+        for group, block_table in zip(self.cache_groups, block_tables):
+            src = torch.tensor([block_table[a // bs] * bs + a % bs for a, _ in moves], device=self.device)
+            dst = torch.tensor([block_table[b // bs] * bs + b % bs for _, b in moves], device=self.device)
+            for caches in self.kv_caches[: len(group.layers)]:
+                for cache in caches:
+                    flat = cache.view(-1, *cache.shape[2:])
+                    flat[dst] = flat[src]
 
     # ---- one step ----
     def make_batch(self, input_ids: list[int], positions: list[int], slots: list[int], query_lens: list[int],
                    seq_lens: list[int], block_tables: list[list[int]], logits_rows: list[int] | None = None,
-                   tree_parts: list[torch.Tensor] | None = None, with_attention: bool = True) -> ForwardBatch:
+                   tree_parts: list[torch.Tensor] | None = None, with_attention: bool = True,
+                   group_slots: list[list[int]] | None = None,
+                   group_block_tables: list[list[list[int]]] | None = None) -> ForwardBatch:
         """A ForwardBatch over the paged caches, its attention metadata built once for all layers (unless
         `with_attention` is False: a step that replays a CUDA graph builds its own inside the graph). `tree_parts`: per
-        sequence, which of its query tokens each may see (draft trees); None for causal order."""
+        sequence, which of its query tokens each may see (draft trees); None for causal order. `group_slots` and
+        `group_block_tables`: those of the model's other cache groups (absent: group 0's)."""
         dev = self.device
-        width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        tables = _padded_tables(block_tables)
         query_start = [0]
         for n in query_lens:
             query_start.append(query_start[-1] + n)
@@ -370,8 +411,14 @@ class ModelWorker:
             seq_lens_cpu=seq_lens,
             tree_mask=tree_mask,
         )
+        for g in range(1, len(self.cache_groups)):
+            own = group_slots is not None and len(group_slots) >= g
+            batch.groups.append(dataclasses.replace(
+                batch, groups=[],
+                slot_mapping=torch.tensor(group_slots[g - 1], dtype=torch.long, device=dev) if own else batch.slot_mapping,
+                block_tables=_padded_tables(group_block_tables[g - 1]).to(dev) if own else batch.block_tables))
         if with_attention:
-            batch.attn_metadata = self.attention_ops.prepare_attention(batch, self.block_size)
+            self.prepare_attention(batch)
         return batch
 
     def add_state(self, batch: ForwardBatch, step: StepInput | None) -> None:
@@ -386,6 +433,10 @@ class ModelWorker:
         batch.state_fresh = torch.tensor(fresh, dtype=torch.bool, device=self.device)
         batch.state_saves, batch.state_scratch = saves, scratch
         batch.state_metadata = prepare_state(batch)
+    def prepare_attention(self, batch: ForwardBatch) -> None:
+        """The attention metadata of the batch and of its other cache groups' views."""
+        for view in batch.with_groups():
+            view.attn_metadata = self.attention_ops.prepare_attention(view, self.block_size)
 
     @property
     def replica(self) -> int:
@@ -398,7 +449,8 @@ class ModelWorker:
         states stay for the draft pass (`observe_drafts`)."""
         step = steps[self.replica]
         batch = self.make_batch(step.input_ids, step.positions, step.slots, step.query_lens, step.seq_lens,
-                                step.block_tables, step.logits_rows, step.tree_parts, with_attention=False)
+                                step.block_tables, step.logits_rows, step.tree_parts, with_attention=False,
+                                group_slots=step.group_slots, group_block_tables=step.group_block_tables)
         if len(steps) > 1:
             batch.dp_num_tokens = [len(s.input_ids) for s in steps]
         if self.linear_layers:
@@ -412,7 +464,7 @@ class ModelWorker:
                 and self.decode_graphs.can_run(batch)):
             hidden = self.decode_graphs.run(batch)
         else:
-            batch.attn_metadata = self.attention_ops.prepare_attention(batch, self.block_size)
+            self.prepare_attention(batch)
             if self.compiled_decode is not None and batch.media_rows is None and self.compiled_decode.can_run(batch):  # never built with aux layers
                 hidden, logits = self.compiled_decode.run(batch)  # a decode step's logits rows are all of its rows
             else:
@@ -518,7 +570,7 @@ class DraftRunner:
         self.worker = worker
         bs = worker.block_size
         self.scratch_per_seq = -(-max(max_draft_tokens - 1, 0) // bs)
-        self.scratch_start = worker.num_blocks + 1  # past the padding block, as in the target's cache
+        self.scratch_start = worker.num_blocks + 2  # past the padding and null blocks, as in the target's cache
         num_blocks = self.scratch_start + worker.config.max_num_seqs * self.scratch_per_seq
         self.kv_caches = worker.allocate_caches(model.attention_layers(), num_blocks)
         self.states: dict[str, DraftState] = {}

@@ -312,7 +312,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """GQA over the paged cache. q [T, H, D]; caches [num_blocks, block_size, KVH, D]; returns [T, H, Dv].
     `sinks` [H]: per-head logits in each softmax's denominator; `window`: a query at position p sees only the keys at
-    positions above p - window (sliding-window layers; the cache still holds the older ones)."""
+    positions above p - window (sliding-window layers: the table entries of older blocks may be the null block, which
+    the mask keeps out; its slots are gathered, zero, and weigh nothing)."""
     if isinstance(meta, MixedAttentionMetadata):
         return _by_parts(q, meta, v_cache.shape[-1],
                          lambda qp, part, m: paged_attention(qp, k_cache, v_cache, part, m, scale, sinks, window))

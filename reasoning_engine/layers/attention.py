@@ -27,6 +27,7 @@ class GQAttention(nn.Module):
     """Fused QKV projection, optional per-head q/k RMSNorm (Qwen3), RoPE, paged attention, output projection."""
 
     kernel_family = "attention"
+    cache_group = 0  # the KV cache group whose block tables it reads (cache_groups.py; set when caches are bound)
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding,
                  bias: bool = False, qk_norm_eps: float | None = None, tp: Group = Group(),
@@ -76,6 +77,7 @@ class GQAttention(nn.Module):
         elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
+        batch = batch.group(self.cache_group)
         self.ops.write_kv_cache(self.k_cache, k, batch.slot_mapping)
         self.ops.write_kv_cache(self.v_cache, v, batch.slot_mapping)
         out = self.ops.paged_attention(q, self.k_cache, self.v_cache, batch, batch.attn_metadata, self.scale,
@@ -87,6 +89,7 @@ class MLAttention(nn.Module):
     """Multi-head latent attention with an optional low-rank query (q_lora_rank) and the absorbed decode form."""
 
     kernel_family = "attention"
+    cache_group = 0  # the KV cache group whose block tables it reads (cache_groups.py; set when caches are bound)
 
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rotary: RotaryEmbedding,
@@ -139,6 +142,7 @@ class MLAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         num_tokens = x.shape[0]
+        batch = batch.group(self.cache_group)
         if self.q_lora_rank is None:
             q = self.q_proj(x)
             kv_a = self.kv_a_proj_with_mqa(x)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from reasoning_engine.batch import ForwardBatch
+from reasoning_engine.cache_groups import CacheGroup, single_group
 from reasoning_engine.config import ModelConfig
 from reasoning_engine.layers.linear import lm_head, vocab_embedding
 from reasoning_engine.layers.moe import Experts, Router
@@ -119,6 +120,11 @@ class CausalLM(nn.Module):
     def linear_layers(self) -> list[nn.Module]:
         """Layers whose memory is a fixed-size state per sequence (linear attention), not paged K/V."""
         return []
+
+    def cache_groups(self) -> list[CacheGroup]:
+        """Which KV cache group each attention layer is in (cache_groups.py): one full group unless a family
+        mixes layer kinds."""
+        return single_group(len(self.attention_layers()))
 
     def forward(self, batch: ForwardBatch, aux_hidden: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every token of the step.

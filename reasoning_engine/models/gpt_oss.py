@@ -19,6 +19,7 @@ import re
 import torch
 from torch import nn
 
+from reasoning_engine.cache_groups import CacheGroup, groups_by_window
 from reasoning_engine.config import ModelConfig
 from reasoning_engine.kernels.fused_moe import MoEQuant, fused_moe_op
 from reasoning_engine.layers.attention import GQAttention
@@ -68,7 +69,7 @@ class BiasedExperts(Experts):
                                   w13_bias=self.w13_bias, w2_bias=w2_bias, swiglu_limit=self.swiglu_limit)
 
 
-def _layer_window(config: ModelConfig, index: int) -> int | None:
+def layer_window(config: ModelConfig, index: int) -> int | None:
     """The sliding window of layer `index`, None for a full-attention layer."""
     types = config.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
                                           for i in range(config.num_hidden_layers)]
@@ -86,7 +87,7 @@ class GptOssForCausalLM(CausalLM):
         for i in range(config.num_hidden_layers):
             attn = GQAttention(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                                config.head_dim, rotary, bias=bool(config.get("attention_bias", True)), tp=parallel.tp,
-                               sinks=True, sliding_window=_layer_window(config, i))
+                               sinks=True, sliding_window=layer_window(config, i))
             router = Router(config.hidden_size, num_experts, raw["num_experts_per_tok"], "softmax",
                             norm_topk_prob=True, bias=True)  # softmax over the top-k logits, as renormalised top-k
             experts = BiasedExperts(num_experts, config.hidden_size, raw["intermediate_size"],
@@ -94,6 +95,10 @@ class GptOssForCausalLM(CausalLM):
             layers.append(DecoderLayer(attn, SparseMoE(router, experts, None, parallel), config.hidden_size,
                                        config.rms_norm_eps))
         super().__init__(config, layers, parallel)
+
+    def cache_groups(self) -> list[CacheGroup]:
+        """The full layers, then the sliding ones: the sliding layers give back blocks past their window."""
+        return groups_by_window([attn.sliding_window for attn in self.attention_layers()])
 
     def map_weight(self, name: str) -> WeightTarget | None:
         c, tp, ep = self.config, self.parallel.tp, self.parallel.ep

@@ -46,6 +46,12 @@ class _EngineCollector(Collector):
                                                stats.state_cache_snapshots)
         for name, (doc, value) in gauges.items():
             yield self._one(GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"]), value)
+        by_group = GaugeMetricFamily(PREFIX + "kv_cache_group_usage_perc",
+                                     "Fraction of KV-cache blocks held by each cache group (0..1).",
+                                     labels=["model_name", "group"])
+        for group, value in sorted(getattr(stats, "kv_cache_group_usage", {}).items()):
+            by_group.add_metric([self._model, group], float(value))
+        yield by_group
         counters = {
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),

@@ -88,6 +88,7 @@ CASES = [
     ("glm4_moe_fp8", 2, True, 1),  # by columns with every rank holding all of its per-row scales
     ("gpt_oss", 2, False, 1),  # sinks split with the heads, interleaved gate/up rows split in pairs, one down bias
     ("gpt_oss_mxfp4", 2, True, 1),  # packed MXFP4 experts partitioned over the ranks
+    ("gpt_oss", 1, True, 2),  # a block pool with full and sliding-window cache groups per replica
 ]
 
 

@@ -1,0 +1,61 @@
+"""KV cache groups: the attention layers of a model sorted by the paged memory they need (the hybrid KV cache
+manager idea: vLLM's, written anew here).
+
+A "full" group's layers read every earlier position, so a request keeps all its blocks. A "sliding" group's layers read
+only the last `window` positions up to each query, so the blocks wholly before the window of the step's first query
+are given back as the sequence advances. Another kind (DeepSeek-V4's compressed rows) is one more `kind` with its own
+`first_needed_block`.
+
+Every group draws its blocks from one pool. Layer caches are shared between groups by position: the j-th layer of
+every group uses cache tensor j, so a block id, allocated to one group, holds that group's layers and a block costs
+the memory of max(layers per group) layers. Sits beside batch.py, below the layers: models say which group each of
+their attention layers is in, the engine keeps the tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = ("full", "sliding")
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    kind: str  # "full" or "sliding"
+    layers: tuple[int, ...]  # indices into the model's attention_layers()
+    window: int | None = None  # sliding: a query at position p reads the keys at positions above p - window
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"cache group kind: must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if (self.kind == "sliding") != (self.window is not None and self.window > 0):
+            raise ValueError(f"cache group window: a sliding group needs a positive window, a {self.kind} group none")
+
+    def first_needed_block(self, position: int, block_size: int) -> int:
+        """The first block any query at `position` or later reads: the blocks before it can be given back. Counted
+        conservatively (whole blocks below position - window), so a kernel tile that starts a position early never
+        reaches a freed block."""
+        if self.kind == "full":
+            return 0
+        return max(0, position - self.window) // block_size
+
+
+def single_group(num_layers: int) -> list[CacheGroup]:
+    """The groups of a model whose every attention layer reads its whole context."""
+    return [CacheGroup("full", tuple(range(num_layers)))]
+
+
+def groups_by_window(windows: list[int | None]) -> list[CacheGroup]:
+    """Groups for layers given by their sliding window (None: full attention): the full layers first, so group 0
+    keeps every block (draft models mirror its block ids), then one sliding group per window size."""
+    full = tuple(i for i, w in enumerate(windows) if w is None)
+    groups = [CacheGroup("full", full)] if full else []
+    for window in sorted({w for w in windows if w is not None}):
+        groups.append(CacheGroup("sliding", tuple(i for i, w in enumerate(windows) if w == window), window))
+    return groups
+
+
+def group_names(groups: list[CacheGroup]) -> list[str]:
+    """A label per group for metrics: its kind, with its index where two groups share a kind."""
+    kinds = [g.kind for g in groups]
+    return [g.kind if kinds.count(g.kind) == 1 else f"{g.kind}{i}" for i, g in enumerate(groups)]

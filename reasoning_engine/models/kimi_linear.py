@@ -41,8 +41,10 @@ class KimiLinearForCausalLM(CausalLM):
         raw, eps, tp = config.raw, config.rms_norm_eps, parallel.tp
         if tp.size > 1:
             raise ValueError("kimi_linear: tensor parallelism over linear-attention layers is not supported yet")
-        if raw.get("mla_use_nope") is False:
-            raise ValueError("kimi_linear with mla_use_nope false (rotary MLA layers) is not supported")
+        linear = raw.get("linear_attn_config") or {}
+        if raw.get("mla_use_nope") is False or linear.get("gate_lower_bound") is not None or linear.get("use_full_rank_gate"):
+            raise ValueError("kimi_linear: rotary MLA layers (mla_use_nope false) and KDA's gate_lower_bound / "
+                             "use_full_rank_gate are not supported")
         layers = []
         for i, kind in enumerate(raw["layer_types"]):
             if kind == "linear_attention":

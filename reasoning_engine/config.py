@@ -18,7 +18,7 @@ import torch
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v2", "qwen3", "qwen3_moe", "llama", "glm4_moe",
                          "minimax_m2", "deepseek_v32", "glm_moe_dsa", "gpt_oss", "glm4_moe_lite",
-                         "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
+                         "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear")
 # Qwen3.5's checkpoints wrap the text model (with a vision tower beside it); the text config class reads its fields
 _TEXT_CONFIG_CLASS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
@@ -156,6 +156,9 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
     config_class = {"glm4_moe_lite": "glm4_moe_lite", **_TEXT_CONFIG_CLASS}.get(
         model_type, model_type if family == "qwen3_next" else family)
     raw = normalise_config(config_class, raw, config_file)
+    if model_type == "kimi_linear":  # its class reads `linear_attn_config`, `first_k_dense_replace` and its MoE
+        # names (num_experts, num_expert_group, ...) into layer_types / mlp_layer_types / DeepSeek-V3's names
+        raw["n_routed_experts"] = raw["num_experts"]
     theta, scaling = _rope(raw)
     num_heads = raw["num_attention_heads"]
     eos = raw.get("eos_token_id", outer.get("eos_token_id"))

@@ -96,18 +96,22 @@ def prepare_state(batch: ForwardBatch) -> LinearStateMetadata:
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm over each head's output, then times SiLU(gate): the output norm of Gated DeltaNet and KDA."""
+    """RMSNorm over each head's output, then times act(gate): the output norm of Gated DeltaNet (SiLU) and KDA
+    (sigmoid)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, activation: str = "silu") -> None:
         super().__init__()
+        if activation not in ("silu", "sigmoid"):
+            raise ValueError(f"gated norm activation must be 'silu' or 'sigmoid', got {activation!r}")
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.activation = F.silu if activation == "silu" else torch.sigmoid
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = self.weight * h.to(x.dtype)
-        return (h * F.silu(gate.float())).to(x.dtype)
+        return (h * self.activation(gate.float())).to(x.dtype)
 
 
 class LinearAttention(nn.Module):
@@ -247,3 +251,37 @@ class GatedDeltaNet(LinearAttention):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         o = self.delta_rule(q, k, v, g, beta, batch)
         return self.out_proj(self.norm(o, z).reshape(t, -1))
+
+
+class KimiDeltaAttention(LinearAttention):
+    """Kimi Linear's linear-attention layer (KDA): q, k, v (as many key as value heads) through the short conv,
+    L2-normalised q and k, a decay per key channel g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias) (low-rank, no
+    lower bound), beta = sigmoid(b_proj(x)), the gated delta rule, an RMSNorm per head times sigmoid(g_b(g_a(x))),
+    the output projection. q/k/v are one fused projection here (the checkpoints keep them and their convs apart)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_kernel: int, eps: float,
+                 tp: Group = Group()) -> None:
+        if tp.size > 1:
+            raise ValueError("Kimi Delta Attention: tensor parallelism is not supported yet")
+        width = num_heads * head_dim
+        super().__init__(3 * width, conv_kernel, num_heads, num_heads, head_dim, head_dim)
+        self.qkv_proj = nn.Linear(hidden_size, 3 * width, bias=False)
+        self.f_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
+        self.f_b_proj = nn.Linear(head_dim, width, bias=False)
+        self.A_log = nn.Parameter(torch.empty(num_heads))
+        self.dt_bias = nn.Parameter(torch.empty(width))
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        self.g_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
+        self.g_b_proj = nn.Linear(head_dim, width, bias=False)
+        self.o_norm = GatedRMSNorm(head_dim, eps, activation="sigmoid")
+        self.o_proj = nn.Linear(width, hidden_size, bias=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t, h, d = x.shape[0], self.num_k_heads, self.k_dim
+        q, k, v = self.conv(self.qkv_proj(x), batch).view(t, 3, h, d).unbind(1)
+        decay = F.softplus(self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(t, h, d)
+        g = -self.A_log.float().exp()[:, None] * decay
+        beta = self.b_proj(x).sigmoid()
+        o = self.delta_rule(q, k, v, g, beta, batch)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d)
+        return self.o_proj(self.o_norm(o, gate).reshape(t, -1))

@@ -35,7 +35,8 @@ def _is_moe_layer(config: ModelConfig, index: int) -> bool:
     return index >= (config.get("first_k_dense_replace", 0) or 0) and index % freq == 0
 
 
-def _mlp(config: ModelConfig, index: int, parallel: Parallel) -> nn.Module:
+def mlp_block(config: ModelConfig, index: int, parallel: Parallel) -> nn.Module:
+    """Layer `index`'s dense MLP or MoE (also Kimi Linear's)."""
     if not _is_moe_layer(config, index):
         return GatedMLP(config.hidden_size, config.raw["intermediate_size"], tp=parallel.tp)
     num_experts = config.raw["n_routed_experts"]
@@ -75,7 +76,7 @@ def decoder_layer(config: ModelConfig, index: int, rotary: RotaryEmbedding, para
                        nope_dim, rope_dim, raw["v_head_dim"], rotary, config.rms_norm_eps, scale,
                        bias=bool(raw.get("attention_bias", False)), tp=parallel.tp,
                        indexer=_indexer(config, index, rotary))
-    return DecoderLayer(attn, _mlp(config, index, parallel), config.hidden_size, config.rms_norm_eps)
+    return DecoderLayer(attn, mlp_block(config, index, parallel), config.hidden_size, config.rms_norm_eps)
 
 
 def _indexer(config: ModelConfig, index: int, rotary: RotaryEmbedding) -> Indexer | None:

@@ -13,6 +13,7 @@ from reasoning_engine.models.base import CausalLM, materialize
 from reasoning_engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from reasoning_engine.models.glm4_moe import Glm4MoeForCausalLM
 from reasoning_engine.models.gpt_oss import GptOssForCausalLM
+from reasoning_engine.models.kimi_linear import KimiLinearForCausalLM
 from reasoning_engine.models.llama import LlamaForCausalLM
 from reasoning_engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from reasoning_engine.models.qwen3 import Qwen3ForCausalLM
@@ -33,6 +34,7 @@ FAMILIES: dict[str, type[CausalLM]] = {
     "minimax_m2": MiniMaxM2ForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
+    "kimi_linear": KimiLinearForCausalLM,
 }
 
 

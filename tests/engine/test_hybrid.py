@@ -23,9 +23,10 @@ def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
     return [torch.randint(2, 256, (n,), generator=gen).tolist() for n in lengths]
 
 
-@pytest.fixture(scope="module")
-def path(tiny_checkpoint) -> str:
-    return str(tiny_checkpoint("qwen3_next").path)
+@pytest.fixture(scope="module", params=["qwen3_next", "kimi_linear"])
+def path(tiny_checkpoint, request) -> str:
+    """Gated DeltaNet (one decay per head, GQA beside it) and Kimi Delta Attention (one per key channel, MLA)."""
+    return str(tiny_checkpoint(request.param).path)
 
 
 @pytest.fixture(scope="module")

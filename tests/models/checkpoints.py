@@ -82,6 +82,16 @@ _BASES: dict[str, dict[str, Any]] = {
                        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
                        moe_intermediate_size=32, shared_expert_intermediate_size=32, norm_topk_prob=True,
                        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)),
+    # Kimi Linear: three KDA layers (4 heads of 16) then one NoPE MLA layer, a dense first layer, DeepSeek-V3's
+    # group-limited sigmoid routing with a shared expert
+    "kimi_linear": dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, num_local_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=4,
+        topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=512,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], mlp_layer_types=["dense"] + ["sparse"] * 3,
+        linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4, bos_token_id=0, eos_token_id=1,
+        pad_token_id=None, initializer_range=0.2),
 }
 _BASES["qwen3_5_text"] = {k: v for k, v in _BASES["qwen3_next"].items()
                           if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -177,6 +187,9 @@ VARIANTS: dict[str, Variant] = {
     "qwen3_next": Variant("qwen3_next", published=False),
     "qwen3_5": Variant("qwen3_5_text", published=False, layout="qwen3_5"),
     "qwen3_5_moe_text": Variant("qwen3_5_moe_text", published=False),
+    "kimi_linear": Variant("kimi_linear", published=False),
+    # the hub's config.json: linear_attn_config (1-based layer lists), first_k_dense_replace, Kimi's MoE names
+    "kimi_linear_published": Variant("kimi_linear", dict(mlp_layer_types=["dense"] * 2 + ["sparse"] * 2)),
     "minimax_m2_fp8": Variant("minimax_m2", dict(hidden_size=192, head_dim=48, intermediate_size=160, num_hidden_layers=2),
                               quant="fp8", shards=2),
 }
@@ -280,6 +293,7 @@ def _random_model(variant: Variant, seed: int) -> torch.nn.Module:
         "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
         "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
         "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+        "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
     }[variant.family]
     kwargs = {**_BASES[variant.family], **variant.overrides}
     torch.manual_seed(seed)
@@ -308,6 +322,8 @@ def _random_model(variant: Variant, seed: int) -> torch.nn.Module:
 def _published(config: dict[str, Any]) -> dict[str, Any]:
     """config.json as the published checkpoints write it: rope_theta + rope_scaling, torch_dtype, family keys."""
     config = {k: v for k, v in config.items() if k not in _NOT_PUBLISHED}
+    if config["model_type"] == "kimi_linear":
+        return _published_kimi_linear(config)
     rope = dict(config.pop("rope_parameters") or {})
     if "partial_rotary_factor" in rope:  # GLM-4.5's hub config keeps it at the top level
         config["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
@@ -333,6 +349,21 @@ def _published(config: dict[str, Any]) -> dict[str, Any]:
         config["rotary_dim"] = int(config["head_dim"] * config.pop("partial_rotary_factor", 1.0))
         config.update(scoring_func="sigmoid", use_qk_norm=True, qk_norm_type="per_layer", use_routing_bias=True,
                       shared_intermediate_size=0, attn_type_list=[1] * config["num_hidden_layers"], use_mtp=False)
+    return config
+
+
+def _published_kimi_linear(config: dict[str, Any]) -> dict[str, Any]:
+    """Kimi Linear's hub config.json: the layer kinds as 1-based lists in linear_attn_config, the dense layers as
+    first_k_dense_replace, NoPE MLA flagged, torch_dtype (its MoE keys are already the hub's: num_experts, ...)."""
+    kinds = config.pop("layer_types")
+    config["linear_attn_config"] = dict(
+        full_attn_layers=[i + 1 for i, kind in enumerate(kinds) if kind == "full_attention"],
+        kda_layers=[i + 1 for i, kind in enumerate(kinds) if kind == "linear_attention"],
+        head_dim=config.pop("linear_head_dim"), num_heads=config.pop("linear_num_heads"),
+        short_conv_kernel_size=config.pop("linear_conv_kernel_dim"))
+    config["first_k_dense_replace"] = config.pop("mlp_layer_types").index("sparse")
+    del config["head_dim"]  # transformers' alias for qk_rope_head_dim
+    config.update(mla_use_nope=True, moe_router_activation_func="sigmoid", torch_dtype=config.pop("dtype", "float32"))
     return config
 
 

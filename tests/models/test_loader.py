@@ -123,3 +123,23 @@ def test_renamed_config_fields_read_through_transformers_config_classes(tmp_path
                                                       "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
                                                       "num_attention_heads": 4}))
     assert load_model_config(deepseek).raw["n_routed_experts"] == 5
+
+
+def test_kimi_linear_hub_config_reads_its_layer_lists_and_refuses_what_it_does_not_run(
+        tiny_checkpoint: Callable[[str], TinyCheckpoint], tmp_path: Path) -> None:
+    """The hub's Kimi Linear config (1-based `linear_attn_config` layer lists, `first_k_dense_replace`, Kimi's MoE
+    names) reads as transformers reads it; a KDA gate with a lower bound or rotary MLA is refused by name."""
+    from reasoning_engine.config import load_model_config
+    from reasoning_engine.models.kimi_linear import KimiLinearForCausalLM
+
+    path = Path(shutil.copytree(tiny_checkpoint("kimi_linear_published").path, tmp_path / "kimi_linear"))
+    config = load_model_config(path)
+    assert config.raw["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert config.raw["mlp_layer_types"] == ["dense", "dense", "sparse", "sparse"]
+    assert (config.raw["n_routed_experts"], config.raw["num_experts_per_tok"], config.raw["n_group"]) == (8, 2, 4)
+    linear = json.loads((path / "config.json").read_text())["linear_attn_config"]
+    for changes in ({"linear_attn_config": {**linear, "gate_lower_bound": -5.0}}, {"mla_use_nope": False}):
+        _edit_config(path, **changes)
+        with torch.device("meta"), pytest.raises(ValueError, match="gate_lower_bound|mla_use_nope"):
+            KimiLinearForCausalLM(load_model_config(path), 64)
+        _edit_config(path, linear_attn_config=linear, mla_use_nope=True)

@@ -9,7 +9,9 @@ Three published formats are read:
   the value's group.
 - DeepSeek / Kimi K2 block FP8 (``quant_method: fp8``): ``weight`` float8_e4m3fn ``[out, in]`` and ``weight_scale_inv``
   float32 ``[ceil(out / bo), ceil(in / bi)]`` for ``weight_block_size: [bo, bi]``; dense weight = ``fp8 * scale`` of
-  its block, edge blocks partial.
+  its block, edge blocks partial. Qwen3-Next / Qwen3.5 / Qwen3.6 FP8 store the scales in bf16 (widened exactly to
+  float32) and name every module they leave unconverted in ``modules_to_not_convert`` (``linear_attn.in_proj_ba`` or
+  ``in_proj_a`` / ``in_proj_b``, the router and shared-expert gate, norms, ``conv1d``, the vision tower), stored as is.
 - compressed-tensors ``float-quantized`` FP8 (GLM-4.5 / 4.6 / 4.7 FP8): ``weight`` float8_e4m3fn ``[out, in]`` and
   ``weight_scale`` ``[out, 1]`` (per channel) or ``[1]`` (per tensor); dense weight = ``fp8 * scale``. Activation
   quantization (dynamic per token, or a static ``input_scale``) is not applied: activations stay in the compute dtype.

@@ -369,14 +369,19 @@ def _bounds(index: Index | None, shape: Sequence[int]) -> tuple[slice, slice]:
 
 
 class _StoredPart:
-    """One stored part of a layer kept quantized, read as stored (no dtype cast)."""
+    """One stored part of a layer kept quantized, read as stored (no dtype cast), or widened to `widen` where the
+    packed parameter keeps a wider float (Qwen's bf16 block-FP8 scales into float32: exact)."""
 
-    def __init__(self, stored: str, locations: dict[str, Path], files: _MappedFiles) -> None:
-        self.stored, self.locations, self.files = stored, locations, files
+    def __init__(self, stored: str, locations: dict[str, Path], files: _MappedFiles,
+                 widen: torch.dtype | None = None) -> None:
+        self.stored, self.locations, self.files, self.widen = stored, locations, files, widen
         self.shape = files.shape(locations[stored], stored)
 
     def read(self, index: Index | None = None) -> torch.Tensor:
-        return self.files.get(self.locations[self.stored], self.stored, index).clone()
+        part = self.files.get(self.locations[self.stored], self.stored, index)
+        if self.widen is not None and part.dtype in (torch.bfloat16, torch.float16):
+            return part.to(self.widen)
+        return part.clone()
 
 
 class _ChannelScale:
@@ -424,6 +429,6 @@ def _packed_parts(
         rows = files.shape(locations[weight], weight)[0]
         return [(f"{base}.weight", _StoredPart(weight, locations, files)),
                 (f"{base}.weight_scale", _ChannelScale(scale, rows, locations, files))]
-    weight, scale_inv = entry.parts
+    weight, scale_inv = entry.parts  # float32 scales (DeepSeek, MiniMax) or bf16 (Qwen), kept as float32
     return [(f"{base}.weight", _StoredPart(weight, locations, files)),
-            (f"{base}.weight_scale_inv", _StoredPart(scale_inv, locations, files))]
+            (f"{base}.weight_scale_inv", _StoredPart(scale_inv, locations, files, widen=torch.float32))]

@@ -98,6 +98,9 @@ _BASES["qwen3_5_text"] = {k: v for k, v in _BASES["qwen3_next"].items()
                                        "shared_expert_intermediate_size", "norm_topk_prob")}
 _BASES["qwen3_5_moe_text"] = {k: v for k, v in _BASES["qwen3_next"].items()
                               if k not in ("intermediate_size", "norm_topk_prob")}
+_QWEN_FP8: dict[str, Any] = dict(hidden_size=192, head_dim=48, linear_key_head_dim=48, linear_value_head_dim=48,
+                                 moe_intermediate_size=160, shared_expert_intermediate_size=160, num_hidden_layers=2,
+                                 layer_types=["linear_attention", "full_attention"])
 # keys transformers adds that the published configs do not have
 _NOT_PUBLISHED = ("qk_head_dim", "transformers_version", "output_router_logits", "pretraining_tp")
 
@@ -192,6 +195,11 @@ VARIANTS: dict[str, Variant] = {
     "kimi_linear_published": Variant("kimi_linear", dict(mlp_layer_types=["dense"] * 2 + ["sparse"] * 2)),
     "minimax_m2_fp8": Variant("minimax_m2", dict(hidden_size=192, head_dim=48, intermediate_size=160, num_hidden_layers=2),
                               quant="fp8", shards=2),
+    # the official Qwen3-Next / Qwen3.5-MoE FP8: block FP8 with bf16 scales, in_proj_ba (in_proj_a / in_proj_b), the
+    # router, the shared-expert gate, conv1d and the vision tower unconverted, each listed in modules_to_not_convert;
+    # partial edge blocks: k/v 96 x 192, in_proj_qkvz 576 x 192, in_proj_z 192 x 192, experts 160 x 192
+    "qwen3_next_fp8": Variant("qwen3_next", _QWEN_FP8, published=False, quant="fp8", shards=2),
+    "qwen3_5_moe_fp8": Variant("qwen3_5_moe_text", _QWEN_FP8, published=False, layout="qwen3_5", quant="fp8"),
 }
 
 
@@ -212,10 +220,11 @@ class TinyCheckpoint:
         if self.layout == "plain":
             model, info = AutoModelForCausalLM.from_pretrained(self.reference_path, dtype=torch.float32, output_loading_info=True)
         elif self.layout == "qwen3_5":
-            from transformers import Qwen3_5ForConditionalGeneration
+            import transformers
 
-            model, info = Qwen3_5ForConditionalGeneration.from_pretrained(self.reference_path, dtype=torch.float32,
-                                                                          output_loading_info=True)
+            moe = json.loads((self.reference_path / "config.json").read_text())["model_type"] == "qwen3_5_moe"
+            cls = transformers.Qwen3_5MoeForConditionalGeneration if moe else transformers.Qwen3_5ForConditionalGeneration
+            model, info = cls.from_pretrained(self.reference_path, dtype=torch.float32, output_loading_info=True)
         else:
             raw = json.loads((self.reference_path / "config.json").read_text())
             text = raw["text_config"] if self.layout == "kimi_k25" else raw
@@ -298,10 +307,11 @@ def _random_model(variant: Variant, seed: int) -> torch.nn.Module:
     kwargs = {**_BASES[variant.family], **variant.overrides}
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**kwargs)
-    if variant.layout == "qwen3_5":  # the image-text wrapper with a one-block vision tower
-        config = transformers.Qwen3_5Config(text_config=config.to_dict(), vision_config=dict(
+    if variant.layout == "qwen3_5":  # the image-text wrapper (dense or MoE) with a one-block vision tower
+        wrapper = "Qwen3_5Moe" if variant.family == "qwen3_5_moe_text" else "Qwen3_5"
+        config = getattr(transformers, f"{wrapper}Config")(text_config=config.to_dict(), vision_config=dict(
             depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=config.hidden_size))
-        model_cls = "Qwen3_5ForConditionalGeneration"
+        model_cls = f"{wrapper}ForConditionalGeneration"
     model = getattr(transformers, model_cls)(config).float().eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

@@ -5,6 +5,10 @@
   ``[out, in/32]``, ``weight_shape`` int64 ``[2]``.
 - Block FP8 as DeepSeek-V3 / Kimi K2 ship every linear layer but the router, embeddings and LM head: float8_e4m3fn
   ``weight`` and float32 ``weight_scale_inv`` per 128x128 block (edge blocks partial).
+- The same block FP8 as Qwen3-Next / Qwen3.5 / Qwen3.6 FP8 ship it: bf16 ``weight_scale_inv``, and besides the router,
+  embeddings, norms and LM head they leave the linear-attention ``in_proj_ba`` (Qwen3-Next) or ``in_proj_a`` /
+  ``in_proj_b`` (Qwen3.5), the shared-expert gate, ``conv1d`` and the vision tower unconverted, each such module named
+  in ``modules_to_not_convert``.
 - compressed-tensors ``float-quantized`` FP8 as GLM-4.5 / 4.6 / 4.7 FP8 ship every linear layer but the router,
   embeddings and LM head: float8_e4m3fn ``weight`` and bf16 ``weight_scale`` ``[out, 1]`` (row amax / 448), dynamic
   per-token input activations (no input_scale).
@@ -34,6 +38,8 @@ KIMI_INT4_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re
 KIMI_K25_EXTRA_IGNORE = ["re:vision_tower.*", "re:mm_projector.*"]
 ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 NOT_FP8 = re.compile(r"(embed_tokens|lm_head|norm|\.mlp\.gate\.|\.block_sparse_moe\.gate\.|shared_head\.head)")
+QWEN_NOT_FP8 = re.compile(r"(\.linear_attn\.in_proj_(ba|a|b)\.|\.mlp\.shared_expert_gate\.|^model\.visual\.)")
+QWEN_HYBRID_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 def int4_quantization_config(ignore: list[str]) -> dict:
@@ -99,6 +105,12 @@ MINIMAX_FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "float
                                    "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
 
 
+def qwen_fp8_quantization_config(not_converted: list[str]) -> dict:
+    """The quantization_config Qwen3-Next / Qwen3.5 FP8 publish: block FP8 with each unconverted module named."""
+    return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128],
+            "modules_to_not_convert": not_converted}
+
+
 def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-group INT4: values q in [-8, 7] (int8) and bf16 scales [out, ceil(in / group_size)]."""
     rows, cols = weight.shape
@@ -143,6 +155,7 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)
 def fp8_dense(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """The float32 weight a block-FP8 tensor stands for, block by block."""
     dense = weight.float()
+    scale_inv = scale_inv.float()
     br, bc = block
     for i in range(scale_inv.shape[0]):
         for j in range(scale_inv.shape[1]):
@@ -183,8 +196,10 @@ def quantize_checkpoint(folder: Path, scheme: str, shards: int = 1) -> dict[str,
     but router / embeddings / LM head to block FP8 (`scheme="fp8"`) or per-channel FP8 (`"fp8_channel"`), with the matching quantization_config (inside
     text_config for a Kimi K2.5 wrapper, as published). Returns the dense float32 state it stands for, by stored name."""
     config = json.loads((folder / "config.json").read_text())
+    qwen = config.get("model_type") in QWEN_HYBRID_TYPES
     stored: dict[str, torch.Tensor] = {}
     dense: dict[str, torch.Tensor] = {}
+    not_converted: list[str] = []
     for name, tensor in read_tensors(folder).items():
         base = name[: -len(".weight")]
         if scheme == "mxfp4" and GPT_OSS_EXPERTS.search(name):
@@ -195,8 +210,11 @@ def quantize_checkpoint(folder: Path, scheme: str, shards: int = 1) -> dict[str,
             stored.update({f"{base}.weight_packed": pack_nibbles(q), f"{base}.weight_scale": scale,
                            f"{base}.weight_shape": torch.tensor(list(tensor.shape), dtype=torch.int64)})
             dense[name] = int4_dense(q, scale)
-        elif scheme == "fp8" and name.endswith(".weight") and tensor.dim() == 2 and not NOT_FP8.search(name):
+        elif (scheme == "fp8" and name.endswith(".weight") and tensor.dim() == 2 and not NOT_FP8.search(name)
+              and not (qwen and QWEN_NOT_FP8.search(name))):
             fp8, scale_inv = quantize_fp8_block(tensor)
+            if qwen:  # Qwen's FP8 checkpoints store the block scales in bf16
+                scale_inv = scale_inv.to(torch.bfloat16)
             stored.update({name: fp8, f"{base}.weight_scale_inv": scale_inv})
             dense[name] = fp8_dense(fp8, scale_inv)
         elif scheme == "fp8_channel" and name.endswith(".weight") and tensor.dim() == 2 and not NOT_FP8.search(name):
@@ -205,6 +223,8 @@ def quantize_checkpoint(folder: Path, scheme: str, shards: int = 1) -> dict[str,
             dense[name] = fp8.float() * scale.float()
         else:
             stored[name] = dense[name] = tensor
+            module = name.rsplit(".", 1)[0] if name.endswith((".weight", ".bias")) else name
+            not_converted += [] if module in not_converted else [module]
     if scheme == "mxfp4":
         qc = dict(MXFP4_QUANTIZATION_CONFIG)
     elif scheme == "int4":
@@ -214,9 +234,12 @@ def quantize_checkpoint(folder: Path, scheme: str, shards: int = 1) -> dict[str,
         qc = fp8_channel_quantization_config(["lm_head"])
     elif config.get("model_type") == "minimax_m2":
         qc = dict(MINIMAX_FP8_QUANTIZATION_CONFIG)
+    elif qwen:  # at the top level of Qwen3.5's image-text wrapper too
+        qc = qwen_fp8_quantization_config(not_converted)
     else:
         qc = dict(FP8_QUANTIZATION_CONFIG)
-    (config["text_config"] if "text_config" in config else config)["quantization_config"] = qc
+    wrapped = "text_config" in config and not qwen  # Kimi K2.5 keeps it inside text_config
+    (config["text_config"] if wrapped else config)["quantization_config"] = qc
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     write_tensors(folder, stored, shards)
     return dense

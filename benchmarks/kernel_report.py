@@ -1025,7 +1025,7 @@ def _fmt_bytes(n: float) -> str:
 
 def render(records: list[dict[str, Any]], rows: list[Row], traffic: dict[str, tuple[Case, Traffic]],
            measurements: list[Measurement], loaded: list[str], measured_on: str, command: str, date: str,
-           targets: list[Target], device: str) -> str:
+           targets: list[Target], device: str, launches: dict[str, Any] | None = None) -> str:
     import triton
 
     lines = [
@@ -1052,8 +1052,15 @@ def render(records: list[dict[str, Any]], rows: list[Row], traffic: dict[str, tu
 
     lines += ["", "## Compiled variants", "",
               "Each distinct specialisation once; `used by` counts the shapes that launch it.", "",
-              "| kernel | config | target | regs | spill st/ld B | shared B | CTAs/SM | occupancy | decode path | used by |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "Main loop: the innermost SASS loop moving the most global bytes (`-` none: one pass, counted whole); "
+              "instr = warp-instructions per iteration per warp; bytes = HBM bytes per CTA iteration (tile shape of the "
+              "streamed operand, or the loop's SASS loads); issue-bound = share of HBM bandwidth reachable were issue the "
+              f"only limit ({ISSUE_PER_SM_CYCLE} warp-instructions per SM per cycle, "
+              + ", ".join(f"{t.gpu} {t.sms} SMs at {t.clock_hz / 1e9:.2f} GHz, {t.bandwidth / 1e12:.1f} TB/s" for t in targets)
+              + "); mma = tensor-core instructions (wgmma, tcgen05, mma.sync, none).", "",
+              "| kernel | config | target | regs | spill st/ld B | shared B | CTAs/SM | occupancy | loop instr | loop bytes "
+              "| issue-bound | mma | decode path | used by |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     variants: dict[str, list[Row]] = {}
     for row in rows:
         variants.setdefault(row.job.key(), []).append(row)
@@ -1063,11 +1070,14 @@ def render(records: list[dict[str, Any]], rows: list[Row], traffic: dict[str, tu
         rec = group[0].record()
         decode = any(g.case.decode_path for g in group)
         if "error" in rec:
-            lines.append(f"| {rec['kernel']} | {rec['config']} | {tname} | error: {rec['error'][:120]} | | | | | {decode} | {len(group)} |")
+            lines.append(f"| {rec['kernel']} | {rec['config']} | {tname} | error: {rec['error'][:120]} | | | | | | | | | "
+                         f"{decode} | {len(group)} |")
             continue
         lines.append(f"| {rec['kernel']} | {rec['config']} | {tname} | {rec['registers']} | {rec['spill_bytes']}/"
                      f"{rec['spill_load_bytes']} | {rec['shared_bytes']} | {rec['ctas_per_sm']} | {rec['occupancy']:.0%} | "
-                     f"{'yes' if decode else 'no'} | {len(group)} |")
+                     f"{rec['loop_instructions'] if rec['main_loop'] else '-'} | {_fmt_bytes(rec['loop_bytes'] or 0)} | "
+                     f"{'-' if rec['issue_bound_fraction'] is None else format(rec['issue_bound_fraction'], '.0%')} | "
+                     f"{rec['mma']} | {'yes' if decode else 'no'} | {len(group)} |")
 
     tnames = [t.name for t in targets]
     lines += ["", "## Every kernel at every shape", "",
@@ -1108,6 +1118,22 @@ def render(records: list[dict[str, Any]], rows: list[Row], traffic: dict[str, tu
         for case, tr in gaps[:10]:
             roof, modelled = tr.minimum / first.bandwidth * 1e6, tr.modelled_seconds(first) * 1e6
             lines.append(f"| {case.model} | {_op(case)} | {case.shape} | {roof:.1f} | {modelled:.1f} | {modelled - roof:.1f} |")
+    if launches is not None:
+        lines += ["", "## Kernels per decode step (benchmarks/launch_count.py)", ""]
+        if "error" in launches:
+            lines.append(f"launch count failed: {launches['error'][-300:]}")
+        else:
+            moe, dense, other = launches["moe_layer"], launches["dense_layer"], launches["outside_layers"]
+            lines += [f"A greedy decode step of a Moonlight-shaped deepseek_v3 ({launches['model']}; dummy weights, Triton "
+                      f"path, eager{', kernels interpreted' if launches['interpreted'] else ''}): "
+                      f"**{launches['launches_per_moe_layer']} launches per MoE layer** ({moe['triton']} Triton + "
+                      f"{moe['torch']} torch ops), {dense['total'] if dense else '-'} per dense layer, {other['total']} "
+                      f"outside the layers, {launches['step_total']} in the step.", "",
+                      "| scope | Triton kernels | torch ops |", "|---|---|---|"]
+            for name, part in (("MoE layer", moe), ("dense layer", dense), ("outside layers", other)):
+                if part:
+                    lines.append(f"| {name} | " + ", ".join(f"{k} x{v}" for k, v in part["triton_kernels"].items())
+                                 + " | " + ", ".join(f"{k} x{v}" for k, v in part["torch_ops"].items()) + " |")
     if measurements:
         lines += ["", f"## Measured on {measured_on} (--measure)", "",
                   "Medians of triton.testing.do_bench (L2 flushed between runs) on random inputs of the same shapes.", "",
@@ -1124,6 +1150,32 @@ def render(records: list[dict[str, Any]], rows: list[Row], traffic: dict[str, tu
         lines += ["", "## Kernels the driver loaded (--measure)", "", "| kernel | regs | spills | shared B | warps |",
                   "|---|---|---|---|---|", *loaded]
     return "\n".join(lines) + "\n"
+
+
+def count_launches(timeout_s: float = 600.0) -> dict[str, Any]:
+    """benchmarks/launch_count.py's decode-step count, in a process of its own (it needs Triton's interpreter where
+    this one compiles only); its error in place of the count when it fails."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "launch_count.py")], capture_output=True, text=True,
+                          timeout=timeout_s, cwd=REPO, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-800:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def summary(records: list[dict[str, Any]], launches: dict[str, Any] | None) -> dict[str, Any]:
+    """Per target: the decode-path kernels' lowest issue-bound fraction and the mma kinds seen; and the decode step's
+    launches per MoE layer (Triton + torch ops, each listed) with the whole count."""
+    out: dict[str, Any] = {"launches_per_moe_layer": (launches or {}).get("launches_per_moe_layer"),
+                           "launch_count": launches}
+    for target in sorted({r["target"] for r in records}):
+        mine = [r for r in records if r["target"] == target and r["decode_path"] and r.get("issue_bound_fraction") is not None]
+        worst = min(mine, key=lambda r: r["issue_bound_fraction"], default=None)
+        out[target] = {"min_decode_issue_bound_fraction": worst and worst["issue_bound_fraction"],
+                       "min_at": worst and f"{worst['kernel']} {worst['shape']}",
+                       "mma": sorted({r["mma"] for r in mine if r.get("mma")})}
+    return out
 
 
 def describe_device(measure: bool, gpu_name: str | None) -> tuple[str, str]:
@@ -1151,6 +1203,8 @@ def main(argv: list[str] | None = None) -> int:
                         / "reasoning_engine" / "kernel_report")
     parser.add_argument("--measure", action="store_true", help="also time the decode ops on the GPU (see above)")
     parser.add_argument("--budget-s", type=float, default=240.0, help="wall-clock budget of --measure")
+    parser.add_argument("--no-launch-count", action="store_true",
+                        help="leave launches_per_moe_layer out of the --json summary (it runs a decode step)")
     args = parser.parse_args(argv)
 
     import torch
@@ -1206,9 +1260,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_write:
             return
         args.out.mkdir(parents=True, exist_ok=True)
-        text = render(records, rows, traffic, measurements, loaded, measured_on, command.strip(), args.date, targets, device)
+        text = render(records, rows, traffic, measurements, loaded, measured_on, command.strip(), args.date, targets, device,
+                      launches)
         write_atomically(path, lambda handle: handle.write(text.encode()))
 
+    launches = None if args.no_launch_count else count_launches()
     write_report()
     if args.measure:
         decode_ops = [c for c in cases if c.decode_path and c.launched]
@@ -1228,7 +1284,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"target missed: {r['kernel']} {r['target']} {r['shape']}: {r.get('spill_bytes')} B spill, "
               f"{r.get('shared_bytes')} B shared {r.get('error', '')}", file=sys.stderr)
     if args.json:
-        print(json.dumps(records))
+        print(json.dumps({"records": records, "summary": summary(records, launches)}))
     return 0
 
 

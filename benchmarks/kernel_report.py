@@ -84,11 +84,26 @@ class Target:
     gpu: str
     sms: int
     bandwidth: float  # bytes/s, HBM peak
+    clock_hz: float  # boost clock of the SMs
+
+    def issue_bound_fraction(self, bytes_per_iteration: float, warp_instructions_per_iteration: float) -> float:
+        """The share of HBM bandwidth a loop could draw were instruction issue its only limit: every SM issuing
+        ISSUE_PER_SM_CYCLE warp-instructions a cycle, each iteration moving `bytes_per_iteration` for the
+        `warp_instructions_per_iteration` its CTA issues (instructions per warp x warps); capped at 1."""
+        if bytes_per_iteration <= 0 or warp_instructions_per_iteration <= 0:
+            return 0.0
+        rate = bytes_per_iteration / warp_instructions_per_iteration * ISSUE_PER_SM_CYCLE * self.sms * self.clock_hz
+        return min(1.0, rate / self.bandwidth)
 
 
+# The issue model: 4 warp schedulers per SM, each issuing one warp-instruction per cycle (NVIDIA H100 Tensor Core GPU
+# Architecture whitepaper, "H100 SM architecture"; CUDA C++ Programming Guide, compute capabilities 9.0 and 10.0).
+# Clocks: H200 SXM boosts to 1.98 GHz like the H100 SXM (NVIDIA H100 datasheet/whitepaper); B200: 148 SMs at 1.98 GHz
+# boost (public spec sheets, e.g. hmc-tech.com/gpus/nvidia-b200-vs-nvidia-b100, consistent with its 75 TFLOP/s FP32).
+ISSUE_PER_SM_CYCLE = 4
 TARGETS = {
-    "sm_90": Target("sm_90", 90, "H200", 132, 4.8e12),
-    "sm_100": Target("sm_100", 100, "B200", 148, 8.0e12),
+    "sm_90": Target("sm_90", 90, "H200", 132, 4.8e12, 1.98e9),
+    "sm_100": Target("sm_100", 100, "B200", 148, 8.0e12, 1.98e9),
 }
 
 
@@ -662,7 +677,7 @@ class CompileJob:
 
         text = repr((self.module, self.kernel, sorted(self.signature.items()), sorted(self.constexprs.items()),
                      sorted(self.attrs.items()), sorted(self.options.items()), self.arch, self.source_key,
-                     triton.__version__))
+                     triton.__version__, RESULT_VERSION))
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
     def config(self) -> str:
@@ -691,6 +706,7 @@ def compile_job(launch: Launch, target: Target) -> CompileJob:
                       attrs=attrs, options=dict(options.__dict__), arch=target.arch, source_key=launch.fn.cache_key)
 
 
+RESULT_VERSION = 2  # of a cached compile result's fields (2: the SASS main loop)
 _PTXAS = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
@@ -716,11 +732,25 @@ def run_compile(job: CompileJob) -> dict[str, Any]:
     spills = [tuple(int(x) for x in m) for m in _SPILL.findall(text)]
     if not regs or not spills:
         raise RuntimeError(f"no ptxas resource line for {job.kernel}: {text[-500:]!r}")
-    return {
+    return {"sass": sass_main_loop(disassemble(compiled.asm["cubin"])),
         "registers": regs[-1], "stack_bytes": spills[-1][0], "spill_bytes": spills[-1][1], "spill_load_bytes": spills[-1][2],
         "shared_bytes": int(compiled.metadata.shared), "num_warps": int(compiled.metadata.num_warps),
         "num_stages": int(compiled.metadata.num_stages), "compile_s": round(time.perf_counter() - start, 2),
     }
+
+
+def disassemble(cubin: bytes) -> str:
+    """The cubin's SASS, from the cuobjdump bundled with Triton."""
+    import subprocess
+    import tempfile
+
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        return subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-sass", handle.name], capture_output=True, text=True,
+                              check=True).stdout
 
 
 def _worker_init() -> None:
@@ -777,6 +807,107 @@ def compile_all(jobs: list[CompileJob], cache_dir: Path, workers: int) -> dict[s
 # --------------------------------------------------------------------------------------------------------- analysis
 
 
+_SASS = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(.+?)\s*;", re.MULTILINE)
+_GLOBAL_MEMORY = ("LDG", "LDGSTS", "STG", "ATOMG", "RED", "LD", "ST")
+_BULK_COPIES = ("UTMALDG", "UBLKCP", "UTMASTG", "UTMAPF")
+
+
+def _access_bytes(opcode: str) -> int:
+    """Bytes one thread moves with a global load or store, from its width suffix (32 bits when none is given)."""
+    parts = opcode.split(".")[1:]
+    for width, size in (("128", 16), ("64", 8), ("U16", 2), ("S16", 2), ("16", 2), ("U8", 1), ("S8", 1), ("8", 1)):
+        if width in parts:
+            return size
+    return 4
+
+
+def mma_kind(opcodes: list[str]) -> str:
+    """The tensor-core instruction kind in SASS: HGMMA/QGMMA/IGMMA = wgmma (sm_90a), UTC*MMA = tcgen05 (sm_100a),
+    HMMA/IMMA/QMMA = mma.sync; "none" when the kernel does no matrix work on tensor cores."""
+    heads = {op.split(".")[0] for op in opcodes}
+    if heads & {"HGMMA", "QGMMA", "IGMMA", "BGMMA"}:
+        return "wgmma"
+    if any(h.startswith("UTC") and h.endswith("MMA") for h in heads):
+        return "tcgen05"
+    if heads & {"HMMA", "IMMA", "QMMA", "OMMA"}:
+        return "mma.sync"
+    return "none"
+
+
+def sass_main_loop(sass: str) -> dict[str, Any]:
+    """The main loop of a kernel from its SASS (cuobjdump --dump-sass): loops are backward branches; the main one is
+    the innermost loop moving the most global-memory bytes (ties: the longest), which for a streaming kernel is the
+    hottest; a kernel with no loop is one pass, counted whole. Returns its warp-instructions per iteration (NOPs left
+    out), the global bytes per warp its loads and stores request per iteration (None when it uses bulk/TMA copies,
+    whose sizes SASS does not show), the mma kind of the whole kernel and of the loop, and the loop's span."""
+    code = []  # (address, opcode, operands)
+    for address, text in _SASS.findall(sass):
+        tokens = text.split()
+        if tokens and tokens[0].startswith("@"):
+            tokens = tokens[1:]
+        if tokens:
+            code.append((int(address, 16), tokens[0], tokens[1:]))
+    loops = []
+    for address, opcode, operands in code:
+        if opcode.split(".")[0] == "BRA" and operands:
+            target = operands[-1].rstrip(";")
+            if target.startswith("0x") and int(target, 16) < address:
+                loops.append((int(target, 16), address))
+
+    def span(start: int, end: int) -> dict[str, Any]:
+        body = [(op, args) for address, op, args in code if start <= address <= end and not op.startswith("NOP")]
+        global_bytes = sum(32 * _access_bytes(op) for op, _ in body if op.split(".")[0] in _GLOBAL_MEMORY)
+        bulk = any(op.split(".")[0] in _BULK_COPIES for op, _ in body)
+        return {"instructions": len(body), "global_bytes": None if bulk else global_bytes, "bulk": bulk,
+                "mma": mma_kind([op for op, _ in body]), "span": f"{start:#x}-{end:#x}"}
+
+    innermost = [(a, b) for a, b in loops if not any((c, d) != (a, b) and a <= c and d <= b for c, d in loops)]
+    candidates = [span(a, b) for a, b in innermost]
+    if candidates:
+        main = max(candidates, key=lambda c: (c["bulk"] or bool(c["global_bytes"]), c["global_bytes"] or 0, c["instructions"]))
+        main["loop"] = True
+    else:
+        last = code[-1][0] if code else 0
+        main = dict(span(0, last), loop=False)
+        # the trailing self-branch (`BRA .`) that pads every kernel is no work: `span` counts it, take it off
+        main["instructions"] = max(0, main["instructions"] - 1)
+    main["kernel_mma"] = mma_kind([op for _, op, _ in code])
+    return main
+
+
+def streamed_tile_bytes(kernel: str, kwargs: dict[str, Any]) -> float | None:
+    """HBM bytes one main-loop iteration of a CTA streams, from the launch's tile shape, for the kernels whose loop
+    walks a tensor that lives in HBM and is read once (expert weights, the KV cache); None for others (the SASS
+    global bytes stand in). Other operands of these loops (activations, queries) are re-read from L2 and not counted."""
+    get = kwargs.get
+    if kernel == "_moe_gemm_kernel" and {"BLOCK_N", "BLOCK_K", "QUANT"} <= set(kwargs):
+        rows = get("BLOCK_N") * (2 if get("GATED") else 1)
+        weight, scale = {0: (2.0, 0), 1: (0.5, 2), 2: (1.0, 4), 3: (0.5, 1)}.get(get("QUANT"), (2.0, 0))
+        scales = rows / get("SCALE_N", 1) * get("BLOCK_K") / get("SCALE_K", 1) * scale if scale else 0.0
+        return rows * get("BLOCK_K") * weight + scales
+    if kernel in ("_decode_partial_kernel", "_prefill_kernel") and {"BLOCK_N", "D1"} <= set(kwargs):
+        width = get("D1") + get("D2", 0) + (0 if get("V_FROM_K", True) else get("DV", 0))
+        return get("BLOCK_N") * width * BF16
+    return None
+
+
+def issue_bound(sass: dict[str, Any] | None, launch: Launch, num_warps: int, target: Target) -> tuple[float | None, float | None, str]:
+    """(fraction, bytes per CTA iteration, where the bytes come from): the tile model, capped by what the loop's
+    loads request (each warp runs the loop: SASS bytes x warps), or the SASS bytes alone."""
+    if not sass or not sass.get("instructions"):
+        return None, None, "none"
+    tile = streamed_tile_bytes(launch.kernel, launch.kwargs)
+    requested = sass["global_bytes"] * num_warps if sass.get("global_bytes") is not None else None
+    if tile is not None:
+        moved, source = (min(tile, requested), "tile shape") if requested else (tile, "tile shape")
+    elif requested is not None:
+        moved, source = float(requested), "sass loads"
+    else:
+        return None, None, "bulk copies of unknown size"
+    return target.issue_bound_fraction(moved, sass["instructions"] * num_warps), moved, source
+
+
+
 def ctas_per_sm(registers: int, num_warps: int, shared: int) -> int:
     """Resident CTAs per SM allowed by registers, shared memory, threads and the CTA limit (sm_90 and sm_100)."""
     regs_per_warp = -(-max(registers, 1) * 32 // 256) * 256
@@ -797,13 +928,20 @@ class Row:
     def record(self) -> dict[str, Any]:
         r = self.result
         ctas = ctas_per_sm(r["registers"], r["num_warps"], r["shared_bytes"]) if "error" not in r else 0
+        sass = r.get("sass")
+        fraction, moved, source = issue_bound(sass, self.launch, r.get("num_warps", 0), self.target)
         return {
             "kernel": self.launch.kernel, "target": self.target.name, "shape": self.case.label, "model": self.case.model,
             "registers": r.get("registers"), "spill_bytes": r.get("spill_bytes"), "spill_load_bytes": r.get("spill_load_bytes"),
             "shared_bytes": r.get("shared_bytes"), "shared_limit": SHARED_PER_CTA, "num_warps": r.get("num_warps"),
             "num_stages": r.get("num_stages"), "programs": self.launch.programs, "ctas_per_sm": ctas,
             "occupancy": round(ctas * r.get("num_warps", 0) / 64, 3), "decode_path": self.case.decode_path,
-            "launched": self.case.launched, "config": self.job.config(), **({"error": r["error"]} if "error" in r else {}),
+            "launched": self.case.launched, "config": self.job.config(),
+            "mma": sass["kernel_mma"] if sass else None, "loop_mma": sass["mma"] if sass else None,
+            "loop_instructions": sass["instructions"] if sass else None, "main_loop": bool(sass and sass["loop"]),
+            "loop_bytes": moved, "loop_bytes_source": source,
+            "issue_bound_fraction": None if fraction is None else round(fraction, 3),
+            **({"error": r["error"]} if "error" in r else {}),
         }
 
 
@@ -887,7 +1025,7 @@ def _fmt_bytes(n: float) -> str:
 
 def render(records: list[dict[str, Any]], rows: list[Row], traffic: dict[str, tuple[Case, Traffic]],
            measurements: list[Measurement], loaded: list[str], measured_on: str, command: str, date: str,
-           targets: list[Target], device: str) -> str:
+           targets: list[Target], device: str, launches: dict[str, Any] | None = None) -> str:
     import triton
 
     lines = [
@@ -914,8 +1052,15 @@ def render(records: list[dict[str, Any]], rows: list[Row], traffic: dict[str, tu
 
     lines += ["", "## Compiled variants", "",
               "Each distinct specialisation once; `used by` counts the shapes that launch it.", "",
-              "| kernel | config | target | regs | spill st/ld B | shared B | CTAs/SM | occupancy | decode path | used by |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "Main loop: the innermost SASS loop moving the most global bytes (`-` none: one pass, counted whole); "
+              "instr = warp-instructions per iteration per warp; bytes = HBM bytes per CTA iteration (tile shape of the "
+              "streamed operand, or the loop's SASS loads); issue-bound = share of HBM bandwidth reachable were issue the "
+              f"only limit ({ISSUE_PER_SM_CYCLE} warp-instructions per SM per cycle, "
+              + ", ".join(f"{t.gpu} {t.sms} SMs at {t.clock_hz / 1e9:.2f} GHz, {t.bandwidth / 1e12:.1f} TB/s" for t in targets)
+              + "); mma = tensor-core instructions (wgmma, tcgen05, mma.sync, none).", "",
+              "| kernel | config | target | regs | spill st/ld B | shared B | CTAs/SM | occupancy | loop instr | loop bytes "
+              "| issue-bound | mma | decode path | used by |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     variants: dict[str, list[Row]] = {}
     for row in rows:
         variants.setdefault(row.job.key(), []).append(row)
@@ -925,11 +1070,14 @@ def render(records: list[dict[str, Any]], rows: list[Row], traffic: dict[str, tu
         rec = group[0].record()
         decode = any(g.case.decode_path for g in group)
         if "error" in rec:
-            lines.append(f"| {rec['kernel']} | {rec['config']} | {tname} | error: {rec['error'][:120]} | | | | | {decode} | {len(group)} |")
+            lines.append(f"| {rec['kernel']} | {rec['config']} | {tname} | error: {rec['error'][:120]} | | | | | | | | | "
+                         f"{decode} | {len(group)} |")
             continue
         lines.append(f"| {rec['kernel']} | {rec['config']} | {tname} | {rec['registers']} | {rec['spill_bytes']}/"
                      f"{rec['spill_load_bytes']} | {rec['shared_bytes']} | {rec['ctas_per_sm']} | {rec['occupancy']:.0%} | "
-                     f"{'yes' if decode else 'no'} | {len(group)} |")
+                     f"{rec['loop_instructions'] if rec['main_loop'] else '-'} | {_fmt_bytes(rec['loop_bytes'] or 0)} | "
+                     f"{'-' if rec['issue_bound_fraction'] is None else format(rec['issue_bound_fraction'], '.0%')} | "
+                     f"{rec['mma']} | {'yes' if decode else 'no'} | {len(group)} |")
 
     tnames = [t.name for t in targets]
     lines += ["", "## Every kernel at every shape", "",
@@ -970,6 +1118,22 @@ def render(records: list[dict[str, Any]], rows: list[Row], traffic: dict[str, tu
         for case, tr in gaps[:10]:
             roof, modelled = tr.minimum / first.bandwidth * 1e6, tr.modelled_seconds(first) * 1e6
             lines.append(f"| {case.model} | {_op(case)} | {case.shape} | {roof:.1f} | {modelled:.1f} | {modelled - roof:.1f} |")
+    if launches is not None:
+        lines += ["", "## Kernels per decode step (benchmarks/launch_count.py)", ""]
+        if "error" in launches:
+            lines.append(f"launch count failed: {launches['error'][-300:]}")
+        else:
+            moe, dense, other = launches["moe_layer"], launches["dense_layer"], launches["outside_layers"]
+            lines += [f"A greedy decode step of a Moonlight-shaped deepseek_v3 ({launches['model']}; dummy weights, Triton "
+                      f"path, eager{', kernels interpreted' if launches['interpreted'] else ''}): "
+                      f"**{launches['launches_per_moe_layer']} launches per MoE layer** ({moe['triton']} Triton + "
+                      f"{moe['torch']} torch ops), {dense['total'] if dense else '-'} per dense layer, {other['total']} "
+                      f"outside the layers, {launches['step_total']} in the step.", "",
+                      "| scope | Triton kernels | torch ops |", "|---|---|---|"]
+            for name, part in (("MoE layer", moe), ("dense layer", dense), ("outside layers", other)):
+                if part:
+                    lines.append(f"| {name} | " + ", ".join(f"{k} x{v}" for k, v in part["triton_kernels"].items())
+                                 + " | " + ", ".join(f"{k} x{v}" for k, v in part["torch_ops"].items()) + " |")
     if measurements:
         lines += ["", f"## Measured on {measured_on} (--measure)", "",
                   "Medians of triton.testing.do_bench (L2 flushed between runs) on random inputs of the same shapes.", "",
@@ -986,6 +1150,32 @@ def render(records: list[dict[str, Any]], rows: list[Row], traffic: dict[str, tu
         lines += ["", "## Kernels the driver loaded (--measure)", "", "| kernel | regs | spills | shared B | warps |",
                   "|---|---|---|---|---|", *loaded]
     return "\n".join(lines) + "\n"
+
+
+def count_launches(timeout_s: float = 600.0) -> dict[str, Any]:
+    """benchmarks/launch_count.py's decode-step count, in a process of its own (it needs Triton's interpreter where
+    this one compiles only); its error in place of the count when it fails."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "launch_count.py")], capture_output=True, text=True,
+                          timeout=timeout_s, cwd=REPO, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-800:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def summary(records: list[dict[str, Any]], launches: dict[str, Any] | None) -> dict[str, Any]:
+    """Per target: the decode-path kernels' lowest issue-bound fraction and the mma kinds seen; and the decode step's
+    launches per MoE layer (Triton + torch ops, each listed) with the whole count."""
+    out: dict[str, Any] = {"launches_per_moe_layer": (launches or {}).get("launches_per_moe_layer"),
+                           "launch_count": launches}
+    for target in sorted({r["target"] for r in records}):
+        mine = [r for r in records if r["target"] == target and r["decode_path"] and r.get("issue_bound_fraction") is not None]
+        worst = min(mine, key=lambda r: r["issue_bound_fraction"], default=None)
+        out[target] = {"min_decode_issue_bound_fraction": worst and worst["issue_bound_fraction"],
+                       "min_at": worst and f"{worst['kernel']} {worst['shape']}",
+                       "mma": sorted({r["mma"] for r in mine if r.get("mma")})}
+    return out
 
 
 def describe_device(measure: bool, gpu_name: str | None) -> tuple[str, str]:
@@ -1013,6 +1203,8 @@ def main(argv: list[str] | None = None) -> int:
                         / "reasoning_engine" / "kernel_report")
     parser.add_argument("--measure", action="store_true", help="also time the decode ops on the GPU (see above)")
     parser.add_argument("--budget-s", type=float, default=240.0, help="wall-clock budget of --measure")
+    parser.add_argument("--no-launch-count", action="store_true",
+                        help="leave launches_per_moe_layer out of the --json summary (it runs a decode step)")
     args = parser.parse_args(argv)
 
     import torch
@@ -1068,9 +1260,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_write:
             return
         args.out.mkdir(parents=True, exist_ok=True)
-        text = render(records, rows, traffic, measurements, loaded, measured_on, command.strip(), args.date, targets, device)
+        text = render(records, rows, traffic, measurements, loaded, measured_on, command.strip(), args.date, targets, device,
+                      launches)
         write_atomically(path, lambda handle: handle.write(text.encode()))
 
+    launches = None if args.no_launch_count else count_launches()
     write_report()
     if args.measure:
         decode_ops = [c for c in cases if c.decode_path and c.launched]
@@ -1090,7 +1284,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"target missed: {r['kernel']} {r['target']} {r['shape']}: {r.get('spill_bytes')} B spill, "
               f"{r.get('shared_bytes')} B shared {r.get('error', '')}", file=sys.stderr)
     if args.json:
-        print(json.dumps(records))
+        print(json.dumps({"records": records, "summary": summary(records, launches)}))
     return 0
 
 

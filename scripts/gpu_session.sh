@@ -4,7 +4,9 @@
 # (tests/bench/test_gpu_session.py checks), and every program writes its results to $OUT as they are measured, so a
 # stage cut off at its limit keeps what it measured:
 #  1. benchmarks/kernel_report.py --measure: every Triton kernel compiled ahead of time for sm_90 on all CPU cores
-#     (registers, spills, shared memory; this also fills Triton's cache for the launches after it), then every
+#     (registers, spills, shared memory, each main loop's instructions, mma kind and issue-bound bandwidth fraction
+#     from its SASS; this also fills Triton's cache for the launches after it), the kernels one decode step launches
+#     per MoE layer (benchmarks/launch_count.py on the GPU, ~20-30 s: the summary's launches_per_moe_layer), then every
 #     decode-path op timed at Kimi K2.5 and Moonlight shapes (MLA decode and the MoE GEMMs first) against its modelled
 #     bytes, and the registers of the binaries the driver loaded;
 #  2. benchmarks/gpu_check.py: the copy and matmul ceilings, then batch-1 end-to-end decode of the Moonlight-shaped
@@ -32,7 +34,7 @@ unset TRITON_INTERPRET
 # stage limits, seconds (each `timeout` below names one of them and KILL_S: SIGKILL that long after SIGTERM)
 KILL_S=5
 SETUP_S=20    # nvidia-smi; one import of torch, triton and transformers (which also warms the page cache)
-REPORT_S=160  # kernel_report: imports and capture ~10 s, sm_90 compiles ~25 s, --measure budget, writes
+REPORT_S=160  # kernel_report: imports and capture ~10 s, sm_90 compiles ~25 s, launch count ~30 s, --measure budget
 CHECK_S=265   # gpu_check: imports ~10 s before its budget starts, the budget, the last section's overrun
 TESTS_S=75    # the kernel test subset: 8 workers' imports, ~15 s of compiles, the tests themselves
 
@@ -47,9 +49,10 @@ timeout -k "$KILL_S" "$SETUP_S" bash -c '
 stage setup $?
 
 timeout -k "$KILL_S" "$REPORT_S" python3 benchmarks/kernel_report.py --measure --targets sm_90 --jobs "$(nproc)" \
-    --budget-s $(( REPORT_S - 70 )) --out "$OUT" --json > "$OUT/kernel_report.json" 2> "$OUT/kernel_report.log"
+    --budget-s $(( REPORT_S - 100 )) --out "$OUT" --json > "$OUT/kernel_report.json" 2> "$OUT/kernel_report.log"
 stage "kernel report" $?
 grep -A4 -m1 "^## Targets" "$OUT"/kernel_report_*.md | tail -1  # the sm_90 row: PASS or FAIL
+grep -A2 -m1 "^## Kernels per decode step" "$OUT"/kernel_report_*.md | tail -1  # launches per MoE layer
 
 timeout -k "$KILL_S" "$CHECK_S" python3 benchmarks/gpu_check.py --skip-tests --budget-s $(( CHECK_S - 25 )) \
     --results-dir "$OUT" > "$OUT/gpu_check.log" 2>&1

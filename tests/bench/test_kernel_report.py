@@ -33,9 +33,11 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 def test_compiles_decode_kernels_for_hopper_and_blackwell(tmp_path: Path) -> None:
     only = "^kimi-tp8 (mla decode b1 ctx128k graph|moe w4a16 t1)$"
-    proc = _run(tmp_path, "--only", only, "--json", "--jobs", "2")
+    proc = _run(tmp_path, "--only", only, "--json", "--jobs", "2", "--no-launch-count")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = json.loads(proc.stdout.strip().splitlines()[-1])
+    report_json = json.loads(proc.stdout.strip().splitlines()[-1])
+    records = report_json["records"]
+    assert report_json["summary"]["launches_per_moe_layer"] is None  # --no-launch-count
     kernels = {r["kernel"] for r in records}
     assert {"_decode_partial_kernel", "_decode_reduce_kernel", "_moe_gemm_kernel", "_align_scan_kernel"} <= kernels
     assert {r["target"] for r in records} == {"sm_90", "sm_100"}
@@ -50,13 +52,13 @@ def test_compiles_decode_kernels_for_hopper_and_blackwell(tmp_path: Path) -> Non
     assert "## Decode ops: bytes moved vs the roofline" in report
     assert "python benchmarks/kernel_report.py --cache-dir" in report  # the command that produced it
 
-    again = _run(tmp_path, "--only", only, "--json", "--no-write")  # every variant from the cache now
+    again = _run(tmp_path, "--only", only, "--json", "--no-write", "--no-launch-count")  # every variant from the cache
     assert "compiling" not in again.stderr
-    assert json.loads(again.stdout.strip().splitlines()[-1]) == records
+    assert json.loads(again.stdout.strip().splitlines()[-1]) == report_json
 
 
 def test_measure_runs_through_the_interpreter_without_a_gpu(tmp_path: Path) -> None:
-    proc = _run(tmp_path, "--measure", "--only", "^moonlight mla decode b1 ctx1k eager$")
+    proc = _run(tmp_path, "--measure", "--only", "^moonlight mla decode b1 ctx1k eager$", "--no-launch-count")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = (tmp_path / "kernel_report_cpu_interpreted_2026-12-02.md").read_text()
     assert "## Measured on CPU through Triton's interpreter" in report
@@ -82,7 +84,7 @@ def kill():
 
 kr.all_cases = lambda: [case("first", lambda: None), case("second", lambda: None), case("third", kill),
                         case("fourth", lambda: None)]
-kr.main(["--measure", "--out", {str(tmp_path)!r}, "--date", "2026-12-07", "--cache-dir", {str(tmp_path / "cache")!r}])
+kr.main(["--measure", "--no-launch-count", "--out", {str(tmp_path)!r}, "--date", "2026-12-07", "--cache-dir", {str(tmp_path / "cache")!r}])
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
@@ -130,3 +132,82 @@ def test_every_case_names_a_model_op_and_shape(kernel_report: ModuleType) -> Non
     decode = [c for c in cases if c.op == "mla decode"]
     assert len(decode) == 3 * 3 * 3 * 2  # models x batches x contexts x (eager, graph)
     assert {c.model for c in cases} >= {"kimi-tp8", "kimi-ep8", "moonlight", "moonlight-int4"}
+
+
+# A hand-written SASS loop: 6 instructions (the NOP is padding, not counted) from 0x0100 back to it, two 16-byte
+# loads a thread per iteration (2 x 16 x 32 = 1024 B a warp) and one mma.sync; an outer loop around it; the trailing
+# self-branch every kernel ends with is no loop.
+SASS = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   S2R R0, SR_TID.X ;
+        /*00f0*/                   NOP ;
+        /*0100*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0110*/               @P0 LDG.E.128 R8, desc[UR4][R2.64+0x10] ;
+        /*0120*/                   HMMA.16816.F32.BF16 R12, R4, R8, R12 ;
+        /*0130*/                   IADD3 R2, P1, R2, 0x20, RZ ;
+        /*0140*/                   ISETP.GE.AND P2, PT, R2, R3, PT ;
+        /*0150*/              @!P2 BRA 0x100 ;
+        /*0160*/                   STG.E.128 desc[UR4][R6.64], R12 ;
+        /*0170*/                   BRA.U !UP0, 0x10 ;
+        /*0180*/                   EXIT ;
+        /*0190*/                   BRA 0x190;
+"""
+
+
+def test_sass_main_loop_counts_the_innermost_streaming_loop(kernel_report: ModuleType) -> None:
+    loop = kernel_report.sass_main_loop(SASS)
+    assert loop["loop"] and loop["span"] == "0x100-0x150"
+    assert loop["instructions"] == 6 and loop["global_bytes"] == 2 * 16 * 32
+    assert loop["mma"] == loop["kernel_mma"] == "mma.sync"
+    assert kernel_report.mma_kind(["HGMMA.64x64x16.F32.BF16"]) == "wgmma"
+    assert kernel_report.mma_kind(["UTCHMMA.2CTA", "FFMA"]) == "tcgen05"
+    assert kernel_report.mma_kind(["FFMA", "LDG.E"]) == "none"
+    # the issue model: 1024 B per 6 warp-instructions, 4 issued a cycle on each of 132 SMs at 1.98 GHz
+    h200 = kernel_report.TARGETS["sm_90"]
+    expected = 1024 / 6 * 4 * 132 * 1.98e9 / 4.8e12
+    assert h200.issue_bound_fraction(1024, 6) == pytest.approx(min(1.0, expected))
+    assert h200.issue_bound_fraction(512, 600) == pytest.approx(512 / 600 * 4 * 132 * 1.98e9 / 4.8e12)
+    straight = kernel_report.sass_main_loop(SASS.replace("@!P2 BRA 0x100", "@!P2 BRA 0x170").replace("BRA.U !UP0, 0x10", "NOP"))
+    assert not straight["loop"] and straight["instructions"] == 10  # one pass: every instruction but NOPs and `BRA .`
+
+
+def test_issue_bound_fraction_of_a_compiled_kernel() -> None:
+    """One real compile for sm_90 (Moonlight's bf16 down GEMM at batch 1): its main loop is found in the SASS, holds
+    mma.sync or wgmma, and the issue-bound fraction is a share of the bandwidth in (0, 1]."""
+    code = f"""
+import importlib.util, json, os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, {str(REPO)!r})
+spec = importlib.util.spec_from_file_location("kernel_report", {str(SCRIPT)!r})
+kr = importlib.util.module_from_spec(spec)
+sys.modules["kernel_report"] = kr
+spec.loader.exec_module(kr)
+(case,) = [c for c in kr.all_cases() if c.label == "moonlight moe bf16 t1"]
+launches = []
+run, _ = case.build("meta")
+with kr.recording_launches(launches):
+    run()
+launch = [l for l in launches if l.kernel == "_moe_gemm_kernel"][-1]
+target = kr.TARGETS["sm_90"]
+kr._worker_init()
+job = kr.compile_job(launch, target)
+row = kr.Row(case, launch, target, job, kr.run_compile(job))
+print(json.dumps(row.record()))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert record["main_loop"] and record["loop_instructions"] > 0, record
+    assert record["mma"] in ("mma.sync", "wgmma") and record["loop_mma"] == record["mma"], record
+    assert record["loop_bytes_source"] == "tile shape" and record["loop_bytes"] > 0
+    assert 0 < record["issue_bound_fraction"] <= 1, record
+    expected = kernel_report_target_fraction(record)
+    assert record["issue_bound_fraction"] == pytest.approx(expected, abs=1e-3)
+
+
+def kernel_report_target_fraction(record: dict) -> float:
+    """The issue model by hand: bytes per CTA iteration over its warp-instructions, 4 per SM-cycle, H200's SMs and
+    clock, over its bandwidth."""
+    rate = record["loop_bytes"] / (record["loop_instructions"] * record["num_warps"]) * 4 * 132 * 1.98e9
+    return min(1.0, rate / 4.8e12)

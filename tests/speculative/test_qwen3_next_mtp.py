@@ -14,6 +14,7 @@ implement the MTP layer itself."""
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 
@@ -243,6 +244,44 @@ def test_outputs_with_mtp_drafts_equal_plain_decoding(tiny_checkpoint, exact_mtp
     assert [[list(c.token_ids) for c in o.outputs] for o in llm.generate(prompts, seeded)] == plain_seeded
     if exact:
         assert llm.engine.stats().spec_decode["accepted_tokens"] > stats["accepted_tokens"]
+    _assert_no_leak(llm)
+
+
+def test_random_stress_with_aborts_preemption_and_prefix_hits(exact_mtp: Path) -> None:
+    """Random lengths, arrivals between steps, aborts, repeated prompts (prefix hits restore state snapshots while the
+    draft cache reuses the hit blocks' entries) and a cache small enough to preempt, with accepted MTP drafts: every
+    finished request has the tokens of the plain run and nothing leaks."""
+    rng = random.Random(0)
+    params_of = [SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 30), ignore_eos=True) for _ in range(14)]
+    pool = _prompts(5, (17, 33, 50))
+    prompts = [pool[i % 3] if i % 2 else _prompts(100 + i, (rng.randint(3, 60),))[0] for i in range(14)]
+    plain_llm = LLM(exact_mtp, dtype="float32", device="cpu", enable_prefix_caching=False, max_num_seqs=1)
+    wanted = {f"r{i}": _tokens(plain_llm.generate([{"prompt_token_ids": p}], params_of[i]))[0]
+              for i, p in enumerate(prompts)}
+    llm = LLM(exact_mtp, dtype="float32", device="cpu", block_size=8, kv_cache_blocks=24, max_model_len=160,
+              max_num_batched_tokens=32, speculative_config=MTP, adaptive=False)
+    engine = llm.engine
+    aborted: set[str] = set()
+    done: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params_of[i])
+        for _ in range(rng.randint(0, 3)):
+            step()
+        if rng.random() < 0.2:
+            engine.abort_request(f"r{i}")
+            aborted.add(f"r{i}")
+    while engine.has_unfinished_requests():
+        step()
+    assert {rid: done[rid] for rid in wanted if rid not in aborted} == {rid: t for rid, t in wanted.items()
+                                                                          if rid not in aborted}
+    stats = engine.stats().spec_decode
+    assert stats["accepted_tokens"] > 0 and engine.block_manager.prefix_hits > 0 and engine.num_preemptions > 0
     _assert_no_leak(llm)
 
 

@@ -70,6 +70,25 @@ def _mlp(config: ModelConfig, index: int, parallel: Parallel) -> nn.Module:
     return SparseMoE(router, experts, shared, parallel)
 
 
+def _decoder_layer(config: ModelConfig, mixer: nn.Module, index: int, parallel: Parallel) -> DecoderLayer:
+    layer = DecoderLayer(mixer, _mlp(config, index, parallel), config.hidden_size, config.rms_norm_eps)
+    layer.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+    layer.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+    return layer
+
+
+def full_attention_layer(config: ModelConfig, index: int, rotary: RotaryEmbedding, parallel: Parallel) -> DecoderLayer:
+    """A gated full-attention layer with the MLP of layer `index` (also the block of the MTP layer, speculative/
+    qwen3_next_mtp.py)."""
+    eps, bias = config.rms_norm_eps, bool(config.get("attention_bias", False))
+    attn = GatedAttention(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                          rotary, bias=bias, qk_norm_eps=eps, tp=parallel.tp)
+    attn.q_norm, attn.k_norm = OffsetRMSNorm(config.head_dim, eps), OffsetRMSNorm(config.head_dim, eps)
+    attn.qkv_proj = nn.Linear(config.hidden_size, (2 * attn.num_heads + 2 * attn.num_kv_heads) * config.head_dim,
+                              bias=bias)
+    return _decoder_layer(config, attn, index, parallel)
+
+
 def rotary_dim(config: ModelConfig) -> int:
     rope = config.get("rope_parameters") or {}
     factor = rope.get("partial_rotary_factor") or config.get("partial_rotary_factor", 0.25)
@@ -92,17 +111,9 @@ class Qwen3NextForCausalLM(CausalLM):
                                       config.raw["linear_num_value_heads"], config.raw["linear_key_head_dim"],
                                       config.raw["linear_value_head_dim"], config.raw["linear_conv_kernel_dim"], eps,
                                       fused_projections=fused, tp=tp)
+                layers.append(_decoder_layer(config, mixer, i, parallel))
             else:
-                mixer = GatedAttention(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-                                       config.head_dim, rotary, bias=bool(config.get("attention_bias", False)),
-                                       qk_norm_eps=eps, tp=tp)
-                mixer.q_norm, mixer.k_norm = OffsetRMSNorm(config.head_dim, eps), OffsetRMSNorm(config.head_dim, eps)
-                mixer.qkv_proj = nn.Linear(config.hidden_size, (2 * mixer.num_heads + 2 * mixer.num_kv_heads) * config.head_dim,
-                                           bias=bool(config.get("attention_bias", False)))
-            layer = DecoderLayer(mixer, _mlp(config, i, parallel), config.hidden_size, eps)
-            layer.input_layernorm = OffsetRMSNorm(config.hidden_size, eps)
-            layer.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, eps)
-            layers.append(layer)
+                layers.append(full_attention_layer(config, i, rotary, parallel))
         super().__init__(config, layers, parallel)
         self.norm = OffsetRMSNorm(config.hidden_size, eps)
 
@@ -113,21 +124,25 @@ class Qwen3NextForCausalLM(CausalLM):
         return [layer.self_attn for layer in self.layers if isinstance(layer.self_attn, GatedDeltaNet)]
 
     def map_weight(self, name: str) -> WeightTarget | None:
-        c, tp = self.config, self.parallel.tp
-        name = name.replace(".linear_attn.", ".self_attn.")
-        name = re.sub(r"\.mlp\.shared_expert\.", ".mlp.shared_experts.mlp.", name)
-        name = name.replace(".mlp.shared_expert_gate.", ".mlp.shared_experts.gate.")
-        name = re.sub(r"\.conv1d\.weight$", ".conv1d.weight", name)
-        match = re.fullmatch(r"(layers\.\d+\.self_attn)\.([qkv])_proj\.(weight|bias)", name)
-        if match:  # q_proj holds each head's query and gate
-            h, kv, d = c.num_attention_heads // tp.size, c.num_key_value_heads // tp.size, c.head_dim
-            start, size = {"q": (0, 2 * h * d), "k": (2 * h * d, kv * d), "v": (2 * h * d + kv * d, kv * d)}[match.group(2)]
-            return WeightTarget(f"{match.group(1)}.qkv_proj.{match.group(3)}", rows(start, start + size), column_split(tp))
-        if re.fullmatch(r"layers\.\d+\.self_attn\.o_proj\.weight", name):
-            return WeightTarget(name, source=row_split(tp))
-        if ".mlp.shared_experts.mlp." in name:
-            inner = name.replace(".mlp.shared_experts.mlp.", ".mlp.shared_experts.")
-            target = mlp_target(inner, self.parallel)
-            return WeightTarget(target.param.replace(".mlp.shared_experts.", ".mlp.shared_experts.mlp."),
-                                target.slicer, target.source)
-        return mlp_target(name, self.parallel, c.get("num_experts", 0) or 0)
+        return map_layer_weight(name, self.config, self.parallel)
+
+
+def map_layer_weight(name: str, config: ModelConfig, parallel: Parallel) -> WeightTarget | None:
+    """A tensor of the text model (name without `model.`) -> its parameter; also maps the MTP layer's block."""
+    c, tp = config, parallel.tp
+    name = name.replace(".linear_attn.", ".self_attn.")
+    name = re.sub(r"\.mlp\.shared_expert\.", ".mlp.shared_experts.mlp.", name)
+    name = name.replace(".mlp.shared_expert_gate.", ".mlp.shared_experts.gate.")
+    match = re.fullmatch(r"(layers\.\d+\.self_attn)\.([qkv])_proj\.(weight|bias)", name)
+    if match:  # q_proj holds each head's query and gate
+        h, kv, d = c.num_attention_heads // tp.size, c.num_key_value_heads // tp.size, c.head_dim
+        start, size = {"q": (0, 2 * h * d), "k": (2 * h * d, kv * d), "v": (2 * h * d + kv * d, kv * d)}[match.group(2)]
+        return WeightTarget(f"{match.group(1)}.qkv_proj.{match.group(3)}", rows(start, start + size), column_split(tp))
+    if re.fullmatch(r"layers\.\d+\.self_attn\.o_proj\.weight", name):
+        return WeightTarget(name, source=row_split(tp))
+    if ".mlp.shared_experts.mlp." in name:
+        inner = name.replace(".mlp.shared_experts.mlp.", ".mlp.shared_experts.")
+        target = mlp_target(inner, parallel)
+        return WeightTarget(target.param.replace(".mlp.shared_experts.", ".mlp.shared_experts.mlp."),
+                            target.slicer, target.source)
+    return mlp_target(name, parallel, c.get("num_experts", 0) or 0)

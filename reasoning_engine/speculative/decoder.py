@@ -95,9 +95,9 @@ class SpeculativeConfig:
 
 
 class DraftModel(Protocol):
-    """A draft network run beside the target over its own paged KV cache: DeepSeek's MTP layer (mtp.py) or an EAGLE-3
-    head (eagle3.py). Position t of a sequence pairs features of the target at t with token t + 1 and predicts token
-    t + 2; chained drafting feeds the draft's own carried features back in place of the target's."""
+    """A draft network run beside the target over its own paged KV cache: an MTP layer (mtp.py, qwen3_next_mtp.py) or
+    an EAGLE-3 head (eagle3.py). Position t of a sequence pairs features of the target at t with token t + 1 and
+    predicts token t + 2; chained drafting feeds the draft's own carried features back in place of the target's."""
 
     # target layers whose output the draft reads (CausalLM.forward's aux_hidden); () when it reads the final hidden
     aux_layers: tuple[int, ...]
@@ -122,7 +122,11 @@ def load_draft_models(config: SpeculativeConfig, engine_config: EngineConfig, ta
     """Build and load the draft models the config's methods need (none for text proposers)."""
     models: dict[str, DraftModel] = {}
     for method in config.model_methods():
-        if method == "mtp":
+        if method == "mtp" and engine_config.model.family == "qwen3_next":  # Qwen3-Next, Qwen3.5 / 3.6: `mtp.*`
+            from reasoning_engine.speculative.qwen3_next_mtp import load_qwen3_next_mtp
+
+            models[method] = load_qwen3_next_mtp(target, engine_config)
+        elif method == "mtp":  # DeepSeek-V3, GLM: layer num_hidden_layers
             from reasoning_engine.speculative.mtp import load_mtp
 
             models[method] = load_mtp(target, engine_config)

@@ -114,7 +114,7 @@ class Variant:
     published: bool = True  # config.json as the published checkpoints write it, else as transformers 5 writes it
     layout: str = "plain"  # "plain", "kimi_k2" (model_type kimi_k2), "kimi_k25" (wrapper, language_model. prefix) or
     # "qwen3_5" (Qwen3.5's image-text wrapper: text_config, model.language_model. prefix, a vision tower beside)
-    mtp: bool = False  # add DeepSeek's MTP layer at index num_hidden_layers
+    mtp: bool = False  # add the family's MTP layer: DeepSeek's at index num_hidden_layers, Qwen3-Next's under mtp.
     shards: int = 1
     quant: str | None = None  # "int4" (routed experts, compressed-tensors), "fp8" (block FP8) or "fp8_channel"
 
@@ -190,6 +190,9 @@ VARIANTS: dict[str, Variant] = {
     "qwen3_next": Variant("qwen3_next", published=False),
     "qwen3_5": Variant("qwen3_5_text", published=False, layout="qwen3_5"),
     "qwen3_5_moe_text": Variant("qwen3_5_moe_text", published=False),
+    # with the multi-token-prediction layer the published checkpoints carry (random: a draft model, or skipped)
+    "qwen3_next_mtp": Variant("qwen3_next", dict(num_nextn_predict_layers=1), published=False, mtp=True),
+    "qwen3_5_mtp": Variant("qwen3_5_text", dict(mtp_num_hidden_layers=1), published=False, layout="qwen3_5", mtp=True),
     "kimi_linear": Variant("kimi_linear", published=False),
     # the hub's config.json: linear_attn_config (1-based layer lists), first_k_dense_replace, Kimi's MoE names
     "kimi_linear_published": Variant("kimi_linear", dict(mlp_layer_types=["dense"] * 2 + ["sparse"] * 2)),
@@ -257,7 +260,9 @@ def build_checkpoint(name: str, root: Path, seed: int = 0) -> TinyCheckpoint:
     if variant.published:
         config = _published(config)
     tensors = read_tensors(path)
-    if variant.mtp:
+    if variant.mtp and variant.family.startswith("qwen3"):
+        tensors.update(_qwen3_next_mtp_tensors(tensors, config.get("text_config", config), seed))
+    elif variant.mtp:
         tensors.update(_mtp_tensors(tensors, config, seed))
     if variant.layout in ("kimi_k2", "kimi_k25"):
         config["model_type"] = "kimi_k2"
@@ -394,6 +399,22 @@ def _mtp_tensors(tensors: dict[str, torch.Tensor], config: dict[str, Any], seed:
         f"model.layers.{mtp}.shared_head.head.weight": (vocab, hidden),
     })
     return {k: 0.1 * torch.randn(s, generator=gen) for k, s in shapes.items()}
+
+
+def _qwen3_next_mtp_tensors(tensors: dict[str, torch.Tensor], config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Qwen3-Next's / Qwen3.5's multi-token-prediction layer, top-level `mtp.` as the published checkpoints store it
+    (names as vLLM's qwen3_next_mtp.py loads them): `fc` (2h -> h), the zero-centred `pre_fc_norm_embedding`,
+    `pre_fc_norm_hidden` and `norm`, and `layers.0` shaped like the model's last full-attention layer; no embedding
+    or LM head of its own. Random."""
+    last = max(i for i, kind in enumerate(config["layer_types"]) if kind == "full_attention")
+    prefix = next(p for p in ("model.language_model.", "model.") if f"{p}layers.{last}.input_layernorm.weight" in tensors)
+    hidden = config["hidden_size"]
+    gen = torch.Generator().manual_seed(seed + 2)
+    shapes = {k.replace(f"{prefix}layers.{last}.", "mtp.layers.0."): v.shape
+              for k, v in tensors.items() if k.startswith(f"{prefix}layers.{last}.")}
+    shapes.update({"mtp.fc.weight": (hidden, 2 * hidden), "mtp.pre_fc_norm_embedding.weight": (hidden,),
+                   "mtp.pre_fc_norm_hidden.weight": (hidden,), "mtp.norm.weight": (hidden,)})
+    return {k: 0.2 * torch.randn(s, generator=gen) for k, s in shapes.items()}
 
 
 def _kimi_k25_vision_part(text: dict[str, Any], seed: int, scratch: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -206,7 +206,9 @@ class GatedDeltaNet(LinearAttention):
     """Qwen3-Next's and Qwen3.5's linear-attention layer: q, k, v through the short conv, L2-normalised q and k,
     a decay per value head g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), the gated delta rule, a gated
     RMSNorm per head with z, the output projection. `fused_projections`: Qwen3-Next's in_proj_qkvz / in_proj_ba,
-    whose rows come grouped per key head; else Qwen3.5's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a."""
+    whose rows come grouped per key head; else Qwen3.5's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a. Under
+    tensor parallelism a rank keeps 1 / tp of the key and of the value heads (value head j reads key head j // (Hv /
+    Hk), so the shares line up), with their conv channels and states; out_proj sums the ranks' parts."""
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int, conv_kernel: int,
                  eps: float, fused_projections: bool, tp: Group = Group()) -> None:

@@ -33,12 +33,14 @@ Slicer = Callable[[torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class Split:
     """This rank's part of one dimension of a checkpoint tensor: an even share over `group`, or with `padded` the
-    row block of a vocabulary padded to a multiple of the group (cut at the tensor's end). A dimension of one is
-    shared whole (a per-channel scale's input dimension: the one scale of every input channel)."""
+    row block of a vocabulary padded to a multiple of the group (cut at the tensor's end), or with `blocks` an even
+    share of each of consecutive blocks (a fused q, k, v: each rank's heads of each), read apart and joined. A
+    dimension of one is shared whole (a per-channel scale's input dimension: the one scale of every input channel)."""
 
     dim: int
     group: Group
     padded: bool = False
+    blocks: tuple[int, ...] = ()  # sizes of the consecutive blocks along `dim`; () for one
 
     def index(self, shape: list[int] | torch.Size, name: str) -> Index:
         size = shape[self.dim]
@@ -50,6 +52,20 @@ class Split:
         else:
             part = self.group.part(size, f"dimension {self.dim} of tensor {name!r}")
         return (slice(None),) * self.dim + (slice(part.start, part.stop),)
+
+    def indices(self, shape: list[int] | torch.Size, name: str) -> list[Index]:
+        """The parts to read and join along `dim`: one, or with `blocks` this rank's share of each block."""
+        if not self.blocks:
+            return [self.index(shape, name)]
+        if sum(self.blocks) != shape[self.dim]:
+            raise ValueError(f"dimension {self.dim} of tensor {name!r} has {shape[self.dim]} entries, expected the "
+                             f"blocks {list(self.blocks)}")
+        out, start = [], 0
+        for size in self.blocks:
+            part = self.group.part(size, f"a block of dimension {self.dim} of tensor {name!r}")
+            out.append((slice(None),) * self.dim + (slice(start + part.start, start + part.stop),))
+            start += size
+        return out
 
 
 @dataclass
@@ -212,11 +228,10 @@ def load_parameters(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor
             continue
         if target.param not in params:
             raise ValueError(f"unexpected tensor {name!r} in the checkpoint: the model has no parameter {target.param!r}")
-        index = target.source.index(value.shape, name) if target.source is not None else None
-        if isinstance(value, torch.Tensor):
-            tensor = value[index] if index is not None else value
-        else:
-            tensor = value.read(index)
+        parts = target.source.indices(value.shape, name) if target.source is not None else [None]
+        read = [(value[index] if index is not None else value) if isinstance(value, torch.Tensor) else value.read(index)
+                for index in parts]
+        tensor = read[0] if len(read) == 1 else torch.cat(read, dim=target.source.dim)
         param = params[target.param]
         dest = target.slicer(param.data) if target.slicer else param.data
         if tuple(dest.shape) != tuple(tensor.shape):

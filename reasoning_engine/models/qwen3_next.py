@@ -22,7 +22,8 @@ from reasoning_engine.layers.linear_attention import GatedDeltaNet
 from reasoning_engine.layers.moe import Experts, GatedMLP, Router, SparseMoE
 from reasoning_engine.layers.norm import OffsetRMSNorm
 from reasoning_engine.layers.rotary import RotaryEmbedding
-from reasoning_engine.models.base import CausalLM, DecoderLayer, WeightTarget, column_split, mlp_target, row_split, rows
+from reasoning_engine.models.base import (CausalLM, DecoderLayer, Split, WeightTarget, column_split, mlp_target,
+                                          row_split, rows)
 from reasoning_engine.models.quantization import expert_quant, parse_quant_config
 from reasoning_engine.parallel import Parallel
 
@@ -102,8 +103,6 @@ class Qwen3NextForCausalLM(CausalLM):
                                  config.max_position_embeddings, max_positions)
         eps = config.rms_norm_eps
         fused = config.model_type == "qwen3_next"  # Qwen3.5 keeps its projections apart
-        if tp.size > 1:
-            raise ValueError(f"{config.model_type}: tensor parallelism over linear-attention layers is not supported yet")
         layers = []
         for i, kind in enumerate(config.raw["layer_types"]):
             if kind == "linear_attention":
@@ -128,7 +127,8 @@ class Qwen3NextForCausalLM(CausalLM):
 
 
 def map_layer_weight(name: str, config: ModelConfig, parallel: Parallel) -> WeightTarget | None:
-    """A tensor of the text model (name without `model.`) -> its parameter; also maps the MTP layer's block."""
+    """A tensor of the text model (name without `model.`) -> its parameter and this rank's part of it; also maps
+    the MTP layer's block."""
     c, tp = config, parallel.tp
     name = name.replace(".linear_attn.", ".self_attn.")
     name = re.sub(r"\.mlp\.shared_expert\.", ".mlp.shared_experts.mlp.", name)
@@ -138,8 +138,16 @@ def map_layer_weight(name: str, config: ModelConfig, parallel: Parallel) -> Weig
         h, kv, d = c.num_attention_heads // tp.size, c.num_key_value_heads // tp.size, c.head_dim
         start, size = {"q": (0, 2 * h * d), "k": (2 * h * d, kv * d), "v": (2 * h * d + kv * d, kv * d)}[match.group(2)]
         return WeightTarget(f"{match.group(1)}.qkv_proj.{match.group(3)}", rows(start, start + size), column_split(tp))
-    if re.fullmatch(r"layers\.\d+\.self_attn\.o_proj\.weight", name):
+    if re.fullmatch(r"layers\.\d+\.self_attn\.(o_proj|out_proj)\.weight", name):
         return WeightTarget(name, source=row_split(tp))
+    if re.fullmatch(r"layers\.\d+\.self_attn\.(in_proj_qkv|conv1d)\.weight", name):
+        # q, k and v blocks (Qwen3.5's projection; both families' conv channels): this rank's heads of each
+        key = c.raw["linear_num_key_heads"] * c.raw["linear_key_head_dim"]
+        value = c.raw["linear_num_value_heads"] * c.raw["linear_value_head_dim"]
+        return WeightTarget(name, source=Split(0, tp, blocks=(key, key, value)) if tp.size > 1 else None)
+    if re.fullmatch(r"layers\.\d+\.self_attn\.(in_proj_qkvz|in_proj_ba|in_proj_z|in_proj_b|in_proj_a|A_log|dt_bias)"
+                    r"(\.weight)?", name):  # rows grouped per key head (fused) or per value head: contiguous shares
+        return WeightTarget(name, source=column_split(tp))
     if ".mlp.shared_experts.mlp." in name:
         inner = name.replace(".mlp.shared_experts.mlp.", ".mlp.shared_experts.")
         target = mlp_target(inner, parallel)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import os
 import signal
@@ -25,11 +26,14 @@ import torch
 import torch.distributed as dist
 
 from reasoning_engine import LLM, SamplingParams
+from reasoning_engine.config import ParallelConfig, load_model_config
 from reasoning_engine.engine.async_engine import AsyncLLM
 from reasoning_engine.engine.distributed import _in_lasting_thread, free_port
 
 from models.checkpoints import VOCAB, TinyCheckpoint, prompts
 from server.helpers import alive, child_pids, wait_for
+
+from .test_hybrid import TreeDrafts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
 # 17 blocks of 4 tokens (the least a 64-token context needs): the eight prompts do not fit at once; steps of at most
@@ -89,6 +93,11 @@ CASES = [
     ("gpt_oss", 2, False, 1),  # sinks split with the heads, interleaved gate/up rows split in pairs, one down bias
     ("gpt_oss_mxfp4", 2, True, 1),  # packed MXFP4 experts partitioned over the ranks
     ("gpt_oss", 1, True, 2),  # a block pool with full and sliding-window cache groups per replica
+    # hybrid: each rank keeps its linear-attention heads and their states; Qwen3-Next's projections split in whole
+    # key-head groups, Qwen3.5's q, k and v blocks each split; one state cache per data-parallel replica
+    ("qwen3_next", 2, False, 1),
+    ("qwen3_next", 1, True, 2),
+    ("qwen3_5", 2, False, 1),
 ]
 
 
@@ -100,6 +109,8 @@ def test_ranks_give_one_process_tokens(one_process, variant: str, tp: int, ep: b
         engine = llm.engine
         assert engine.num_preemptions > 0
         assert all(s.blocks.num_free_blocks == s.blocks.num_blocks for s in engine.schedulers)
+        assert all(len(s.states.free) + s.states.num_snapshots == s.states.num_slots
+                   for s in engine.schedulers if s.states is not None)  # every live state slot given back
         if dp > 1:
             assert all(s.blocks.prefix_queries > 0 for s in engine.schedulers)  # both replicas served requests
     _assert_same(outs, reference)
@@ -176,13 +187,15 @@ def test_seeded_samples_thinking_budget_and_logprobs_under_parallelism(bundled_r
                                                                            rel=1e-4)
 
 
-def test_each_rank_holds_and_reads_only_its_share(tiny_checkpoint) -> None:
-    """Attention TP 2 with the experts EP 2: each rank's weights are the replicated parts plus half of the rest,
-    and loading read about that much from the files (slices, not whole tensors)."""
-    path = tiny_checkpoint("deepseek_v3").path
+@pytest.mark.parametrize("variant,ep", [("deepseek_v3", True), ("qwen3_next", False)])
+def test_each_rank_holds_and_reads_only_its_share(tiny_checkpoint, variant: str, ep: bool) -> None:
+    """TP 2 (with the experts EP 2, or split too): each rank's weights are the replicated parts plus half of the
+    rest, and loading read about that much from the files (slices, not whole tensors; a hybrid model's conv weights
+    in three, its q, k and v channels)."""
+    path = tiny_checkpoint(variant).path
     single = LLM(path, **TIGHT)
     whole = single.engine.runner.executor.gather("memory_report")[0]
-    with LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, **TIGHT) as llm:
+    with LLM(path, tensor_parallel_size=2, enable_expert_parallel=ep, **TIGHT) as llm:
         reports = llm.engine.runner.executor.gather("memory_report")
         shard = _tensors(llm.engine.model)
     tensors = _tensors(single.engine.model)
@@ -219,6 +232,34 @@ def test_bad_parallel_settings_fail_at_start_naming_the_option(tiny_checkpoint, 
     path = tiny_checkpoint("deepseek_v3").path
     with pytest.raises(ValueError, match=match):
         LLM(path, **{**TIGHT, **kwargs})
+
+
+def test_hybrid_draft_trees_under_tensor_parallelism(tiny_checkpoint) -> None:
+    """Draft trees (in n-gram's place, drafts that know the answer: some accepted whole, some in part, never the
+    first branch) verified on two ranks, each holding half of every linear-attention layer's heads with their live
+    and per-node scratch states, the accepted node's committed, beside preemption: one process's plain tokens."""
+    path = tiny_checkpoint("qwen3_next").path
+    requests = _prompts()[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    reference = [list(r.outputs[0].token_ids) for r in LLM(path, **TIGHT).generate(requests, params)]
+    spec = {"method": "ngram", "num_speculative_tokens": 8}
+    with LLM(path, tensor_parallel_size=2, speculative_config=spec, adaptive=False, **TIGHT) as llm:
+        llm.engine.spec.proposer = TreeDrafts([r["prompt_token_ids"] + ref for r, ref in zip(requests, reference)])
+        outs = llm.generate(requests, params)
+        stats = llm.engine.spec.stats
+        assert llm.engine.num_preemptions > 0
+        layer = llm.engine.model.linear_layers()[0]  # rank 0's: one key head, two value heads of 16 channels
+        assert layer.conv_state.shape[1] == 16 + 16 + 2 * 16 and layer.recurrent_state.shape[1:] == (2, 16, 16)
+    assert [list(o.outputs[0].token_ids) for o in outs] == reference
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
+
+
+def test_linear_attention_heads_must_split_evenly(tiny_checkpoint, tmp_path: Path) -> None:
+    """Attention heads that split over 2 ranks but one linear-attention key head: the error names the field."""
+    raw = json.loads((tiny_checkpoint("qwen3_next").path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "linear_num_key_heads": 1}))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide linear_num_key_heads \(1\)"):
+        ParallelConfig(tensor_parallel_size=2).check(load_model_config(tmp_path), torch.device("cpu"))
 
 
 def test_experts_must_split_evenly_over_the_ranks(tiny_checkpoint) -> None:

@@ -220,7 +220,8 @@ def _int4_to_float(words, DTYPE: tl.constexpr, MODE: tl.constexpr):
         if MODE == "widen":
             low, high = low.to(tl.float32), high.to(tl.float32)
         low, high = low - bias, high - bias
-        values = tl.join(low, high)
+        values = tl.reshape(tl.join(low, high), (words.shape[0], words.shape[1] // 4, 4, 2, 2, 2))
+        values = tl.permute(values, (0, 1, 3, 4, 2, 5))
     return tl.reshape(values, (words.shape[0], words.shape[1] * 8))
 
 
@@ -231,7 +232,7 @@ def _int4_order(STEP: tl.constexpr, DTYPE: tl.constexpr):
     if DTYPE == tl.float32:
         order = pos
     else:
-        order = (pos // 8) * 8 + (pos % 8) // 2 + (pos % 2) * 4
+        order = (pos // 32) * 32 + (pos % 8) // 2 * 8 + (pos % 32) // 16 * 2 + (pos % 16) // 8 + (pos % 2) * 4
     return order
 
 

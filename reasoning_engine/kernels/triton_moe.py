@@ -5,9 +5,12 @@ and block-FP8 expert weights. Same signatures and weight layouts as `fused_moe.p
 The grouped GEMM follows the MegaBlocks idea (Gale et al., 2023, "MegaBlocks: Efficient Sparse Training with
 Mixture-of-Experts"): (token, choice) pairs are sorted by expert and each expert's run is padded to the row tile, so
 every row tile of the GEMM belongs to exactly one expert and reads only that expert's weights. Quantized weights are
-dequantized in registers right after they are loaded (W4A16 as in Frantar et al., 2024, "MARLIN"), so only the packed
-bytes cross the memory bus. Every pair writes its own output row and the k rows of a token are summed afterwards, so
-results do not depend on scheduling (no atomics).
+dequantized in registers as in Frantar et al., 2024, "MARLIN": only the packed bytes cross the memory bus, INT4 codes
+become floats through the exponent (two per 32-bit operation), and a group's scale multiplies its partial product,
+not each weight. The weights are the MMA's M side, so decode's few pairs per expert do not repeat one product in every
+warp, and a launch too small to fill the GPU is split over K in fixed spans whose partial sums a second kernel adds in
+span order (the bits do not depend on the split). Every pair writes its own output row and the k rows of a token are
+summed afterwards, so results do not depend on scheduling (no atomics).
 """
 
 from __future__ import annotations
@@ -413,7 +416,7 @@ def _launch_gemm(hidden: torch.Tensor, w: torch.Tensor, s: torch.Tensor, b: torc
     changes a result's bits, so this choice may depend on the batch."""
     sorted_ids, expert_ids, num_post_pad = align
     num_tiles = expert_ids.numel()
-    block_n = min(64 if gated else 128, pow2(n_out, 16))
+    block_n = min(128 if block_m == 16 and not gated else 64, pow2(n_out, 16))  # 128 weight rows; 64 with prefill's wide row tiles (registers)
     col_tiles = triton.cdiv(n_out, block_n)
     step = _step(kind, scale_k)
     span = max(_SPLIT_SPAN, step)

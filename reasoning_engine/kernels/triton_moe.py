@@ -5,9 +5,12 @@ and block-FP8 expert weights. Same signatures and weight layouts as `fused_moe.p
 The grouped GEMM follows the MegaBlocks idea (Gale et al., 2023, "MegaBlocks: Efficient Sparse Training with
 Mixture-of-Experts"): (token, choice) pairs are sorted by expert and each expert's run is padded to the row tile, so
 every row tile of the GEMM belongs to exactly one expert and reads only that expert's weights. Quantized weights are
-dequantized in registers right after they are loaded (W4A16 as in Frantar et al., 2024, "MARLIN"), so only the packed
-bytes cross the memory bus. Every pair writes its own output row and the k rows of a token are summed afterwards, so
-results do not depend on scheduling (no atomics).
+dequantized in registers as in Frantar et al., 2024, "MARLIN": only the packed bytes cross the memory bus, INT4 codes
+become floats through the exponent (two per 32-bit operation), and a group's scale multiplies its partial product,
+not each weight. The weights are the MMA's M side, so decode's few pairs per expert do not repeat one product in every
+warp, and a launch too small to fill the GPU is split over K in fixed spans whose partial sums a second kernel adds in
+span order (the bits do not depend on the split). Every pair writes its own output row and the k rows of a token are
+summed afterwards, so results do not depend on scheduling (no atomics).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from reasoning_engine.kernels.fused_moe import MoEQuant
 _ALIGN_CHUNK = 128  # pairs per program of the sort; the rank inside a chunk costs CHUNK^2 comparisons
 _SCAN_EXPERTS = 32  # experts per program of the scan over chunks (Kimi's 384: 12 programs)
 _SCAN_CHUNKS = 64  # chunks per step of that scan: a 16k-token prefill (1,024 chunks) takes 16 steps
-_TILE_ELEMS = 64 * 64  # weight-tile elements per GEMM step
+_SPLIT_SPAN = 512  # input channels per split-K span: a result's bits depend on this and on K alone
 _BUSY_PROGRAMS = 4 * 132  # programs a decode GEMM launch aims for: 4 per H200 SM, since the row tiles counted are a
 # bound (with expert parallelism most may hold another rank's experts and return at once)
 
@@ -200,128 +203,241 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
 
 
 @triton.jit
-def _load_weight_tile(
-    w_ptr, s_ptr, expert, rows, scale_rows, k0, k_in, col_ok,
-    stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-    QUANT: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
-):
-    """[BLOCK_K, BLOCK_N] tile of expert `expert`'s weight (rows = output channels; input channels k0 .. k0 + BLOCK_K),
-    dequantized to DTYPE: QUANT 0 plain, 1 INT4 packed (8 per int32, lowest nibble first, +8 offset), 2 FP8 with block
-    scales, 3 MXFP4 (two e2m1 codes per byte, low nibble first; uint8 e8m0 scales 2^(s - 127) per 32 inputs). Every byte is loaded once: INT4 as [BLOCK_K / 8, BLOCK_N] words unpacked in registers, scales as one row
-    per group of SCALE_K inputs (BLOCK_K and SCALE_K divide one another) broadcast over the group.
-    scale_rows: the scale row of each output channel."""
-    w_base = w_ptr + expert * stride_we + rows[None, :] * stride_wn
-    if QUANT == 0:
-        kk = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_base + kk[:, None] * stride_wk, mask=(kk < k_in)[:, None] & col_ok[None, :], other=0.0).to(DTYPE)
+def _int4_to_float(words, DTYPE: tl.constexpr, MODE: tl.constexpr):
+    """[R, W] int32 words of eight INT4 codes (lowest nibble first, stored as q + 8) -> [R, 8 W] DTYPE values q,
+    without an integer-to-float conversion: each code is ORed into the mantissa of a float whose exponent makes one
+    mantissa step 1 (bf16 128, fp16 1024, fp32 2^23), then the exponent's value and the +8 are subtracted, exactly.
+    16-bit types take two codes per 32-bit operation (nibbles j and j + 4 land in the two halves of one word), so
+    their inputs come out in the order 8 w + j + 4 h for position 8 w + 2 j + h: `_int4_order` permutes the
+    activations to match. float32 keeps the natural order. MODE "widen" (bfloat16 in Triton's CPU interpreter, which
+    computes on bfloat16's raw bits) subtracts in float32 instead: the same exact values."""
+    if DTYPE == tl.float32:
+        codes = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+        values = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
     else:
-        SCALE_ROWS: tl.constexpr = BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1
-        groups = k0 // SCALE_K + tl.arange(0, SCALE_ROWS)
-        scale = tl.load(
-            s_ptr + expert * stride_se + scale_rows[None, :] * stride_sn + groups[:, None] * stride_sk,
-            mask=(groups < tl.cdiv(k_in, SCALE_K))[:, None] & col_ok[None, :], other=0.0,
-        ).to(tl.float32)
-        if QUANT == 3:
-            scale = tl.exp2(scale - 127.0)
-        scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (SCALE_ROWS, BLOCK_K // SCALE_ROWS, scale.shape[1])),
-                           (BLOCK_K, scale.shape[1]))
-        if QUANT == 3:  # e2m1: sign, 2 exponent bits, 1 mantissa bit; exponent 0 is subnormal (0 or 0.5)
-            pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            packed = tl.load(w_base + pairs[:, None] * stride_wk, mask=(pairs < k_in // 2)[:, None] & col_ok[None, :], other=0)
-            codes = (packed[:, None, :].to(tl.int32) >> (tl.arange(0, 2) * 4)[None, :, None]) & 0xF
-            codes = tl.reshape(codes, (BLOCK_K, packed.shape[1]))
-            exponent = (codes >> 1) & 3
-            mantissa = (codes & 1).to(tl.float32)
-            magnitude = tl.where(exponent == 0, 0.5 * mantissa,
-                                 (1.0 + 0.5 * mantissa) * tl.exp2((exponent - 1).to(tl.float32)))
-            w = tl.where(codes >= 8, -magnitude, magnitude)
-        elif QUANT == 1:
-            words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            packed = tl.load(w_base + words[:, None] * stride_wk, mask=(words < k_in // 8)[:, None] & col_ok[None, :], other=0)
-            nibbles = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
-            w = (tl.reshape(nibbles, (BLOCK_K, packed.shape[1])) - 8).to(tl.float32)
-        else:
-            kk = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(w_base + kk[:, None] * stride_wk, mask=(kk < k_in)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        w = (w * scale).to(DTYPE)
+        magic: tl.constexpr = 0x43004300 if DTYPE == tl.bfloat16 else 0x64006400
+        bias: tl.constexpr = 136.0 if DTYPE == tl.bfloat16 else 1032.0
+        halves = ((words[:, :, None] >> (tl.arange(0, 4) * 4)[None, None, :]) & 0x000F000F) | magic
+        low = (halves & 0xFFFF).to(tl.int16).to(DTYPE, bitcast=True)
+        high = (halves >> 16).to(tl.int16).to(DTYPE, bitcast=True)
+        if MODE == "widen":
+            low, high = low.to(tl.float32), high.to(tl.float32)
+        low, high = low - bias, high - bias
+        values = tl.reshape(tl.join(low, high), (words.shape[0], words.shape[1] // 4, 4, 2, 2, 2))
+        values = tl.permute(values, (0, 1, 3, 4, 2, 5))
+    return tl.reshape(values, (words.shape[0], words.shape[1] * 8))
+
+
+@triton.jit
+def _int4_order(STEP: tl.constexpr, DTYPE: tl.constexpr):
+    """The input channel behind each position of a `_int4_to_float` tile of STEP channels."""
+    pos = tl.arange(0, STEP)
+    if DTYPE == tl.float32:
+        order = pos
+    else:
+        order = (pos // 32) * 32 + (pos % 8) // 2 * 8 + (pos % 32) // 16 * 2 + (pos % 16) // 8 + (pos % 2) * 4
+    return order
+
+
+@triton.jit
+def _weight_step(
+    w_base, k0, k_in, row_ok,
+    stride_wk, QUANT: tl.constexpr, STEP: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr, MODE: tl.constexpr,
+):
+    """[R, STEP] unscaled weights of the rows at `w_base` ([R, 1] pointers), input channels k0 .. k0 + STEP, in DTYPE:
+    QUANT 0 plain, 1 INT4 codes (in `_int4_order`), 2 FP8 values, 3 MXFP4 e2m1 values (two codes per byte, low
+    nibble first). Only the packed bytes are loaded; a group's scale is applied to the product, not here."""
+    if QUANT == 1:
+        words = k0 // 8 + tl.arange(0, STEP // 8)
+        ok = row_ok[:, None] if EVEN_K else row_ok[:, None] & (words < k_in // 8)[None, :]
+        w = _int4_to_float(tl.load(w_base + words[None, :] * stride_wk, mask=ok, other=0), DTYPE, MODE)
+    elif QUANT == 3:  # e2m1: sign, 2 exponent bits, 1 mantissa bit; exponent 0 is subnormal (0 or 0.5)
+        pairs = k0 // 2 + tl.arange(0, STEP // 2)
+        ok = row_ok[:, None] if EVEN_K else row_ok[:, None] & (pairs < k_in // 2)[None, :]
+        packed = tl.load(w_base + pairs[None, :] * stride_wk, mask=ok, other=0).to(tl.int32)
+        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (packed.shape[0], STEP))
+        exponent = (codes >> 1) & 3
+        mantissa = (codes & 1).to(tl.float32)
+        magnitude = tl.where(exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * tl.exp2((exponent - 1).to(tl.float32)))
+        w = tl.where(codes >= 8, -magnitude, magnitude).to(DTYPE)
+    else:
+        kk = k0 + tl.arange(0, STEP)
+        ok = row_ok[:, None] if EVEN_K else row_ok[:, None] & (kk < k_in)[None, :]
+        w = tl.load(w_base + kk[None, :] * stride_wk, mask=ok, other=0.0).to(DTYPE)
     return w
 
 
 @triton.jit
+def _moe_epilogue(gate, up, bias_ptr, topk_w_ptr, pair, pair_ok, cols, col_ok, n_out,
+                  GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU_LIMIT: tl.constexpr):
+    """Bias, activation and routing weight on [BLOCK_N channels, pairs] float32 sums (gate and up for GATED): shared
+    by the GEMM and the split-K reduction, so both give the same bits. bias_ptr: the expert's bias row."""
+    if HAS_BIAS:
+        gate += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+        if GATED:
+            up += tl.load(bias_ptr + n_out + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+    if GATED:
+        if SWIGLU_LIMIT > 0:
+            gate = tl.minimum(gate, SWIGLU_LIMIT)
+            up = tl.minimum(tl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
+            gate = gate * tl.sigmoid(1.702 * gate) * (up + 1.0)
+        else:
+            gate = gate * tl.sigmoid(gate) * up
+    if APPLY_WEIGHT:
+        gate = gate * tl.load(topk_w_ptr + pair, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
+    return gate
+
+
+@triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_pad_ptr, topk_w_ptr,
+    a_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, sorted_ptr, expert_ids_ptr, num_post_pad_ptr, topk_w_ptr,
     num_pairs, a_row_div, n_out, k_in, up_scale_row0,
-    stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_om,
+    stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_om, stride_ps,
     GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
     QUANT: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
-    HAS_BIAS: tl.constexpr = False, SWIGLU_LIMIT: tl.constexpr = 0.0,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr, SPAN: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr = False, SWIGLU_LIMIT: tl.constexpr = 0.0,
 ):
-    """One row tile (one expert's pairs) x one column tile. GATED: weight rows [0, n_out) are the gate, [n_out, 2 n_out)
-    the up projection, and the tile stores silu(gate) * up, or with SWIGLU_LIMIT > 0 gpt-oss's clamped SwiGLU. HAS_BIAS:
-    the expert's bias row (gate's then up's for GATED) is added before the activation and the routing weight. Output
-    row = pair index."""
+    """One row tile (BLOCK_M pairs of one expert) x BLOCK_N output channels x (SPLIT) one SPAN of input channels.
+
+    Computed transposed, weights x activations^T (the weight rows are the MMA's M side, 2 BLOCK_N rows for GATED: the
+    gate's then the up's), so decode's few pairs per expert are the narrow N side and the warps split the weight rows
+    instead of repeating one product. Each STEP of input channels is one scale group: its unscaled product is scaled
+    per weight row and added, once per group. Sums run span by span ((0 + span 0) + span 1) + ..., so with SPLIT
+    (one program per span, float32 partial sums stored at part_ptr [span, pair, weight row] and added in span order
+    by `_moe_split_reduce_kernel`) a pair's result has the same bits as without. Without SPLIT the epilogue runs
+    here: GATED stores silu(gate) * up (gpt-oss: the clamped SwiGLU), HAS_BIAS adds the expert's bias first,
+    APPLY_WEIGHT multiplies by the routing weight; output row = pair index."""
     tile = tl.program_id(0)
     if tile * BLOCK_M >= tl.load(num_post_pad_ptr):
         return
     expert = tl.load(expert_ids_ptr + tile).to(tl.int64)
     pair = tl.load(sorted_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pair < num_pairs
-    a_rows = a_ptr + (pair // a_row_div).to(tl.int64)[:, None] * stride_am
+    pair_ok = pair < num_pairs
+    a_cols = (pair // a_row_div).to(tl.int64)[None, :] * stride_am
+    ROWS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
+    r = tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK_N + r % BLOCK_N
+    row_ok = cols < n_out
+    is_up = r >= BLOCK_N
+    w_rows = tl.where(is_up, n_out + cols, cols)
+    w_base = w_ptr + expert * stride_we + w_rows.to(tl.int64)[:, None] * stride_wn
+    s_base = s_ptr + expert * stride_se + tl.where(is_up, up_scale_row0 + cols // SCALE_N, cols // SCALE_N) * stride_sn
+    if QUANT == 1:
+        order = _int4_order(STEP, a_ptr.dtype.element_ty)
+    else:
+        order = tl.arange(0, STEP)
+    if SPLIT:
+        first_span = tl.program_id(2)
+        last_span = first_span + 1
+    else:
+        first_span = 0
+        last_span = tl.cdiv(k_in, SPAN)
+    acc = tl.zeros([ROWS, BLOCK_M], tl.float32)
+    for span in range(first_span, last_span):
+        span_acc = tl.zeros([ROWS, BLOCK_M], tl.float32)
+        for k0 in range(span * SPAN, tl.minimum(span * SPAN + SPAN, k_in), STEP):
+            kk = k0 + order
+            a_ok = pair_ok[None, :] if EVEN_K else pair_ok[None, :] & (kk < k_in)[:, None]
+            a = tl.load(a_ptr + a_cols + kk[:, None], mask=a_ok, other=0.0)
+            w = _weight_step(w_base, k0, k_in, row_ok, stride_wk, QUANT, STEP, EVEN_K, a.dtype, MODE)
+            if QUANT == 0:
+                span_acc += mma(w, a, MODE)
+            else:
+                scale = tl.load(s_base + (k0 // SCALE_K) * stride_sk, mask=row_ok, other=0.0).to(tl.float32)
+                if QUANT == 3:
+                    scale = tl.exp2(scale - 127.0)
+                span_acc += mma(w, a, MODE) * scale[:, None]
+        acc += span_acc
+    if SPLIT:
+        part = part_ptr + tl.program_id(2).to(tl.int64) * stride_ps + pair.to(tl.int64)[None, :] * (ROWS // BLOCK_N * n_out)
+        tl.store(part + w_rows[:, None], acc, mask=row_ok[:, None] & pair_ok[None, :])
+    else:
+        if GATED:
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+        else:
+            gate, up = acc, acc
+        out_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = out_cols < n_out
+        out = _moe_epilogue(gate, up, b_ptr + expert * stride_be, topk_w_ptr, pair, pair_ok, out_cols, col_ok, n_out,
+                            GATED, APPLY_WEIGHT, HAS_BIAS, SWIGLU_LIMIT)
+        out_rows = out_ptr + pair.to(tl.int64)[None, :] * stride_om
+        tl.store(out_rows + out_cols[:, None], out.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & pair_ok[None, :])
+
+
+@triton.jit
+def _moe_split_reduce_kernel(
+    part_ptr, b_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_pad_ptr, topk_w_ptr,
+    num_pairs, n_out, splits, stride_ps, stride_be, stride_om,
+    GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False, SWIGLU_LIMIT: tl.constexpr = 0.0,
+):
+    """A split-K GEMM's float32 partial sums added in span order, then the GEMM's own epilogue (`_moe_epilogue`):
+    one row tile of pairs x BLOCK_N output channels, in the GEMM's tiling."""
+    tile = tl.program_id(0)
+    if tile * BLOCK_M >= tl.load(num_post_pad_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + tile).to(tl.int64)
+    pair = tl.load(sorted_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pair < num_pairs
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if GATED:
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, k_in, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_rows + kk[None, :], mask=row_ok[:, None] & (kk < k_in)[None, :], other=0.0)
-        w = _load_weight_tile(w_ptr, s_ptr, expert, cols, cols // SCALE_N, k0, k_in, col_ok, stride_we, stride_wn,
-                              stride_wk, stride_se, stride_sn, stride_sk, QUANT, SCALE_K, BLOCK_K, a.dtype)
-        acc += mma(a, w, MODE)
+    ok = col_ok[:, None] & pair_ok[None, :]
+    width = 2 * n_out if GATED else n_out
+    at = part_ptr + pair.to(tl.int64)[None, :] * width + cols[:, None]
+    gate = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for split in range(0, splits):
+        gate += tl.load(at + split * stride_ps, mask=ok, other=0.0)
         if GATED:
-            w_up = _load_weight_tile(w_ptr, s_ptr, expert, n_out + cols, up_scale_row0 + cols // SCALE_N, k0, k_in,
-                                     col_ok, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, QUANT,
-                                     SCALE_K, BLOCK_K, a.dtype)
-            acc_up += mma(a, w_up, MODE)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_up += tl.load(b_ptr + expert * stride_be + n_out + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if GATED:
-        if SWIGLU_LIMIT > 0:
-            gate = tl.minimum(acc, SWIGLU_LIMIT)
-            up = tl.minimum(tl.maximum(acc_up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
-            acc = gate * tl.sigmoid(1.702 * gate) * (up + 1.0)
-        else:
-            acc = acc * tl.sigmoid(acc) * acc_up
-    if APPLY_WEIGHT:
-        acc = acc * tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    out_rows = out_ptr + pair.to(tl.int64)[:, None] * stride_om
-    tl.store(out_rows + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+            up += tl.load(at + split * stride_ps + n_out, mask=ok, other=0.0)
+    out = _moe_epilogue(gate, up, b_ptr + expert * stride_be, topk_w_ptr, pair, pair_ok, cols, col_ok, n_out,
+                        GATED, APPLY_WEIGHT, HAS_BIAS, SWIGLU_LIMIT)
+    tl.store(out_ptr + pair.to(tl.int64)[None, :] * stride_om + cols[:, None], out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _block_k(scale_k: int, widest: int) -> int:
-    """Input channels per GEMM step: the widest power of two up to `widest` such that BLOCK_K and the scale group
-    divide one another (a tile then needs one scale row per group it holds, or one for all of it)."""
-    block_k = widest
-    while block_k >= 16:
-        if block_k % scale_k == 0 or scale_k % block_k == 0:
-            return block_k
-        block_k //= 2
-    raise ValueError(f"scale groups of {scale_k} input channels are not supported: the group must divide {widest} or be a multiple of 16")
+def _step(quant_kind: int, scale_k: int) -> int:
+    """Input channels per GEMM step: one scale group (at most 128, at least 16 for the MMA) for quantized weights, 64
+    for plain ones. A group that is not a power of two is not supported."""
+    if quant_kind == 0:
+        return 64
+    step = min(scale_k, 128)
+    if step < 16 or step & (step - 1) or scale_k % step:
+        raise ValueError(f"scale groups of {scale_k} input channels are not supported: the group must be a power of two of at least 16")
+    return step
 
 
-def _gemm_tiles(row_tiles: int, block_m: int, n_out: int, scale_k: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K) of a grouped GEMM. Decode-sized row tiles over few experts leave few programs (a batch-1
-    Kimi TP8 gate_up, 8 experts x 256 channels, is 32 programs of 64 channels for 132 SMs), so for 16-row tiles the
-    column tile narrows, down to 16, until the launch has about `_BUSY_PROGRAMS` programs, and K steps deepen to keep
-    the weight tile (the bytes in flight per step) at `_TILE_ELEMS`."""
-    block_n = 64
-    if block_m == 16:
-        while block_n > 16 and row_tiles * triton.cdiv(n_out, block_n) < _BUSY_PROGRAMS:
-            block_n //= 2
-    return block_n, _block_k(scale_k, _TILE_ELEMS // block_n)
+def _launch_gemm(hidden: torch.Tensor, w: torch.Tensor, s: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                 align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], weights: torch.Tensor, *, row_tiles: int,
+                 a_row_div: int, n_out: int, k_in: int, up_row0: int, gated: bool, apply_weight: bool,
+                 has_bias: bool, swiglu_limit: float, kind: int, scale_n: int, scale_k: int, block_m: int) -> None:
+    """One grouped GEMM (`_moe_gemm_kernel`), split over its K spans when its tiles alone would leave the GPU
+    idle (`_BUSY_PROGRAMS`); the split's partial sums then go through `_moe_split_reduce_kernel`. Splitting never
+    changes a result's bits, so this choice may depend on the batch."""
+    sorted_ids, expert_ids, num_post_pad = align
+    num_tiles = expert_ids.numel()
+    block_n = min(128 if block_m == 16 and not gated else 64, pow2(n_out, 16))  # 128 weight rows; 64 with prefill's wide row tiles (registers)
+    col_tiles = triton.cdiv(n_out, block_n)
+    step = _step(kind, scale_k)
+    span = max(_SPLIT_SPAN, step)
+    spans = triton.cdiv(k_in, span)
+    split = spans > 1 and row_tiles * col_tiles < _BUSY_PROGRAMS
+    width = (2 if gated else 1) * n_out
+    part = torch.empty(spans if split else 0, out.shape[0], width, dtype=torch.float32, device=out.device)
+    common = dict(GATED=gated, APPLY_WEIGHT=apply_weight, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=has_bias,
+                  SWIGLU_LIMIT=swiglu_limit, num_warps=4)
+    _moe_gemm_kernel[(num_tiles, col_tiles, spans if split else 1)](
+        hidden, w, s, b, out, part, sorted_ids, expert_ids, num_post_pad, weights,
+        out.shape[0], a_row_div, n_out, k_in, up_row0,
+        hidden.stride(0), *w.stride(), *s.stride(), b.stride(0), out.stride(0), out.shape[0] * width,
+        QUANT=kind, SCALE_N=scale_n, SCALE_K=scale_k, STEP=step, SPAN=span, SPLIT=split, EVEN_K=k_in % step == 0,
+        MODE=dot_mode(hidden.dtype), **common,
+    )
+    if split:
+        _moe_split_reduce_kernel[(num_tiles, col_tiles)](
+            part, b, out, sorted_ids, expert_ids, num_post_pad, weights,
+            out.shape[0], n_out, spans, out.shape[0] * width, b.stride(0), out.stride(0), **common,
+        )
 
 
 def _block_m(pairs: int, num_experts: int) -> int:
@@ -365,29 +481,19 @@ def fused_moe(
     else:
         scale_n, scale_k = quant.block_shape
         kind, s13, s2, up_row0 = 2, quant.w13_scale, quant.w2_scale, triton.cdiv(inter, scale_n)
-    common = dict(QUANT=kind, SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_M=block_m, MODE=dot_mode(hidden.dtype), num_warps=4)
     b13, b2 = (w13 if w13_bias is None else w13_bias), (w2 if w2_bias is None else w2_bias)  # any pointer when None
-    num_tiles = expert_ids.numel()
-    row_tiles = min(pairs, num_experts) if block_m == 16 else num_tiles
+    align = (sorted_ids, expert_ids, num_post_pad)
+    row_tiles = min(pairs, num_experts) if block_m == 16 else expert_ids.numel()
+    common = dict(row_tiles=row_tiles, kind=kind, scale_n=scale_n, scale_k=scale_k, block_m=block_m,
+                  swiglu_limit=float(swiglu_limit or 0.0))
     intermediate = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    block_n, block_k = _gemm_tiles(row_tiles, block_m, inter, scale_k)
-    _moe_gemm_kernel[(num_tiles, triton.cdiv(inter, block_n))](
-        hidden, w13, s13, b13, intermediate, sorted_ids, expert_ids, num_post_pad, topk_weights,
-        pairs, top_k, inter, hidden_size, up_row0,
-        hidden.stride(0), *w13.stride(), *s13.stride(), b13.stride(0), intermediate.stride(0),
-        GATED=True, APPLY_WEIGHT=False, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=w13_bias is not None,
-        SWIGLU_LIMIT=float(swiglu_limit or 0.0), **common,
-    )
+    _launch_gemm(hidden, w13, s13, b13, intermediate, align, topk_weights, a_row_div=top_k, n_out=inter,
+                 k_in=hidden_size, up_row0=up_row0, gated=True, apply_weight=False, has_bias=w13_bias is not None, **common)
     # pairs of another rank's expert are never written: zeros, so they add nothing to their token's sum
     per_pair = (torch.zeros if other_experts else torch.empty)(pairs, hidden_size, dtype=torch.float32, device=hidden.device)
     weights = topk_weights.reshape(-1)
     if weights.dtype != torch.float32:
         weights = weights.float()
-    block_n, block_k = _gemm_tiles(row_tiles, block_m, hidden_size, scale_k)
-    _moe_gemm_kernel[(num_tiles, triton.cdiv(hidden_size, block_n))](
-        intermediate, w2, s2, b2, per_pair, sorted_ids, expert_ids, num_post_pad, weights,
-        pairs, 1, hidden_size, inter, 0,
-        intermediate.stride(0), *w2.stride(), *s2.stride(), b2.stride(0), per_pair.stride(0),
-        GATED=False, APPLY_WEIGHT=True, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=w2_bias is not None, **common,
-    )
+    _launch_gemm(intermediate, w2, s2, b2, per_pair, align, weights, a_row_div=1, n_out=hidden_size, k_in=inter,
+                 up_row0=0, gated=False, apply_weight=True, has_bias=w2_bias is not None, **common)
     return per_pair.view(tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)

@@ -238,3 +238,68 @@ def test_fused_moe_matches_float64(device):
             expected[t] += weights[t, j].double() * (w2[ids[t, j]] @ (torch.nn.functional.silu(gate) * up))
     out = triton_moe.fused_moe(x.float().to(device), w13.float().to(device), w2.float().to(device), weights.to(device), ids.to(device))
     assert rel_error(out.cpu(), expected) < 1e-5
+
+
+@pytest.mark.parametrize("method", ["w4a16", "fp8_block", "mxfp4", None])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_split_k_gives_the_same_bits(device, monkeypatch, method, tokens):
+    """K = 1152 over 512-channel spans: two whole spans of 16 scale groups and a partial one. Split over the spans
+    (partial sums added in span order by the reduction kernel) or not, every output has the same bits, and both
+    match the reference: batch 1, and 3 tokens (an odd count per expert)."""
+    experts, top_k, hidden, inter = 4, 2, 1152, 64
+    x = torch.randn(tokens, hidden, device=device).to(torch.bfloat16)
+    if method == "w4a16":
+        p13, s13, _ = int4_weights(experts, 2 * inter, hidden, 32)
+        p2, s2, _ = int4_weights(experts, hidden, inter, 32)
+        quant = MoEQuant("w4a16", s13.to(device), s2.to(device), group_size=32)
+    elif method == "fp8_block":
+        p13, s13 = fp8_weights(experts, 2 * inter, hidden, (32, 128))
+        p2, s2 = fp8_weights(experts, hidden, inter, (32, 128))
+        quant = MoEQuant("fp8_block", s13.to(device), s2.to(device), block_shape=(32, 128))
+    elif method == "mxfp4":
+        p13 = torch.randint(0, 256, (experts, 2 * inter, hidden // 2), dtype=torch.uint8)
+        p2 = torch.randint(0, 256, (experts, hidden, inter // 2), dtype=torch.uint8)
+        s13 = torch.randint(121, 125, (experts, 2 * inter, hidden // 32), dtype=torch.uint8)
+        s2 = torch.randint(121, 125, (experts, hidden, inter // 32), dtype=torch.uint8)
+        quant = MoEQuant("mxfp4", s13.to(device), s2.to(device))
+    else:
+        p13 = (torch.randn(experts, 2 * inter, hidden) / hidden**0.5).to(torch.bfloat16)
+        p2 = (torch.randn(experts, hidden, inter) / inter**0.5).to(torch.bfloat16)
+        quant = None
+    weights, ids = _route(tokens, experts, top_k, device)
+    launches = []
+    split_kernel = triton_moe._moe_split_reduce_kernel
+    monkeypatch.setattr(triton_moe, "_moe_split_reduce_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: (launches.append(grid), split_kernel[grid])[1]})())
+    monkeypatch.setattr(triton_moe, "_BUSY_PROGRAMS", 10**6)  # always split
+    split = triton_moe.fused_moe(x, p13.to(device), p2.to(device), weights, ids, quant)
+    assert len(launches) == 1  # gate_up (K = 1152) split, down (K = 64) one span
+    monkeypatch.setattr(triton_moe, "_BUSY_PROGRAMS", 0)  # never split
+    whole = triton_moe.fused_moe(x, p13.to(device), p2.to(device), weights, ids, quant)
+    assert len(launches) == 1
+    assert torch.equal(split, whole)
+    ref = fused_moe.fused_moe(x, p13.to(device), p2.to(device), weights, ids, quant)
+    assert rel_error(split, ref) < 1e-2
+
+
+def test_int4_exponent_trick_is_exact(device):
+    """The kernel's INT4 values (codes ORed into a float's mantissa, the bias subtracted, inputs reordered to match)
+    are exactly q for every code and activation dtype: one-hot activations through a GEMM of unit scales recover
+    each weight."""
+    hidden, inter = 64, 32
+    q = torch.arange(16).repeat(2 * inter * hidden // 16).view(1, 2 * inter, hidden) - 8
+    q = q[:, torch.randperm(2 * inter)]
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        scale = torch.ones(1, 2 * inter, hidden // 32, dtype=torch.bfloat16)
+        out = torch.empty(hidden, 2 * inter)
+        for k in range(hidden):  # one-hot token k: gate_up's product is column k of the weights
+            x = torch.zeros(1, hidden, dtype=dtype)
+            x[0, k] = 1
+            align = triton_moe.moe_align_block_size(torch.zeros(1, 1, dtype=torch.int32, device=device), 1, 16)
+            part = torch.empty(1, 2 * inter, dtype=torch.float32, device=device)
+            triton_moe._launch_gemm(x.to(device), pack_int4(q).to(device), scale.to(device), scale.to(device), part,
+                                    align, torch.ones(1, device=device), row_tiles=1, a_row_div=1, n_out=2 * inter,
+                                    k_in=hidden, up_row0=0, gated=False, apply_weight=False, has_bias=False,
+                                    swiglu_limit=0.0, kind=1, scale_n=1, scale_k=32, block_m=16)
+            out[k] = part[0].cpu()
+        assert torch.equal(out.T, q[0].float()), dtype

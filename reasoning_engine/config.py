@@ -305,7 +305,7 @@ class ParallelConfig:
             needs.append(("num_key_value_heads", model.num_key_value_heads))
         if raw.get("intermediate_size"):
             needs.append(("intermediate_size", raw["intermediate_size"]))
-        for name in ("linear_num_key_heads", "linear_num_value_heads", "shared_expert_intermediate_size"):
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_num_heads", "shared_expert_intermediate_size"):
             if raw.get(name):  # linear-attention heads (their states too) and a Qwen-style shared expert
                 needs.append((name, raw[name]))
         shared = (raw.get("n_shared_experts") or 0) * (raw.get("moe_intermediate_size") or 0)

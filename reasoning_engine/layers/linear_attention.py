@@ -263,8 +263,9 @@ class KimiDeltaAttention(LinearAttention):
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_kernel: int, eps: float,
                  tp: Group = Group()) -> None:
-        if tp.size > 1:
-            raise ValueError("Kimi Delta Attention: tensor parallelism is not supported yet")
+        """`num_heads` is the model's; this rank keeps 1 / tp.size of them, with their channels of every projection
+        that has one per head (the low-rank f_a / g_a and the norm weight are whole on every rank)."""
+        num_heads //= tp.size
         width = num_heads * head_dim
         super().__init__(3 * width, conv_kernel, num_heads, num_heads, head_dim, head_dim)
         self.qkv_proj = nn.Linear(hidden_size, 3 * width, bias=False)
@@ -276,7 +277,7 @@ class KimiDeltaAttention(LinearAttention):
         self.g_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
         self.g_b_proj = nn.Linear(head_dim, width, bias=False)
         self.o_norm = GatedRMSNorm(head_dim, eps, activation="sigmoid")
-        self.o_proj = nn.Linear(width, hidden_size, bias=False)
+        self.o_proj = row_parallel(width * tp.size, hidden_size, False, tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t, h, d = x.shape[0], self.num_k_heads, self.k_dim

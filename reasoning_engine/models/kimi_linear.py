@@ -21,7 +21,7 @@ from torch import nn
 from reasoning_engine.config import ModelConfig
 from reasoning_engine.layers.attention import MLAttention
 from reasoning_engine.layers.linear_attention import KimiDeltaAttention
-from reasoning_engine.models.base import CausalLM, DecoderLayer, WeightTarget, rows
+from reasoning_engine.models.base import CausalLM, DecoderLayer, Split, WeightTarget, column_split, row_split, rows
 from reasoning_engine.models.deepseek_v3 import map_layer_weight, mlp_block
 from reasoning_engine.parallel import Parallel
 
@@ -39,8 +39,6 @@ class NoPosition(nn.Module):
 class KimiLinearForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, max_positions: int, parallel: Parallel = Parallel()) -> None:
         raw, eps, tp = config.raw, config.rms_norm_eps, parallel.tp
-        if tp.size > 1:
-            raise ValueError("kimi_linear: tensor parallelism over linear-attention layers is not supported yet")
         linear = raw.get("linear_attn_config") or {}
         if raw.get("mla_use_nope") is False or linear.get("gate_lower_bound") is not None or linear.get("use_full_rank_gate"):
             raise ValueError("kimi_linear: rotary MLA layers (mla_use_nope false) and KDA's gate_lower_bound / "
@@ -73,13 +71,19 @@ class KimiLinearForCausalLM(CausalLM):
         return map_layer_weight(name, self.config, self.parallel)
 
     def _kda_target(self, prefix: str, part: str, name: str) -> WeightTarget:
-        """q/k/v projections and convs into the fused qkv_proj / conv1d rows; A_log's [1, 1, H, 1] into [H]."""
-        width = self.config.raw["linear_num_heads"] * self.config.raw["linear_head_dim"]
+        """q/k/v projections and convs into the fused qkv_proj / conv1d rows; A_log's [1, 1, H, 1] into [H]. Under
+        tensor parallelism each rank reads its heads' rows of everything per head, and o_proj's columns."""
+        tp = self.parallel.tp
+        width = self.config.raw["linear_num_heads"] * self.config.raw["linear_head_dim"] // tp.size
         fused = re.fullmatch(r"([qkv])_(proj|conv1d)", part)
         if fused:
             start = "qkv".index(fused.group(1)) * width
             param = "qkv_proj" if fused.group(2) == "proj" else "conv1d"
-            return WeightTarget(f"{prefix}.{param}.weight", rows(start, start + width))
+            return WeightTarget(f"{prefix}.{param}.weight", rows(start, start + width), column_split(tp))
         if part == "A_log":
-            return WeightTarget(name, lambda t: t.view(1, 1, -1, 1))
-        return WeightTarget(name)
+            return WeightTarget(name, lambda t: t.view(1, 1, -1, 1), Split(2, tp) if tp.size > 1 else None)
+        if part in ("f_b_proj", "g_b_proj", "b_proj", "dt_bias"):
+            return WeightTarget(name, source=column_split(tp))
+        if part == "o_proj":
+            return WeightTarget(name, source=row_split(tp))
+        return WeightTarget(name)  # f_a_proj, g_a_proj, o_norm: whole on every rank

@@ -98,6 +98,7 @@ CASES = [
     ("qwen3_next", 2, False, 1),
     ("qwen3_next", 1, True, 2),
     ("qwen3_5", 2, False, 1),
+    ("kimi_linear", 2, False, 1),  # KDA heads split like the value heads; NoPE MLA and DeepSeek-V3's MoE as deepseek_v3
 ]
 
 

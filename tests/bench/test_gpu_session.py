@@ -15,7 +15,9 @@ SCRIPT = REPO / "scripts" / "gpu_session.sh"
 KERNEL_TESTS = REPO / "scripts" / "gpu_kernel_tests.txt"
 CALL_BUDGET_S = 540  # of the device call's 600 s, the rest kept for the shell and transfers
 # kernel test files the session leaves out: no kernel launched, or whole-engine runs gpu_check's parity section covers
-NOT_IN_SESSION = {"test_backends.py", "test_engine_backends.py", "test_triton_batch_invariance.py"}
+# (test_linear_attention.py: torch references and the optional flash-linear-attention path, no Triton kernel of ours)
+NOT_IN_SESSION = {"test_backends.py", "test_engine_backends.py", "test_triton_batch_invariance.py",
+                  "test_linear_attention.py"}
 
 
 def _commands() -> list[str]:

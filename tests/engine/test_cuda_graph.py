@@ -242,3 +242,28 @@ def test_captured_graphs_match_eager_on_gpu(family: str, request: pytest.Fixture
     _assert_same(_generate(llm), eager)
     assert {5, 3} <= set(sizes)
     assert runner.decode_graphs.num_steps == len(sizes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["llama_dir", "deepseek_dir"])
+def test_captured_verify_graphs_match_eager_on_gpu(family: str, request: pytest.FixtureRequest) -> None:
+    path = request.getfixturevalue(family)
+    common = dict(dtype="float32", device="cuda", kernel_backend="triton", block_size=4, max_model_len=512,
+                  max_num_seqs=8, enable_prefix_caching=False, adaptive=False,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    plain = _generate(LLM(path, **{**common, "speculative_config": None}, enforce_eager=True), VERIFY_PARAMS)
+    answers = {tuple(p["prompt_token_ids"]): out for p, out in zip(PROMPTS, plain[0])}
+    eager_llm = LLM(path, enforce_eager=True, **common)
+    eager_llm.engine.spec.proposer = VariedTrees(answers)
+    eager = _generate(eager_llm, VERIFY_PARAMS)
+    del eager_llm
+
+    llm = LLM(path, **common)
+    runner = llm.engine.runner.worker
+    assert runner.cuda_graph_batch_sizes == [1, 2, 4, 8]
+    assert runner.cuda_graph_verify_buckets == [(b, k) for b in (1, 2, 4, 8) for k in (1, 2, 4)]
+    llm.engine.spec.proposer = VariedTrees(answers)
+    served = _record_buckets(runner.decode_graphs)
+    _assert_same(_generate(llm, VERIFY_PARAMS), eager)
+    assert runner.decode_graphs.num_verify_steps == sum(q > 1 for _, q, _, _ in served) >= 3

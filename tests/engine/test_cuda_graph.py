@@ -19,8 +19,10 @@ import torch
 from reasoning_engine import LLM, SamplingParams
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.engine.cuda_graph import CudaGraphRunner, choose_bucket, decode_batch_sizes, verify_buckets
+from reasoning_engine.engine.tuning import MAX_DRAFT_LENGTH_BUCKETS, EngineTuner
 from reasoning_engine.llm import build_engine_config
 from reasoning_engine.server.cli import _engine_kwargs, register_cli
+from reasoning_engine.speculative.decoder import SpeculativeConfig
 from reasoning_engine.speculative.draft import Draft
 from char_models import mixed_prompts
 
@@ -267,3 +269,13 @@ def test_captured_verify_graphs_match_eager_on_gpu(family: str, request: pytest.
     served = _record_buckets(runner.decode_graphs)
     _assert_same(_generate(llm, VERIFY_PARAMS), eager)
     assert runner.decode_graphs.num_verify_steps == sum(q > 1 for _, q, _, _ in served) >= 3
+
+
+def test_adaptive_engine_picks_draft_length_buckets(llama_dir: Path) -> None:
+    config = build_engine_config(llama_dir, dtype="float32", device="cpu",
+                                 speculative_config={"method": "ngram", "num_speculative_tokens": 8})
+    tuner = EngineTuner(config, SpeculativeConfig.from_dict(config.speculative_config), set())
+    assert tuner.graph_draft_lengths() is None  # nothing seen: the default buckets
+    tuner.controller.verified_lengths.update({3: 500, 5: 40, 6: 2, 8: 3})
+    lengths = tuner.graph_draft_lengths()
+    assert lengths[-1] == 8 and {3, 5} <= set(lengths) and len(lengths) <= MAX_DRAFT_LENGTH_BUCKETS

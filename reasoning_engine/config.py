@@ -374,6 +374,10 @@ class EngineConfig:
     # CUDA-graph decode buckets (None: powers of two up to max_num_seqs); the adaptive engine picks them from the
     # batch sizes its state has seen
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    # CUDA-graph verification buckets by draft length k (query length k + 1), crossed with the batch-size buckets
+    # (engine/cuda_graph.verify_buckets; None: powers of two up to num_speculative_tokens; (): verification eager);
+    # the adaptive engine picks them from the draft lengths its state has seen
+    cuda_graph_draft_lengths: tuple[int, ...] | None = None
     # multimodal models: vision-encoder output rows kept per replica for reuse by content hash (a step's own images
     # may exceed it), and the most images / videos one prompt may carry (vLLM's limit_mm_per_prompt)
     encoder_cache_tokens: int = 16384
@@ -389,6 +393,10 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
             raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
+        for name in ("cuda_graph_batch_sizes", "cuda_graph_draft_lengths"):
+            sizes = getattr(self, name)
+            if sizes is not None and (any(not isinstance(n, int) or n < 1 for n in sizes) or list(sizes) != sorted(set(sizes))):
+                raise ValueError(f"{name} must be increasing positive integers, got {sizes!r}")
         if self.kernel_backend not in ("torch", "triton"):
             raise ValueError(f"kernel_backend must be 'torch' or 'triton', got {self.kernel_backend!r}")
         if self.compile_decode and (self.device.type != "cpu" or self.kernel_backend != "torch"):

@@ -13,8 +13,8 @@
 #     model (bf16 experts, CUDA graphs; within its own cap) and transformers' batch-1 rate beside it, then the kernel
 #     table, greedy parity, the adaptive engine against static speculation and the other decode variants, each while
 #     the budget lasts;
-#  3. last, scripts/gpu_kernel_tests.txt: each kernel's tests at a few shapes and the GPU-only engine tests, compiled
-#     for the GPU.
+#  3. last, scripts/gpu_kernel_tests.txt: each kernel's tests at a few shapes and the GPU-only engine tests (CUDA graphs =
+#     eager for decode and verification steps), compiled for the GPU.
 # Sizing (16 CPU cores on the GPU machine). Stage 1: 76 distinct sm_90 kernel variants; compiled here on CPU they took
 # 1.2 s each on average, 11.5 s at most (_sample_kernel), so about 90 CPU-seconds: 15-25 s on 16 cores with the
 # workers' imports, then --measure's budget, imports and the final writes. Stage 3: the listed tests compile 93

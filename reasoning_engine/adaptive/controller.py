@@ -86,6 +86,7 @@ class AdaptiveController:
         self.gate = PolicyGate()
         self.chunk_cost = ChunkCost()
         self.batch_sizes: Counter[int] = Counter()
+        self.verified_lengths: Counter[int] = Counter()  # verifying steps by their longest draft (CUDA-graph buckets)
         self.warm = False
         self._saved_at = time.monotonic()
         self.last_lengths: list[int] = []
@@ -125,6 +126,7 @@ class AdaptiveController:
             retention = SessionRetention()
             retention.load(state["return_gaps"])
             sizes = Counter({int(k): int(v) for k, v in state["batch_sizes"].items()})
+            lengths = Counter({int(k): int(v) for k, v in state.get("verified_lengths", {}).items()})  # absent before kept
             gate = PolicyGate()
             gate.load(state.get("policy_gate", {}))  # absent from states saved before it (theirs is not comparable)
             gate.temper()
@@ -136,6 +138,7 @@ class AdaptiveController:
             logger.warning("adaptive state in %s is malformed (%s): starting cold", self.state_dir, exc)
             return
         self.cost, self.acceptance, self.retention, self.batch_sizes = cost, acceptance, retention, sizes
+        self.verified_lengths = lengths
         self.gate, self.chunk_cost, self.proposed_drafts = gate, chunk_cost, proposed_drafts
         self.warm = True
         logger.info("adaptive state loaded from %s (%d steps in the cost model)", self.state_dir, cost.observations)
@@ -151,6 +154,7 @@ class AdaptiveController:
                 "cost_model": self.cost.to_dict(), "acceptance": self.acceptance.to_dict(),
                 "return_gaps": self.retention.to_dict(),
                 "batch_sizes": {str(k): v for k, v in self.batch_sizes.items()},
+                "verified_lengths": {str(k): v for k, v in self.verified_lengths.items()},
                 "policy_gate": self.gate.to_dict(), "chunk_steps": self.chunk_cost.to_list(),
                 "proposed_drafts": self.proposed_drafts.to_list()})
         except OSError as exc:
@@ -192,12 +196,13 @@ class AdaptiveController:
 
     def observe_step(self, shape: StepShape, seconds: float, decode_batch: int, policy: str | None = None,
                      tokens: int = 0, drafting_seconds: float = 0.0, decodes: StepShape | None = None,
-                     trace: StepTrace | None = None) -> None:
+                     trace: StepTrace | None = None, draft_length: int = 0) -> None:
         """A step's measured `seconds` (as the cost model counts them). `policy`: the gate's arm that ran it (None:
         the gate was not asked); then the decodes' `tokens` and the step's seconds with all of the proposing and
         choosing done for it (`drafting_seconds`) score that arm, against the step predicted without its drafts.
         `decodes`: the step's decodes alone where it also carried prefill chunks. `trace`: what the engine noted of
-        the step's drafts, completed here and kept."""
+        the step's drafts, completed here and kept. `draft_length`: the most draft nodes one of its sequences
+        verified (0: none)."""
         part = decodes if decodes is not None else shape
         if policy is not None and part.sequences and part.query_tokens == part.sequences + part.draft_tokens:
             drafts = part.draft_tokens
@@ -212,6 +217,8 @@ class AdaptiveController:
         self.cost.observe(shape, seconds)
         if decode_batch:
             self.batch_sizes[decode_batch] += 1
+        if draft_length:
+            self.verified_lengths[draft_length] += 1
 
     def _prediction_error(self, shape: StepShape, seconds: float, trace: StepTrace | None) -> None:
         """The cost model's prediction for the step against its measured seconds, into its kind's running error and

@@ -88,7 +88,8 @@ class LLMEngine:
                 check_state_dir(state_dir, name)
         self.tuner = EngineTuner(config, spec_config, self._tool_call_ids()) if config.adaptive else None
         if self.tuner is not None and config.device.type == "cuda":
-            config = self.config = dataclasses.replace(config, cuda_graph_batch_sizes=self.tuner.graph_batch_sizes())
+            config = self.config = dataclasses.replace(config, cuda_graph_batch_sizes=self.tuner.graph_batch_sizes(),
+                                                       cuda_graph_draft_lengths=self.tuner.graph_draft_lengths())
         self.groups: dict[str, list[Request]] = {}
         self.runner = ModelRunner(config, start_executor(config), self._replica_of)
         # one scheduler and KV cache per data-parallel replica (one without data parallelism)

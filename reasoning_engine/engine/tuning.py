@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_CUDA_GRAPHS = 12  # captured decode buckets at most (each graph holds its own buffers)
+MAX_DRAFT_LENGTH_BUCKETS = 4  # draft-length buckets of the verification graphs at most (each crossed with the above)
 REFRESH_S = 0.25
 
 
@@ -73,6 +74,15 @@ class EngineTuner:
             return None
         sizes = choose_graph_batch_sizes(self.controller.batch_sizes, self.config.max_num_seqs, MAX_CUDA_GRAPHS)
         return tuple(sizes) or None
+
+    def graph_draft_lengths(self) -> tuple[int, ...] | None:
+        """Verification graphs' draft-length buckets from the longest drafts of the verifying steps the saved state
+        has seen (the same choice as the batch sizes'), or None (the default buckets)."""
+        longest = self.controller.max_draft_tokens
+        if not self.controller.verified_lengths or not longest:
+            return None
+        lengths = choose_graph_batch_sizes(self.controller.verified_lengths, longest, MAX_DRAFT_LENGTH_BUCKETS)
+        return tuple(lengths) or None
 
     def calibrate(self, runner: ModelRunner) -> None:
         """Time a few synthetic steps (their tokens live in the padding block, which no request owns) so the cost
@@ -121,6 +131,7 @@ class EngineTuner:
         itself). The drafting gate, which weighs drafting as a whole, scores the step with all of it."""
         decode_batch = max((sum(1 for s in plan.scheduled if s.num_tokens - s.num_draft_tokens == 1) for plan in plans),
                            default=0)
+        draft_length = max((s.num_draft_tokens for plan in plans for s in plan.scheduled), default=0)
         own = time.perf_counter() - self._step_start - proposing
         seconds = own + (self._proposing if shape.verifying else 0.0)
         decodes = None
@@ -132,7 +143,7 @@ class EngineTuner:
         trace = self._trace or StepTrace()
         trace.decodes, trace.verified, trace.accepted = part.sequences, part.draft_tokens, self._accepted
         self.controller.observe_step(shape, seconds, decode_batch, self._policy, tokens, own + self._proposing,
-                                     decodes, trace)
+                                     decodes, trace, draft_length)
         self._proposing = proposing
 
     def shape(self, plans: list[SchedulerOutput]) -> StepShape:

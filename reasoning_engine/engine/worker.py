@@ -15,7 +15,7 @@ A model with a vision tower (Kimi K2.5) has it on every rank, whole: a step's ne
 forward pass and their output rows replace the placeholder tokens' embeddings (the driver says which rows; outputs
 stay cached by content hash until it says to drop them).
 
-On CUDA with the Triton kernels, decode steps replay CUDA graphs captured at start (`cuda_graph.py`); with
+On CUDA with the Triton kernels, decode and verification steps replay CUDA graphs captured at start (`cuda_graph.py`); with
 `compile_decode`, CPU decode steps run `torch.compile` graphs (`compiled_decode.py`); everything else runs eagerly.
 """
 
@@ -313,7 +313,8 @@ class ModelWorker:
         # EAGLE-3 reads intermediate layers, which a captured forward does not return: its steps stay eager
         # hybrid models' steps stay eager: their state addressing is not part of the captured or compiled graphs
         if cuda_graphs_enabled(self.config) and not self.aux_layers and not self.linear_layers:
-            self.decode_graphs = CudaGraphRunner(self.model, self.config, self.padding_block, capture=True)
+            self.decode_graphs = CudaGraphRunner(self.model, self.config, self.padding_block, capture=True,
+                                                 max_draft_tokens=self.max_draft_tokens)
         if self.config.compile_decode and not self.aux_layers and not self.linear_layers:
             self.compiled_decode = CompiledDecode(self.model)
             self._compile_decode_graphs()
@@ -360,6 +361,12 @@ class ModelWorker:
         """Decode batch sizes replayed from captured CUDA graphs; [] when every step runs eagerly (CPU, torch
         kernels, enforce_eager, EAGLE-3). A step of n sequences replays the smallest of these >= n."""
         return self.decode_graphs.captured_batch_sizes if self.decode_graphs is not None else []
+
+    @property
+    def cuda_graph_verify_buckets(self) -> list[tuple[int, int]]:
+        """(batch size, draft length) of the verification steps replayed from captured CUDA graphs: a step of n
+        sequences verifying up to k draft nodes each replays the bucket of fewest padded tokens that holds it."""
+        return self.decode_graphs.captured_verify_buckets if self.decode_graphs is not None else []
 
     def move_kv(self, replica: int, block_tables: list[list[int]], moves: list[tuple[int, int]]) -> None:
         """Copy cache entries between token positions of one sequence of `replica` (accepted draft-tree nodes into

@@ -467,7 +467,8 @@ def test_state_round_trips(tmp_path: Path) -> None:
     first = _controller(tmp_path)
     rng = random.Random(2)
     for shape in _random_shapes(rng, 50):
-        first.observe_step(shape, _true_time(shape), decode_batch=shape.sequences)
+        first.observe_step(shape, _true_time(shape), decode_batch=shape.sequences, draft_length=shape.draft_tokens)
+    assert first.verified_lengths and 0 not in first.verified_lengths
     for _ in range(10):
         first.record_draft("r", "agent", 4, 3)
     first.retention.finished("s", "agent/tool_call", 0.0)
@@ -487,6 +488,7 @@ def test_state_round_trips(tmp_path: Path) -> None:
     assert second.acceptance.to_dict() == first.acceptance.to_dict()
     assert second.retention.to_dict() == first.retention.to_dict()
     assert second.batch_sizes == first.batch_sizes
+    assert second.verified_lengths == first.verified_lengths
     # the gate's scores come back as a prior: the same means and steps, at most LOADED_WEIGHT steps' weight, no bank
     loaded, saved = second.gate.summary(), first.gate.summary()
     for bucket in saved.values():

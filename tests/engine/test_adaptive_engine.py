@@ -209,10 +209,13 @@ def test_learned_state_survives_a_restart(llama_dir: Path, tmp_path: Path) -> No
     with LLM(llama_dir, dtype="float32", device="cpu", speculative_config=spec, state_dir=str(tmp_path)) as first:
         first.generate(prompts, GREEDY)
         steps = first.engine.tuner.controller.cost.observations
+        verified = first.engine.tuner.controller.verified_lengths.copy()  # verifying steps by longest draft
+        assert first.engine.stats().spec_decode["draft_tokens"] == 0 or verified
     assert (tmp_path / "adaptive_state.json").is_file() and (tmp_path / "suffix_state.json").is_file()
     second = LLM(llama_dir, dtype="float32", device="cpu", speculative_config=spec, state_dir=str(tmp_path))
     controller = second.engine.tuner.controller
     assert controller.warm and controller.cost.observations == steps  # no calibration over a warm model
+    assert controller.verified_lengths == verified
     cold = LLM(llama_dir, dtype="float32", device="cpu", speculative_config=spec, adaptive=False)
     assert cold.engine.tuner is None and cold.engine.adaptive_snapshot() == {"enabled": False}
 

@@ -880,11 +880,12 @@ def streamed_tile_bytes(kernel: str, kwargs: dict[str, Any]) -> float | None:
     walks a tensor that lives in HBM and is read once (expert weights, the KV cache); None for others (the SASS
     global bytes stand in). Other operands of these loops (activations, queries) are re-read from L2 and not counted."""
     get = kwargs.get
-    if kernel == "_moe_gemm_kernel" and {"BLOCK_N", "BLOCK_K", "QUANT"} <= set(kwargs):
+    step = get("STEP", get("BLOCK_K"))  # input channels per iteration (STEP since the W4A16 rewrite)
+    if kernel == "_moe_gemm_kernel" and step and {"BLOCK_N", "QUANT"} <= set(kwargs):
         rows = get("BLOCK_N") * (2 if get("GATED") else 1)
         weight, scale = {0: (2.0, 0), 1: (0.5, 2), 2: (1.0, 4), 3: (0.5, 1)}.get(get("QUANT"), (2.0, 0))
-        scales = rows / get("SCALE_N", 1) * get("BLOCK_K") / get("SCALE_K", 1) * scale if scale else 0.0
-        return rows * get("BLOCK_K") * weight + scales
+        scales = rows / get("SCALE_N", 1) * step / get("SCALE_K", 1) * scale if scale else 0.0
+        return rows * step * weight + scales
     if kernel in ("_decode_partial_kernel", "_prefill_kernel") and {"BLOCK_N", "D1"} <= set(kwargs):
         width = get("D1") + get("D2", 0) + (0 if get("V_FROM_K", True) else get("DV", 0))
         return get("BLOCK_N") * width * BF16

@@ -22,8 +22,9 @@ MLA runs in absorbed form: one KV head whose key is [latent | rope] (split into 
 padded to a power of two) and whose value is the latent part of the same cache row, multiplied by the probabilities
 from the key tile already held instead of loaded again. Its sequences of at most SHORT_QUERY query tokens (decodes,
 draft trees being verified, small chunks) go through `_latent_partial_kernel`, in the manner of FlashMLA (DeepSeek,
-2025): one program per (sequence, slice of the context, block of 64 query-token x head rows), so every head of a
-token shares each latent tile and the rows form a tile the tensor cores take whole (wgmma on sm_90); the slices
+2025): one program per (sequence, slice of the context, block of 64 query-token x head rows, half of the value
+channels), so every head of a token shares each latent tile and the rows form a tile the tensor cores take whole
+(wgmma on sm_90, tcgen05 on sm_100), with an accumulator that fits the registers; the slices
 (`latent_split_plan`: as many as the GPU has SMs, none shorter than its partial output weighs, from the sequence's
 own length) merge in `_latent_reduce_kernel`. Longer chunks in the same step go through the prefill kernel, which
 skips the short sequences.
@@ -51,9 +52,12 @@ _MERGE_CHANNELS = 64  # ... of this many output channels: a [32, 64] float32 til
 # step of 8 heads x 512 channels is 64 programs (one per (sequence, head) would be 8, each reading 128 slices)
 SHORT_QUERY = 16  # query tokens of a sequence the latent split kernel takes (decodes, drafts, small chunks)
 _LATENT_BLOCK_M = 64  # (query token, head) rows of a latent program: one warpgroup-wide tile (wgmma / tcgen05)
-_LATENT_BLOCK_N = 64  # keys per latent tile
-_LATENT_WARPS = 8  # two warpgroups: each holds half of the [64, 512] float32 accumulator (128 registers a thread)
-_LATENT_STAGES = 2  # latent tiles in flight: [64, 576] bf16 (72 KB) each, beside the queries' 72 KB
+_LATENT_BLOCK_N = 32  # keys per latent tile
+_LATENT_SLICE_KEYS = 64  # latent slices are whole multiples of this many keys (two tiles)
+_LATENT_WARPS = 8  # two warpgroups, each with half of a program's [64, 256] float32 accumulator
+_LATENT_STAGES = 2  # latent tiles in flight: [32, 576] bf16 (36 KB) each, beside the queries' 72 KB
+_LATENT_VALUE_SPLIT = 2  # programs that share a latent tile, each with its own half of the value channels
+MAX_TREE_QUERY = 31  # query tokens of a short sequence at most: its draft-tree rows are bit masks in an int32
 _DEFAULT_SMS = 132  # an H100's / H200's SM count: the latent slice cap where no GPU is visible (ahead-of-time reports)
 
 
@@ -65,11 +69,11 @@ def device_sms(device: torch.device) -> int:
 
 
 def latent_min_split(num_heads: int, latent_dim: int, row_bytes: int) -> int:
-    """Fewest keys per slice of the latent kernel: whole key tiles, enough that the slice's cache rows weigh at least
+    """Fewest keys per slice of the latent kernel: whole pairs of key tiles, enough that the slice's cache rows weigh at least
     its partial output (heads x latent float32), which a program writes whatever its length. A program's time is
     about its bytes over one SM's share of bandwidth, so slicing shorter than this makes no program faster."""
-    tiles = triton.cdiv(num_heads * latent_dim * 4, _LATENT_BLOCK_N * row_bytes)
-    return _LATENT_BLOCK_N * max(tiles, 1)
+    tiles = triton.cdiv(num_heads * latent_dim * 4, _LATENT_SLICE_KEYS * row_bytes)
+    return _LATENT_SLICE_KEYS * max(tiles, 1)
 
 
 def latent_split_plan(seq_len: int, min_split: int, max_splits: int) -> tuple[int, int]:
@@ -91,6 +95,7 @@ class TritonAttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, max_blocks] int32
     tree_mask: torch.Tensor | None  # [T, max_query_len] int8, or None for causal
+    tree_bits: torch.Tensor | None  # [T] int32: bit j set where a short sequence's query row sees its step token j
     max_query_len: int
     max_seq_len: int  # host bound on every sequence's length: the step's longest, or max_model_len in a CUDA graph
     block_size: int
@@ -102,6 +107,16 @@ class TritonAttentionMetadata:
     short_max_query_len: int  # the most query tokens of a short sequence (0: none)
     short_max_seq_len: int  # host bound on a short sequence's length
     has_long: bool  # some sequence has more than `short_query` query tokens (the prefill kernel's)
+
+
+def tree_bits(tree_mask: torch.Tensor, short_query: int) -> torch.Tensor:
+    """Each query row's draft-tree mask over the step's first `short_query` tokens as the bits of an int32 (bit j: the
+    row sees token j), which the latent kernel reads once per row instead of a byte per (row, key) in its loop."""
+    if not 0 < short_query <= MAX_TREE_QUERY:
+        raise ValueError(f"short_query must be in 1..{MAX_TREE_QUERY}, got {short_query}")
+    cols = min(tree_mask.shape[1], short_query)
+    weights = torch.ones(cols, dtype=torch.int32, device=tree_mask.device) << torch.arange(cols, dtype=torch.int32, device=tree_mask.device)
+    return (tree_mask[:, :cols].to(torch.int32) * weights).sum(dim=1, dtype=torch.int32)
 
 
 def split_plan(seq_len: int, split_tokens: int = _SPLIT_TOKENS) -> tuple[int, int]:
@@ -144,6 +159,7 @@ def prepare_attention(batch: ForwardBatch, block_size: int, split_tokens: int | 
         seq_lens=batch.seq_lens.to(torch.int32),
         block_tables=batch.block_tables.to(torch.int32),
         tree_mask=None if batch.tree_mask is None else batch.tree_mask.to(torch.int8),
+        tree_bits=None if batch.tree_mask is None else tree_bits(batch.tree_mask, short_query),
         max_query_len=batch.max_query_len,
         max_seq_len=batch.max_seq_len,
         block_size=block_size,
@@ -309,22 +325,31 @@ def _online_softmax(s, m_i, l_i):
 def _latent_partial_kernel(
     q_ptr, kv_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, rows_start_ptr, tree_ptr, part_out_ptr, part_lse_ptr,
     qk_scale,
-    stride_qt, stride_qh, stride_kb, stride_bt, stride_tree,
+    stride_qt, stride_qh, stride_kb, stride_bt,
     num_heads, num_splits, min_split, max_splits, short_query,
     D1: tl.constexpr, D2: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, STRIDE_KS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_TREE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, V_SPLIT: tl.constexpr,
 ):
     """MLA over one slice of one sequence's context for BLOCK_M of its (query token, head) rows, token-major (row r
     is token r // HEADS, head r % HEADS): every head of a token, or of several tokens, shares each latent tile, which
     is loaded once for the QK product ([latent | rope] channels) and reused as the values. Sequences with more than
-    `short_query` query tokens are the prefill kernel's. CAUSAL: the step's own tokens are seen in causal order (or
-    by the draft tree); rows that see no key of the slice write a log-sum-exp of -inf and weigh nothing.
+    `short_query` query tokens are the prefill kernel's. CAUSAL: the step's own tokens are seen in causal order, or
+    by the draft tree (HAS_TREE: `tree_ptr` holds each row's tree as int32 bits, `tree_bits`, so the loop shifts a
+    register instead of loading a byte per row and key); rows that see no key of the slice write a log-sum-exp of
+    -inf and weigh nothing.
+    V_SPLIT programs share each (row block, slice), the value channels split between them as FlashMLA splits them
+    between two warpgroups: each computes the whole QK product (the same instructions, so the same probabilities and
+    log-sum-exp; half 0 writes it) and multiplies P by its half of the latent tile. A [64, 512] float32 accumulator
+    with the tile's addresses, probabilities and the two mma operands outgrows 255 registers a thread on sm_90 and
+    sm_100 at any warp count and pipeline depth; a [64, 256] half at 8 warps and 32-key tiles does not. The two
+    programs are neighbours in the grid and run together, so the second read of a tile comes from L2, not HBM.
     Slices start at multiples of BLOCK_N (`min_split` is one), and the cache's block size and row stride are
     constants: where BLOCK_SIZE divides BLOCK_N, a thread's rows of a tile are a few cache blocks' bases plus
     offsets known when compiling, not a division and a 64-bit product per row."""
     seq = tl.program_id(0)
-    m_block = tl.program_id(1)
+    m_block = tl.program_id(1) // V_SPLIT
+    half = tl.program_id(1) % V_SPLIT
     split = tl.program_id(2)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
@@ -342,17 +367,23 @@ def _latent_partial_kernel(
     row_ok = (t < q_len) & (h < num_heads)
     tok = (q_start + t).to(tl.int64)
 
-    d1 = tl.arange(0, BLOCK_D1)
+    HALF: tl.constexpr = BLOCK_D1 // V_SPLIT
+    d1 = tl.arange(0, HALF)
     q_rows = q_ptr + tok[:, None] * stride_qt + h[:, None] * stride_qh
     q1 = tl.load(q_rows + d1[None, :], mask=row_ok[:, None] & (d1 < D1)[None, :], other=0.0)
+    if V_SPLIT == 2:
+        q1b = tl.load(q_rows + HALF + d1[None, :], mask=row_ok[:, None] & (HALF + d1 < D1)[None, :], other=0.0)
     if D2 > 0:
         d2 = tl.arange(0, BLOCK_D2)
         q2 = tl.load(q_rows + D1 + d2[None, :], mask=row_ok[:, None] & (d2 < D2)[None, :], other=0.0)
     q_pos = seq_len - q_len + t
+    if HAS_TREE:
+        # the row's tree mask over the step's tokens, causal too (tokens 0..t): a key then needs no position test
+        seen_bits = tl.load(tree_ptr + tok, mask=row_ok, other=0) & ((2 << t) - 1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D1], tl.float32)
+    acc = tl.zeros([BLOCK_M, HALF], tl.float32)
     table = bt_ptr + seq.to(tl.int64) * stride_bt
     offs = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
@@ -368,27 +399,38 @@ def _latent_partial_kernel(
         k_rows = kv_ptr + blk * stride_kb + slot * STRIDE_KS
         k1 = tl.load(k_rows[:, None] + d1[None, :], mask=ok[:, None] & (d1 < D1)[None, :], other=0.0)
         s = mma(q1, tl.trans(k1), PRECISION)
+        if V_SPLIT == 2:
+            k1b = tl.load(k_rows[:, None] + HALF + d1[None, :], mask=ok[:, None] & (HALF + d1 < D1)[None, :], other=0.0)
+            s += mma(q1b, tl.trans(k1b), PRECISION)
         if D2 > 0:
             k2 = tl.load(k_rows[:, None] + D1 + d2[None, :], mask=ok[:, None] & (d2 < D2)[None, :], other=0.0)
             s += mma(q2, tl.trans(k2), PRECISION)
-        if CAUSAL:
+        if HAS_TREE:
+            j = pos - (seq_len - q_len)  # index among the step's own tokens; negative for the cached context
+            in_tree = ((seen_bits[:, None] >> tl.maximum(j, 0)[None, :]) & 1) != 0
+            allowed = ok[None, :] & (in_tree | (j < 0)[None, :])
+        elif CAUSAL:
             allowed = ok[None, :] & (pos[None, :] <= q_pos[:, None])
-            if HAS_TREE:
-                j = pos - (seq_len - q_len)  # index among the step's own tokens; negative for the cached context
-                in_step = (j >= 0)[None, :]
-                tree = tl.load(tree_ptr + tok[:, None] * stride_tree + j[None, :], mask=allowed & in_step & row_ok[:, None], other=0)
-                allowed = allowed & ((tree != 0) | ~in_step)
         else:
             allowed = ok[None, :]
         p, alpha, m_new, l_i = _online_softmax(tl.where(allowed, s * qk_scale, float("-inf")), m_i, l_i)
-        acc = acc * alpha[:, None] + mma(p.to(k1.dtype), k1, PRECISION)
+        acc = acc * alpha[:, None]
+        if V_SPLIT == 2:
+            if half == 0:
+                acc += mma(p.to(k1.dtype), k1, PRECISION)
+            else:
+                acc += mma(p.to(k1b.dtype), k1b, PRECISION)
+        else:
+            acc += mma(p.to(k1.dtype), k1, PRECISION)
         m_i = m_new
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     part_row = ((tl.load(rows_start_ptr + seq) + t).to(tl.int64) * num_heads + h) * num_splits + split
-    tl.store(part_lse_ptr + part_row, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=row_ok)
-    tl.store(part_out_ptr + part_row[:, None] * D1 + d1[None, :], out, mask=row_ok[:, None] & (d1 < D1)[None, :])
+    if half == 0:  # both halves hold the same log-sum-exp
+        tl.store(part_lse_ptr + part_row, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=row_ok)
+    dv = half * HALF + d1
+    tl.store(part_out_ptr + part_row[:, None] * D1 + dv[None, :], out, mask=row_ok[:, None] & (dv < D1)[None, :])
 
 
 @triton.jit
@@ -564,9 +606,11 @@ def latent_traffic(seq_lens: list[int], query_lens: list[int], num_heads: int, l
                    elem_bytes: int, max_splits: int = _DEFAULT_SMS, short_query: int = SHORT_QUERY) -> dict[str, tuple[float, int]]:
     """(bytes requested as written, programs that do work) of the latent split kernel and its merge over the step's
     sequences of at most `short_query` query tokens, for benchmarks/kernel_report.py: each program reads its slice's
-    latent rows once for all the (token, head) rows of its tile, and its queries, and writes a partial output per row;
+    latent rows once for all the (token, head) rows of its tile (HBM bytes: the program sharing the tile for the other
+    half of the value channels reads it from L2), and its queries, and writes its half of a partial output per row;
     the merge reads them back (the log-sum-exps once per block of channels) and writes the outputs."""
     row = (latent + rope) * elem_bytes
+    split = _LATENT_VALUE_SPLIT if pow2(latent, 16) >= 256 else 1  # programs per tile; their second read hits L2
     min_split = latent_min_split(num_heads, latent, row)
     channel_blocks = triton.cdiv(latent, min(pow2(latent, 16), _MERGE_CHANNELS))
     partial = merge = 0.0
@@ -576,9 +620,9 @@ def latent_traffic(seq_lens: list[int], query_lens: list[int], num_heads: int, l
             continue
         splits = latent_split_plan(seq_len, min_split, max_splits)[1]
         tiles = triton.cdiv(q_len * pow2(num_heads), _LATENT_BLOCK_M)
-        partial += tiles * seq_len * row + splits * q_len * num_heads * (row + latent * 4 + 4)
+        partial += tiles * seq_len * row + splits * q_len * num_heads * (split * row + latent * 4 + 4)
         merge += q_len * num_heads * (splits * (latent * 4 + 4 * channel_blocks) + latent * elem_bytes)
-        programs += tiles * splits
+        programs += tiles * splits * split
         rows += q_len * num_heads
     return {"_latent_partial_kernel": (partial, programs), "_latent_reduce_kernel": (merge, rows * channel_blocks)}
 
@@ -674,17 +718,17 @@ def _latent_short(q: torch.Tensor, kv_cache: torch.Tensor, latent_dim: int, batc
     part_out = torch.empty(meta.short_rows, num_heads, splits, latent_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(meta.short_rows, num_heads, splits, dtype=torch.float32, device=q.device)
     causal = meta.short_max_query_len > 1
-    tree = meta.tree_mask if causal else None
+    tree = meta.tree_bits if causal else None
     dims = _dims(latent_dim, rope, latent_dim, kv_cache.dtype)
-    _latent_partial_kernel[(batch.num_seqs, triton.cdiv(meta.short_max_query_len * heads, _LATENT_BLOCK_M), splits)](
+    v_split = _LATENT_VALUE_SPLIT if dims["BLOCK_D1"] >= 256 else 1
+    _latent_partial_kernel[(batch.num_seqs, triton.cdiv(meta.short_max_query_len * heads, _LATENT_BLOCK_M) * v_split, splits)](
         q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.short_rows_start,
         tree if tree is not None else meta.seq_lens, part_out, part_lse, qk_scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), meta.block_tables.stride(0),
-        tree.stride(0) if tree is not None else 0,
         num_heads, splits, min_split, meta.max_splits, meta.short_query,
         D1=dims["D1"], D2=dims["D2"], BLOCK_D1=dims["BLOCK_D1"], BLOCK_D2=dims["BLOCK_D2"], STRIDE_KS=kv_cache.stride(1),
         BLOCK_SIZE=meta.block_size, HEADS=heads, BLOCK_M=_LATENT_BLOCK_M, BLOCK_N=block_n, CAUSAL=causal, HAS_TREE=tree is not None,
-        PRECISION=dims["PRECISION"], num_warps=_LATENT_WARPS, num_stages=_LATENT_STAGES,
+        PRECISION=dims["PRECISION"], V_SPLIT=v_split, num_warps=_LATENT_WARPS, num_stages=_LATENT_STAGES,
     )
     merge_dv = min(dims["BLOCK_DV"], _MERGE_CHANNELS)
     _latent_reduce_kernel[(batch.num_seqs, meta.short_max_query_len * num_heads, triton.cdiv(latent_dim, merge_dv))](

@@ -486,3 +486,25 @@ def test_a_verification_step_alone_goes_through_the_latent_kernel(device, latent
     ref = attention.paged_latent_attention(q, kv_cache, 24, batch, attention.prepare_attention(batch, 4), 0.2)
     assert_close(out, ref, scale=2.0)
     assert latent_launches["_prefill_kernel"] == [] and len(latent_launches["_latent_partial_kernel"]) == 1
+
+
+def test_wide_latent_splits_its_value_channels_between_two_programs(device, latent_launches):
+    """A 256-channel latent (Kimi's is 512): two programs share each (row block, slice), each with half of the value
+    channels and the whole QK product; decodes and draft trees together still match the dense computation."""
+    batch, q, kv_cache = mla_case([40, 7, 0], [1, 4, 3], 4, 8, 256, 16, torch.float32, device, tree=True)
+    meta = triton_attention.prepare_attention(batch, 4, split_tokens=8)
+    out = triton_attention.paged_latent_attention(q, kv_cache, 256, batch, meta, 0.1)
+    assert_close(out.cpu(), dense_reference(q, _latent_rows(kv_cache, 256, device), batch, 4, 0.1, 256).float())
+    ref = attention.paged_latent_attention(q, kv_cache, 256, batch, attention.prepare_attention(batch, 4), 0.1)
+    assert_close(out, ref)
+    assert latent_launches["_latent_partial_kernel"] == [(3, 2, 3)]  # 4 tokens x 8 heads: one row block, two halves
+
+
+def test_tree_bits_pack_each_rows_draft_tree():
+    """The latent kernel reads a row's draft tree as int32 bits (bit j: sees step token j); `short_query` past 31
+    tokens would not fit and is refused by name."""
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1], [1, 0, 0]], dtype=torch.bool)
+    assert triton_attention.tree_bits(tree, 16).tolist() == [1, 3, 5, 1]
+    assert triton_attention.tree_bits(tree, 2).tolist() == [1, 3, 1, 1]
+    with pytest.raises(ValueError, match="short_query"):
+        triton_attention.tree_bits(tree, 32)

@@ -90,7 +90,7 @@ def test_a_step_is_charged_the_proposing_of_the_drafts_it_verifies_and_no_other(
     gated: list[float] = []
 
     def observe(shape: StepShape, seconds: float, batch: int, policy: str | None, tokens: int,
-                drafting_seconds: float, decodes: StepShape | None, trace: object) -> None:
+                drafting_seconds: float, decodes: StepShape | None, trace: object, draft_length: int = 0) -> None:
         seen.append(round(seconds, 6))
         gated.append(round(drafting_seconds, 6))
     monkeypatch.setattr(tuner.controller, "observe_step", observe)

@@ -153,11 +153,13 @@ def fused_moe(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     swiglu_limit: float | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]). hidden [T, H] -> [T, H].
     Loops over the experts that received tokens, one dense GEMM pair each (weights dequantized per expert); ids of
     other ranks' experts (>= E, `other_experts`) are skipped. gpt-oss: biases w13_bias [E, 2I] and w2_bias [E, H],
-    and with `swiglu_limit` its clamped SwiGLU (`clamped_swiglu`) instead of silu(gate) * up."""
+    and with `swiglu_limit` its clamped SwiGLU (`clamped_swiglu`) instead of silu(gate) * up. `add` [T, H] (the
+    shared experts' output) is added to the sum once it is rounded to hidden's dtype."""
     tokens, top_k = topk_ids.shape
     out = torch.zeros(tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     flat = topk_ids.flatten().long()
@@ -173,7 +175,8 @@ def fused_moe(
         act = F.silu(gate) * up if swiglu_limit is None else clamped_swiglu(gate, up, swiglu_limit)
         y = F.linear(act, g2, b2).float() * topk_weights.flatten()[pairs].float().unsqueeze(1)
         out.index_add_(0, rows, y)
-    return out.to(hidden.dtype)
+    out = out.to(hidden.dtype)
+    return out if add is None else out + add
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float = 1.702) -> torch.Tensor:

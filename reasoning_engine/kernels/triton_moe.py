@@ -164,9 +164,47 @@ def _align_scatter_kernel(ids_ptr, starts_ptr, offsets_ptr, sorted_ptr, num_pair
     tl.store(sorted_ptr + base + rank, offs, mask=ok)
 
 
+@triton.jit
+def _align_one_program_kernel(
+    ids_ptr, sorted_ptr, expert_ids_ptr, num_post_pad_ptr, num_pairs, num_experts, capacity, num_tiles, block_m,
+    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """The whole sort in one program, for the few pairs of a decode or verification step: every output slot is
+    written (the pair that lands there, or the sentinel), so nothing is allocated filled beforehand. A pair's slot is
+    its expert's first row plus the count of earlier pairs of the same expert; each slot finds its pair by comparison
+    (a gather, no scatter, so no ordering between writes is needed)."""
+    p = tl.arange(0, BLOCK_P)
+    p_ok = p < num_pairs
+    ids = tl.minimum(tl.load(ids_ptr + p, mask=p_ok, other=num_experts), num_experts)  # another rank's: bin E
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < num_experts
+    member = ids[None, :] == e[:, None]  # [BLOCK_E, BLOCK_P]
+    padded = tl.where(e_ok, tl.cdiv(tl.sum(member.to(tl.int32), axis=1), block_m) * block_m, 0)
+    ends = tl.cumsum(padded, axis=0)
+    used = tl.sum(padded, axis=0)
+    start = tl.sum(tl.where(member, (ends - padded)[:, None], 0), axis=0)
+    rank = tl.sum(((ids[:, None] == ids[None, :]) & (p[None, :] < p[:, None])).to(tl.int32), axis=1)
+    slot = tl.where(p_ok & (ids < num_experts), start + rank, -1)
+    for s0 in range(0, capacity, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        hit = slot[None, :] == s[:, None]  # [BLOCK_S, BLOCK_P]
+        pair = tl.sum(tl.where(hit, p[None, :], 0), axis=1)
+        tl.store(sorted_ptr + s, tl.where(tl.max(hit.to(tl.int32), axis=1) > 0, pair, num_pairs), mask=s < capacity)
+    for t0 in range(0, num_tiles, BLOCK_S):
+        tiles = t0 + tl.arange(0, BLOCK_S)
+        first_row = tiles * block_m
+        owner = tl.sum(tl.where((ends[None, :] <= first_row[:, None]) & e_ok[None, :], 1, 0), axis=1)
+        tl.store(expert_ids_ptr + tiles, tl.where(first_row < used, owner, -1), mask=tiles < num_tiles)
+    tl.store(num_post_pad_ptr, used)
+
+
+_ONE_PROGRAM_CELLS = 1 << 16  # the one-program sort holds a [experts, pairs] comparison: up to this many cells
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort (token, choice) pairs by expert, each expert's run padded to block_m (see `fused_moe.moe_align_block_size`
-    for the outputs). Four launches, no host sync, none serial over the pairs: per-chunk expert histograms; per
+    for the outputs). No host sync. A step with few pairs (decode, verification) takes one launch
+    (`_align_one_program_kernel`); otherwise four, none serial over the pairs: per-chunk expert histograms; per
     expert, an exclusive scan over the chunks (parallel over experts); the experts' starting rows and each tile's
     expert (parallel over tiles); a stable scatter where a pair's rank inside its chunk is the count of earlier pairs
     of the same expert."""
@@ -178,6 +216,16 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     capacity = triton.cdiv(capacity, block_m) * block_m
     num_tiles = capacity // block_m
     device = flat.device
+    block_p, block_e = pow2(pairs), pow2(num_experts + 1)
+    if pairs and block_p * block_e <= _ONE_PROGRAM_CELLS:
+        sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
+        expert_ids = torch.empty(num_tiles, dtype=torch.int32, device=device)
+        num_post_pad = torch.empty(1, dtype=torch.int32, device=device)
+        _align_one_program_kernel[(1,)](
+            flat, sorted_ids, expert_ids, num_post_pad, pairs, num_experts, capacity, num_tiles, block_m,
+            BLOCK_P=block_p, BLOCK_E=block_e, BLOCK_S=max(16, 4096 // block_p), num_warps=4,
+        )
+        return sorted_ids, expert_ids, num_post_pad
     sorted_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=device)
     expert_ids = torch.empty(num_tiles, dtype=torch.int32, device=device)
     num_post_pad = torch.zeros(1, dtype=torch.int32, device=device)
@@ -456,18 +504,20 @@ def fused_moe(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     swiglu_limit: float | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]). hidden [T, H] -> [T, H].
-    Two grouped GEMM launches over the expert-sorted pairs, then a sum over each token's k rows. `other_experts`:
-    ids may name experts of other ranks (ids >= E), whose pairs are skipped. Biases and `swiglu_limit` (gpt-oss) as
-    in the torch reference, applied in the GEMMs' epilogues."""
+    Two grouped GEMM launches over the expert-sorted pairs, then one kernel that sums each token's k rows (and adds
+    `add`, the shared experts' output, as the torch reference does). `other_experts`: ids may name experts of other
+    ranks (ids >= E), whose pairs are skipped. Biases and `swiglu_limit` (gpt-oss) as in the torch reference,
+    applied in the GEMMs' epilogues."""
     tokens, top_k = topk_ids.shape
     hidden_size = hidden.shape[1]
     num_experts = w13.shape[0]
     pack = {"w4a16": 8, "mxfp4": 2}.get(quant.method, 1) if quant is not None else 1
     inter = w2.shape[2] * pack
     if not tokens:
-        return torch.zeros(0, hidden_size, dtype=hidden.dtype, device=hidden.device)
+        return torch.empty(0, hidden_size, dtype=hidden.dtype, device=hidden.device)
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
     pairs = tokens * top_k
@@ -496,4 +546,37 @@ def fused_moe(
         weights = weights.float()
     _launch_gemm(intermediate, w2, s2, b2, per_pair, align, weights, a_row_div=1, n_out=hidden_size, k_in=inter,
                  up_row0=0, gated=False, apply_weight=True, has_bias=w2_bias is not None, **common)
-    return per_pair.view(tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
+    return moe_combine(per_pair.view(tokens, top_k, hidden_size), hidden.dtype, add)
+
+
+@triton.jit
+def _combine_kernel(rows_ptr, add_ptr, out_ptr, top_k, hidden, stride_add, stride_out,
+                    HAS_ADD: tl.constexpr, BLOCK_H: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < hidden
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for j in range(0, top_k):
+        acc += tl.load(rows_ptr + (tok * top_k + j) * hidden + cols, mask=ok, other=0.0)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if HAS_ADD:  # rounded first, then added in the output dtype: the reference's (sum).to(dtype) + add
+        out = (out.to(tl.float32) + tl.load(add_ptr + tok * stride_add + cols, mask=ok, other=0.0).to(tl.float32))
+        out = out.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + tok * stride_out + cols, out, mask=ok)
+
+
+def moe_combine(per_pair: torch.Tensor, dtype: torch.dtype, add: torch.Tensor | None = None) -> torch.Tensor:
+    """per_pair [T, k, H] float32 (contiguous) -> sum over k, rounded to `dtype`, plus `add` [T, H] (rows may be
+    strided): one launch."""
+    tokens, top_k, hidden_size = per_pair.shape
+    out = torch.empty(tokens, hidden_size, dtype=dtype, device=per_pair.device)
+    if add is not None and add.stride(-1) != 1:
+        add = add.contiguous()
+    if tokens:
+        block_h = min(1024, pow2(hidden_size))
+        _combine_kernel[(tokens, triton.cdiv(hidden_size, block_h))](
+            per_pair, add if add is not None else out, out, top_k, hidden_size,
+            add.stride(0) if add is not None else 0, out.stride(0),
+            HAS_ADD=add is not None, BLOCK_H=block_h, num_warps=num_warps_for(block_h),
+        )
+    return out

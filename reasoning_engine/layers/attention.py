@@ -151,12 +151,17 @@ class MLAttention(nn.Module):
             q_resid = self.q_a_layernorm(q_a)
             q = self.q_b_proj(q_resid)
         q = q.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
-        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)
-        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
-        self.ops.write_kv_cache(self.kv_cache, torch.cat([c_kv, k_pe.squeeze(1)], dim=-1), batch.slot_mapping)
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, latent]
+        if isinstance(self.rotary, RotaryEmbedding):  # latent norm, rotations, cache write, absorbed query: one kernel
+            query = self.rotary.mla_rope_and_cache(positions, q, kv_a, self.w_uk, self.kv_a_layernorm.weight,
+                                                   self.kv_a_layernorm.eps, self.kv_cache, batch.slot_mapping)
+        else:  # a layer without position encoding (Kimi Linear's NoPE MLA)
+            q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+            c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            c_kv = self.kv_a_layernorm(c_kv)
+            q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
+            self.ops.write_kv_cache(self.kv_cache, torch.cat([c_kv, k_pe.squeeze(1)], dim=-1), batch.slot_mapping)
+            q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, latent]
+            query = torch.cat([q_latent, q_pe], dim=-1)
         # DeepSeek Sparse Attention: this layer's indexer picks each query's tokens, or a GLM-5 "shared" layer reuses
         # the pick of the indexer it points at; None (no indexer, or no query sees more than index_topk) is dense
         source = self.indexer if self.indexer is not None else next(iter(self.shared_indexer), None)
@@ -166,10 +171,10 @@ class MLAttention(nn.Module):
         elif source is not None:
             selected = source.selected
         if selected is None:
-            out_latent = self.ops.paged_latent_attention(torch.cat([q_latent, q_pe], dim=-1), self.kv_cache,
+            out_latent = self.ops.paged_latent_attention(query, self.kv_cache,
                                                          self.kv_lora_rank, batch, batch.attn_metadata, self.scale)
         else:
-            out_latent = source.ops.sparse_latent_attention(torch.cat([q_latent, q_pe], dim=-1), self.kv_cache,
+            out_latent = source.ops.sparse_latent_attention(query, self.kv_cache,
                                                             self.kv_lora_rank, batch, batch.attn_metadata, self.scale,
                                                             selected)
         out = torch.bmm(out_latent.transpose(0, 1), self.w_uv).transpose(0, 1)  # [T, H, v]

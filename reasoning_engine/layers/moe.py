@@ -49,7 +49,11 @@ class GatedMLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Expert choice for each token; returns (weights [T, k] float32, expert ids [T, k])."""
+    """Expert choice for each token; returns (weights [T, k] float32, expert ids [T, k]). DeepSeek-V3's noaux_tc
+    (sigmoid scores with a correction bias) runs as the kernel family's `noaux_tc_router`: one Triton kernel from the
+    logits to the scaled weights."""
+
+    kernel_family = "moe"
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, scoring: str, *, norm_topk_prob: bool,
                  routed_scaling_factor: float = 1.0, n_group: int = 1, topk_group: int = 1,
@@ -64,9 +68,13 @@ class Router(nn.Module):
         self.num_experts, self.top_k, self.scoring = num_experts, top_k, scoring
         self.norm_topk_prob, self.scaling = norm_topk_prob, routed_scaling_factor
         self.n_group, self.topk_group, self.topk_method = n_group or 1, topk_group or 1, topk_method
+        self.ops = kernel_module(self.kernel_family, "torch")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+        if self.scoring == "sigmoid" and self.e_score_correction_bias is not None:
+            return self.ops.noaux_tc_router(logits, self.e_score_correction_bias, self.top_k, self.n_group,
+                                            self.topk_group, self.norm_topk_prob, self.scaling)
         if self.scoring == "sigmoid":
             return self._noaux_tc(logits.sigmoid())
         scores = logits.softmax(dim=-1)
@@ -84,7 +92,8 @@ class Router(nn.Module):
         return mask.repeat_interleave(self.num_experts // self.n_group, dim=1)
 
     def _noaux_tc(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        biased = scores + self.e_score_correction_bias.float() if self.e_score_correction_bias is not None else scores
+        """Sigmoid routing without a correction bias (with one: `noaux_tc_router`)."""
+        biased = scores
         if self.n_group > 1:
             group_scores = biased.view(-1, self.n_group, self.num_experts // self.n_group).topk(2, dim=-1).values.sum(-1)
             biased = biased.masked_fill(~self._group_mask(group_scores), float("-inf"))
@@ -170,20 +179,24 @@ class Experts(nn.Module):
             setattr(self, f"{name}_scale", nn.Parameter(torch.empty(scales[name], dtype=scale_dtype), requires_grad=False))
         self.fixed_dtypes = frozenset(("w13", "w2", "w13_scale", "w2_scale"))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' sum for each token, plus `add` [T, H] when given (the shared experts' output: on the
+        Triton path one kernel sums a token's k expert rows and adds it)."""
         partial = len(self.expert_range) < self.num_experts
         if partial:
             ids = self.local_ids(ids)
         if torch.compiler.is_compiling():  # compiled decode runs on the torch path only (config.compile_decode)
             q = self.quant
             if q is None:
-                return fused_moe_op(x, self.w13, self.w2, weights, ids, None, None, None, 0, [0, 0])
-            return fused_moe_op(x, self.w13, self.w2, weights, ids, q.method, self.w13_scale, self.w2_scale,
-                                q.group_size, list(q.block_shape))
+                out = fused_moe_op(x, self.w13, self.w2, weights, ids, None, None, None, 0, [0, 0])
+            else:
+                out = fused_moe_op(x, self.w13, self.w2, weights, ids, q.method, self.w13_scale, self.w2_scale,
+                                   q.group_size, list(q.block_shape))
+            return out if add is None else out + add
         quant = None
         if self.quant is not None:
             quant = MoEQuant(self.quant.method, self.w13_scale, self.w2_scale, self.quant.group_size, self.quant.block_shape)
-        return self.ops.fused_moe(x, self.w13, self.w2, weights, ids, quant, other_experts=partial)
+        return self.ops.fused_moe(x, self.w13, self.w2, weights, ids, quant, other_experts=partial, add=add)
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Global expert ids -> this rank's; another rank's expert becomes the local count, which the fused-MoE
@@ -209,11 +222,11 @@ class SparseMoE(nn.Module):
             x = self.parallel.dp.all_gather_rows(x, counts)
             rows = range(sum(counts[: self.parallel.dp.rank]), sum(counts[: self.parallel.dp.rank + 1]))
         weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            if self.parallel.gathers_tokens:
-                out[rows.start : rows.stop] += self.shared_experts(own)
-            else:
-                out = out + self.shared_experts(own)
+        if self.shared_experts is not None and not self.parallel.gathers_tokens:
+            out = self.experts(x, weights, ids, add=self.shared_experts(own))
+        else:
+            out = self.experts(x, weights, ids)
+        if self.shared_experts is not None and self.parallel.gathers_tokens:
+            out[rows.start : rows.stop] += self.shared_experts(own)
         out = (self.parallel.ep or self.parallel.tp).all_reduce(out)
         return out[rows.start : rows.stop] if self.parallel.gathers_tokens else out

@@ -153,13 +153,14 @@ def fused_moe(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     swiglu_limit: float | None = None,
-    add: torch.Tensor | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Routed experts: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]). hidden [T, H] -> [T, H].
     Loops over the experts that received tokens, one dense GEMM pair each (weights dequantized per expert); ids of
     other ranks' experts (>= E, `other_experts`) are skipped. gpt-oss: biases w13_bias [E, 2I] and w2_bias [E, H],
-    and with `swiglu_limit` its clamped SwiGLU (`clamped_swiglu`) instead of silu(gate) * up. `add` [T, H] (the
-    shared experts' output) is added to the sum once it is rounded to hidden's dtype."""
+    and with `swiglu_limit` its clamped SwiGLU (`clamped_swiglu`) instead of silu(gate) * up. `shared`: the shared
+    experts' (gate_up output [T, 2I'], down weight [H, I']), whose `shared_expert` output is added to the sum once
+    that is rounded to hidden's dtype."""
     tokens, top_k = topk_ids.shape
     out = torch.zeros(tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     flat = topk_ids.flatten().long()
@@ -176,7 +177,14 @@ def fused_moe(
         y = F.linear(act, g2, b2).float() * topk_weights.flatten()[pairs].float().unsqueeze(1)
         out.index_add_(0, rows, y)
     out = out.to(hidden.dtype)
-    return out if add is None else out + add
+    return out if shared is None else out + shared_expert(*shared)
+
+
+def shared_expert(gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """A shared expert's second half (no bias): down(silu(gate) * up) from its gate_up projection's output [T, 2I]
+    and its down weight [H, I], as `layers.moe.GatedMLP` computes it."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w_down)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float = 1.702) -> torch.Tensor:

@@ -20,12 +20,13 @@ import triton
 import triton.language as tl
 
 from reasoning_engine.kernels._triton_utils import dot_mode, mma, num_warps_for, pow2
-from reasoning_engine.kernels.fused_moe import MoEQuant
+from reasoning_engine.kernels.fused_moe import MoEQuant, shared_expert
 
 _ALIGN_CHUNK = 128  # pairs per program of the sort; the rank inside a chunk costs CHUNK^2 comparisons
 _SCAN_EXPERTS = 32  # experts per program of the scan over chunks (Kimi's 384: 12 programs)
 _SCAN_CHUNKS = 64  # chunks per step of that scan: a 16k-token prefill (1,024 chunks) takes 16 steps
 _SPLIT_SPAN = 512  # input channels per split-K span: a result's bits depend on this and on K alone
+_FUSED_SHARED_TOKENS = 64  # up to this many tokens the combine kernel runs the shared expert's down projection itself
 _BUSY_PROGRAMS = 4 * 132  # programs a decode GEMM launch aims for: 4 per H200 SM, since the row tiles counted are a
 # bound (with expert parallelism most may hold another rank's experts and return at once)
 
@@ -504,11 +505,11 @@ def fused_moe(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     swiglu_limit: float | None = None,
-    add: torch.Tensor | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Routed experts: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]). hidden [T, H] -> [T, H].
-    Two grouped GEMM launches over the expert-sorted pairs, then one kernel that sums each token's k rows (and adds
-    `add`, the shared experts' output, as the torch reference does). `other_experts`: ids may name experts of other
+    Two grouped GEMM launches over the expert-sorted pairs, then one kernel that sums each token's k rows (and runs
+    the `shared` expert's activation and down projection and adds it, as the torch reference does). `other_experts`: ids may name experts of other
     ranks (ids >= E), whose pairs are skipped. Biases and `swiglu_limit` (gpt-oss) as in the torch reference,
     applied in the GEMMs' epilogues."""
     tokens, top_k = topk_ids.shape
@@ -546,37 +547,66 @@ def fused_moe(
         weights = weights.float()
     _launch_gemm(intermediate, w2, s2, b2, per_pair, align, weights, a_row_div=1, n_out=hidden_size, k_in=inter,
                  up_row0=0, gated=False, apply_weight=True, has_bias=w2_bias is not None, **common)
-    return moe_combine(per_pair.view(tokens, top_k, hidden_size), hidden.dtype, add)
+    return moe_combine(per_pair.view(tokens, top_k, hidden_size), hidden.dtype, shared)
 
 
 @triton.jit
-def _combine_kernel(rows_ptr, add_ptr, out_ptr, top_k, hidden, stride_add, stride_out,
-                    HAS_ADD: tl.constexpr, BLOCK_H: tl.constexpr):
-    tok = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    ok = cols < hidden
-    acc = tl.zeros([BLOCK_H], tl.float32)
+def _combine_kernel(rows_ptr, gu_ptr, wd_ptr, out_ptr, tokens, top_k, hidden, inter, stride_gu, stride_wd, stride_out,
+                    SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    MODE: tl.constexpr):
+    """BLOCK_T tokens x BLOCK_N channels: the k routed rows summed in order and rounded; then SHARED 1: plus the
+    shared expert's output read at gu_ptr; SHARED 2: plus the shared expert computed here, silu(gate) * up (rounded
+    like torch's ops) times the down weight's rows, rounded, then added."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_ok, n_ok = t < tokens, n < hidden
+    ok = t_ok[:, None] & n_ok[None, :]
+    t64 = t.to(tl.int64)
+    routed = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     for j in range(0, top_k):
-        acc += tl.load(rows_ptr + (tok * top_k + j) * hidden + cols, mask=ok, other=0.0)
-    out = acc.to(out_ptr.dtype.element_ty)
-    if HAS_ADD:  # rounded first, then added in the output dtype: the reference's (sum).to(dtype) + add
-        out = (out.to(tl.float32) + tl.load(add_ptr + tok * stride_add + cols, mask=ok, other=0.0).to(tl.float32))
-        out = out.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + tok * stride_out + cols, out, mask=ok)
+        routed += tl.load(rows_ptr + (t64 * top_k + j)[:, None] * hidden + n[None, :], mask=ok, other=0.0)
+    out = routed.to(out_ptr.dtype.element_ty)
+    if SHARED == 1:
+        added = tl.load(gu_ptr + t64[:, None] * stride_gu + n[None, :], mask=ok, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) + added).to(out_ptr.dtype.element_ty)
+    if SHARED == 2:
+        acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            a_ok = t_ok[:, None] & (k < inter)[None, :]
+            gate = tl.load(gu_ptr + t64[:, None] * stride_gu + k[None, :], mask=a_ok, other=0.0)
+            up = tl.load(gu_ptr + t64[:, None] * stride_gu + inter + k[None, :], mask=a_ok, other=0.0)
+            g = gate.to(tl.float32)
+            act = ((g * tl.sigmoid(g)).to(gate.dtype).to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+            w = tl.load(wd_ptr + n[None, :].to(tl.int64) * stride_wd + k[:, None], mask=(k < inter)[:, None] & n_ok[None, :], other=0.0)
+            acc += mma(act, w, MODE)
+        out = (out.to(tl.float32) + acc.to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t64[:, None] * stride_out + n[None, :], out, mask=ok)
 
 
-def moe_combine(per_pair: torch.Tensor, dtype: torch.dtype, add: torch.Tensor | None = None) -> torch.Tensor:
-    """per_pair [T, k, H] float32 (contiguous) -> sum over k, rounded to `dtype`, plus `add` [T, H] (rows may be
-    strided): one launch."""
+def moe_combine(per_pair: torch.Tensor, dtype: torch.dtype, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """per_pair [T, k, H] float32 (contiguous) -> sum over k, rounded to `dtype`, plus `fused_moe.shared_expert` of
+    `shared` (gate_up [T, 2I] in `dtype`, rows may be strided; down weight [H, I]): one launch."""
     tokens, top_k, hidden_size = per_pair.shape
     out = torch.empty(tokens, hidden_size, dtype=dtype, device=per_pair.device)
-    if add is not None and add.stride(-1) != 1:
-        add = add.contiguous()
+    gate_up, w_down = shared if shared is not None else (out, out)
+    inter = w_down.shape[1] if shared is not None else 0
+    if shared is not None and (tuple(gate_up.shape) != (tokens, 2 * inter) or w_down.shape[0] != hidden_size):
+        raise ValueError(f"shared expert shapes {tuple(gate_up.shape)} and {tuple(w_down.shape)} do not fit {tokens} "
+                         f"tokens of {hidden_size} channels")
+    mode = 0 if shared is None else 2 if tokens <= _FUSED_SHARED_TOKENS else 1
+    if mode == 1:  # many tokens: the down projection as one GEMM (a weight read per 16 tokens would not pay)
+        gate_up = shared_expert(gate_up, w_down)
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    if w_down.stride(-1) != 1:
+        w_down = w_down.contiguous()
     if tokens:
-        block_h = min(1024, pow2(hidden_size))
-        _combine_kernel[(tokens, triton.cdiv(hidden_size, block_h))](
-            per_pair, add if add is not None else out, out, top_k, hidden_size,
-            add.stride(0) if add is not None else 0, out.stride(0),
-            HAS_ADD=add is not None, BLOCK_H=block_h, num_warps=num_warps_for(block_h),
+        block_n = min(32, pow2(hidden_size, 16))
+        _combine_kernel[(triton.cdiv(tokens, 16), triton.cdiv(hidden_size, block_n))](
+            per_pair, gate_up, w_down, out, tokens, top_k, hidden_size, inter,
+            gate_up.stride(0), w_down.stride(0), out.stride(0),
+            SHARED=mode, BLOCK_T=16, BLOCK_N=block_n, BLOCK_K=min(64, pow2(inter, 16)),
+            MODE=dot_mode(dtype), num_warps=4,
         )
     return out

@@ -24,7 +24,7 @@ from torch import nn
 
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.kernels import kernel_module
-from reasoning_engine.kernels.fused_moe import MoEQuant, fused_moe_op
+from reasoning_engine.kernels.fused_moe import MoEQuant, fused_moe_op, shared_expert
 from reasoning_engine.layers.activation import silu_and_mul
 from reasoning_engine.layers.linear import row_parallel
 from reasoning_engine.parallel import Group, Parallel
@@ -42,6 +42,12 @@ class GatedMLP(nn.Module):
             self.down_proj = row_parallel(intermediate_size, hidden_size, bias, tp)
         else:
             self.down_proj = nn.Linear(intermediate_size // tp.size, hidden_size, bias=bias and tp.size == 1)
+
+    @property
+    def fusable(self) -> bool:
+        """Whether its down projection is a plain linear without bias (a shared expert the MoE kernels can finish:
+        `fused_moe.shared_expert`)."""
+        return type(self.down_proj) is nn.Linear and self.down_proj.bias is None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         """`batch`: unused; every MLP of a decoder layer takes it, the MoE reads its data-parallel token counts."""
@@ -179,9 +185,11 @@ class Experts(nn.Module):
             setattr(self, f"{name}_scale", nn.Parameter(torch.empty(scales[name], dtype=scale_dtype), requires_grad=False))
         self.fixed_dtypes = frozenset(("w13", "w2", "w13_scale", "w2_scale"))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        """The routed experts' sum for each token, plus `add` [T, H] when given (the shared experts' output: on the
-        Triton path one kernel sums a token's k expert rows and adds it)."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The routed experts' sum for each token, plus the shared experts' output when `shared` gives their gate_up
+        output and down weight (`fused_moe.shared_expert`): on the Triton path one kernel sums a token's k expert
+        rows and runs the shared expert's activation and down projection beside them."""
         partial = len(self.expert_range) < self.num_experts
         if partial:
             ids = self.local_ids(ids)
@@ -192,11 +200,11 @@ class Experts(nn.Module):
             else:
                 out = fused_moe_op(x, self.w13, self.w2, weights, ids, q.method, self.w13_scale, self.w2_scale,
                                    q.group_size, list(q.block_shape))
-            return out if add is None else out + add
+            return out if shared is None else out + shared_expert(*shared)
         quant = None
         if self.quant is not None:
             quant = MoEQuant(self.quant.method, self.w13_scale, self.w2_scale, self.quant.group_size, self.quant.block_shape)
-        return self.ops.fused_moe(x, self.w13, self.w2, weights, ids, quant, other_experts=partial, add=add)
+        return self.ops.fused_moe(x, self.w13, self.w2, weights, ids, quant, other_experts=partial, shared=shared)
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Global expert ids -> this rank's; another rank's expert becomes the local count, which the fused-MoE
@@ -222,11 +230,15 @@ class SparseMoE(nn.Module):
             x = self.parallel.dp.all_gather_rows(x, counts)
             rows = range(sum(counts[: self.parallel.dp.rank]), sum(counts[: self.parallel.dp.rank + 1]))
         weights, ids = self.gate(x)
-        if self.shared_experts is not None and not self.parallel.gathers_tokens:
-            out = self.experts(x, weights, ids, add=self.shared_experts(own))
+        shared = self.shared_experts
+        if isinstance(shared, GatedMLP) and shared.fusable and not self.parallel.gathers_tokens:
+            # the shared expert's down projection and the sum with the routed experts: one kernel on the Triton path
+            out = self.experts(x, weights, ids, shared=(shared.gate_up_proj(own), shared.down_proj.weight))
         else:
             out = self.experts(x, weights, ids)
-        if self.shared_experts is not None and self.parallel.gathers_tokens:
-            out[rows.start : rows.stop] += self.shared_experts(own)
+            if shared is not None and self.parallel.gathers_tokens:
+                out[rows.start : rows.stop] += shared(own)
+            elif shared is not None:
+                out = out + shared(own)
         out = (self.parallel.ep or self.parallel.tp).all_reduce(out)
         return out[rows.start : rows.stop] if self.parallel.gathers_tokens else out

@@ -104,7 +104,10 @@ class MLAttention(nn.Module):
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         qk_dim = qk_nope_head_dim + qk_rope_head_dim
-        if q_lora_rank is None:
+        if q_lora_rank is None and not bias:
+            # q_proj and kv_a_proj_with_mqa read the same input: one fused matmul (the query's rows first)
+            self.fused_q_kv_a_proj = nn.Linear(hidden_size, num_heads * qk_dim + kv_lora_rank + qk_rope_head_dim, bias=False)
+        elif q_lora_rank is None:  # a biased kv_a_proj_with_mqa beside the unbiased q_proj: two matmuls
             self.q_proj = nn.Linear(hidden_size, num_heads * qk_dim, bias=False)
             self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
         else:
@@ -143,7 +146,10 @@ class MLAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         num_tokens = x.shape[0]
         batch = batch.group(self.cache_group)
-        if self.q_lora_rank is None:
+        if self.q_lora_rank is None and hasattr(self, "fused_q_kv_a_proj"):
+            q, kv_a = self.fused_q_kv_a_proj(x).split(
+                [self.num_heads * (self.nope_dim + self.rope_dim), self.kv_lora_rank + self.rope_dim], dim=-1)
+        elif self.q_lora_rank is None:
             q = self.q_proj(x)
             kv_a = self.kv_a_proj_with_mqa(x)
         else:

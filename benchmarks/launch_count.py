@@ -112,7 +112,7 @@ def count_decode_step(config: dict[str, Any], device: str = "cpu", prompt_len: i
 
     speculative = {"method": "ngram", "num_speculative_tokens": draft_tokens} if draft_tokens else None
     if draft_tokens:
-        prompt_len = min(config["vocab_size"], config["max_position_embeddings"]) - 64
+        prompt_len = min(config["vocab_size"] - 3, config["max_position_embeddings"] - 40)
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_config(Path(tmp) / "model", config, int4=False)
         llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", device=device, kernel_backend="triton",
@@ -135,7 +135,7 @@ def count_decode_step(config: dict[str, Any], device: str = "cpu", prompt_len: i
 
     hooks.append(model.register_forward_pre_hook(forward_starts))
     log: list[tuple[str, str, str]] = []
-    params = SamplingParams(max_tokens=16 if draft_tokens else 2, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=8 if draft_tokens else 2, temperature=0.0, ignore_eos=True)
     try:
         with counting_launches(log, lambda: f"step {steps[0]}|{where[0]}"):
             llm.generate([{"prompt_token_ids": list(range(3, 3 + prompt_len))}], params)

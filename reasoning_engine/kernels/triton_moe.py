@@ -103,6 +103,50 @@ def noaux_tc_router(
     return weights, ids
 
 
+def noaux_tc_route_and_sort(
+    router_logits: torch.Tensor,
+    e_score_correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+    num_experts: int,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    """`noaux_tc_router`, and for a step with few tokens also the pairs sorted for `fused_moe` over `num_experts`
+    stacked experts (its `sorted_pairs`), all in one launch (`_route_and_sort_kernel`); for more tokens the router
+    alone (the sort is then `fused_moe`'s)."""
+    tokens, experts = router_logits.shape
+    pairs = tokens * top_k
+    block_g, block_j, block_k = pow2(n_group), pow2(experts // n_group), pow2(top_k)
+    block_e = pow2(num_experts + 1)
+    if (not tokens or experts != num_experts
+            or pow2(tokens) * max(block_g * block_j, block_k * block_e) > _ONE_PROGRAM_CELLS
+            or pow2(tokens) * block_k > _ONE_PROGRAM_PAIRS):
+        return (*noaux_tc_router(router_logits, e_score_correction_bias, top_k, n_group, topk_group, norm_topk_prob,
+                                 routed_scaling_factor), None)
+    if router_logits.stride(-1) != 1:
+        router_logits = router_logits.contiguous()
+    device = router_logits.device
+    block_m = _block_m(pairs, num_experts)
+    capacity = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=device)
+    sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    num_post_pad = torch.empty(1, dtype=torch.int32, device=device)
+    block_p = pow2(tokens) * block_k
+    _route_and_sort_kernel[(1,)](
+        router_logits, e_score_correction_bias, weights, ids, sorted_ids, expert_ids, num_post_pad,
+        tokens, router_logits.stride(0), experts, experts // n_group, float(routed_scaling_factor), capacity,
+        capacity // block_m, block_m,
+        TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=norm_topk_prob, BLOCK_T=pow2(tokens),
+        BLOCK_G=block_g, BLOCK_J=block_j, BLOCK_K=block_k, BLOCK_E=block_e, BLOCK_S=max(16, 4096 // block_p),
+        num_warps=4,
+    )
+    return weights, ids, (sorted_ids, expert_ids, num_post_pad)
+
+
 @triton.jit
 def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, CHUNK: tl.constexpr, BINS: tl.constexpr):
     chunk = tl.program_id(0)
@@ -166,17 +210,13 @@ def _align_scatter_kernel(ids_ptr, starts_ptr, offsets_ptr, sorted_ptr, num_pair
 
 
 @triton.jit
-def _align_one_program_kernel(
-    ids_ptr, sorted_ptr, expert_ids_ptr, num_post_pad_ptr, num_pairs, num_experts, capacity, num_tiles, block_m,
-    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    """The whole sort in one program, for the few pairs of a decode or verification step: every output slot is
-    written (the pair that lands there, or the sentinel), so nothing is allocated filled beforehand. A pair's slot is
-    its expert's first row plus the count of earlier pairs of the same expert; each slot finds its pair by comparison
-    (a gather, no scatter, so no ordering between writes is needed)."""
-    p = tl.arange(0, BLOCK_P)
-    p_ok = p < num_pairs
-    ids = tl.minimum(tl.load(ids_ptr + p, mask=p_ok, other=num_experts), num_experts)  # another rank's: bin E
+def _sort_pairs(ids, pair, p_ok, sorted_ptr, expert_ids_ptr, num_post_pad_ptr, num_pairs, num_experts, capacity,
+                num_tiles, block_m, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The whole sort of the pairs held in registers (ids [BLOCK_P] of pairs `pair`, `p_ok` the real ones) by one
+    program: every output slot is written (the pair that lands there, or the sentinel), so nothing is allocated
+    filled beforehand. A pair's slot is its expert's first row plus the count of earlier pairs of the same expert;
+    each slot finds its pair by comparison (a gather, no scatter, so no ordering between writes is needed)."""
+    ids = tl.where(p_ok, tl.minimum(ids, num_experts), num_experts)  # another rank's expert: the spare bin E
     e = tl.arange(0, BLOCK_E)
     e_ok = e < num_experts
     member = ids[None, :] == e[:, None]  # [BLOCK_E, BLOCK_P]
@@ -184,13 +224,13 @@ def _align_one_program_kernel(
     ends = tl.cumsum(padded, axis=0)
     used = tl.sum(padded, axis=0)
     start = tl.sum(tl.where(member, (ends - padded)[:, None], 0), axis=0)
-    rank = tl.sum(((ids[:, None] == ids[None, :]) & (p[None, :] < p[:, None])).to(tl.int32), axis=1)
+    rank = tl.sum(((ids[:, None] == ids[None, :]) & (pair[None, :] < pair[:, None])).to(tl.int32), axis=1)
     slot = tl.where(p_ok & (ids < num_experts), start + rank, -1)
     for s0 in range(0, capacity, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         hit = slot[None, :] == s[:, None]  # [BLOCK_S, BLOCK_P]
-        pair = tl.sum(tl.where(hit, p[None, :], 0), axis=1)
-        tl.store(sorted_ptr + s, tl.where(tl.max(hit.to(tl.int32), axis=1) > 0, pair, num_pairs), mask=s < capacity)
+        at = tl.sum(tl.where(hit, pair[None, :], 0), axis=1)
+        tl.store(sorted_ptr + s, tl.where(tl.max(hit.to(tl.int32), axis=1) > 0, at, num_pairs), mask=s < capacity)
     for t0 in range(0, num_tiles, BLOCK_S):
         tiles = t0 + tl.arange(0, BLOCK_S)
         first_row = tiles * block_m
@@ -199,7 +239,77 @@ def _align_one_program_kernel(
     tl.store(num_post_pad_ptr, used)
 
 
+@triton.jit
+def _align_one_program_kernel(
+    ids_ptr, sorted_ptr, expert_ids_ptr, num_post_pad_ptr, num_pairs, num_experts, capacity, num_tiles, block_m,
+    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """The sort of a decode or verification step's few pairs in one program (`_sort_pairs`)."""
+    p = tl.arange(0, BLOCK_P)
+    p_ok = p < num_pairs
+    ids = tl.load(ids_ptr + p, mask=p_ok, other=num_experts)
+    _sort_pairs(ids, p, p_ok, sorted_ptr, expert_ids_ptr, num_post_pad_ptr, num_pairs, num_experts, capacity,
+                num_tiles, block_m, BLOCK_E, BLOCK_S)
+
+
+@triton.jit
+def _route_and_sort_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, sorted_ptr, expert_ids_ptr, num_post_pad_ptr,
+    tokens, stride_logits, num_experts, group_size, routed_scaling_factor, capacity, num_tiles, block_m,
+    TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """noaux_tc routing of all of a small step's tokens at once (`_router_kernel`'s choice, a token per row of
+    [tokens, groups, experts of a group] tiles), then the sort of their pairs (`_sort_pairs`) from registers: the
+    whole bookkeeping between the router's matmul and the expert GEMMs in one launch."""
+    t = tl.arange(0, BLOCK_T)
+    g = tl.arange(0, BLOCK_G)
+    j = tl.arange(0, BLOCK_J)
+    t_ok = t < tokens
+    expert = g[None, :, None] * group_size + j[None, None, :]  # [1, BLOCK_G, BLOCK_J]
+    e_ok = (g < N_GROUP)[None, :, None] & (j < group_size)[None, None, :]
+    ok = t_ok[:, None, None] & e_ok
+    logits = tl.load(logits_ptr + t.to(tl.int64)[:, None, None] * stride_logits + expert, mask=ok, other=0.0)
+    scores = tl.sigmoid(logits.to(tl.float32))
+    biased = tl.where(ok, scores + tl.load(bias_ptr + expert, mask=e_ok, other=0.0).to(tl.float32), float("-inf"))
+    # group score = sum of the two best biased scores of the group (ties: the first best is removed, the second kept)
+    best = tl.max(biased, axis=2)
+    best_j = tl.min(tl.where(biased == best[:, :, None], j[None, None, :], BLOCK_J), axis=2)
+    second = tl.max(tl.where(j[None, None, :] == best_j[:, :, None], float("-inf"), biased), axis=2)
+    group_score = tl.where((g < N_GROUP)[None, :], best + second, float("-inf"))  # [BLOCK_T, BLOCK_G]
+    kept = tl.zeros([BLOCK_T, BLOCK_G], tl.int32)
+    for _ in tl.static_range(TOPK_GROUP):
+        top = tl.max(group_score, axis=1)
+        pick = tl.min(tl.where(group_score == top[:, None], g[None, :], BLOCK_G), axis=1)
+        kept = tl.where(g[None, :] == pick[:, None], 1, kept)
+        group_score = tl.where(g[None, :] == pick[:, None], float("-inf"), group_score)
+    choice = tl.reshape(tl.where(kept[:, :, None] != 0, biased, float("-inf")), (BLOCK_T, BLOCK_G * BLOCK_J))
+    flat_scores = tl.reshape(scores, (BLOCK_T, BLOCK_G * BLOCK_J))
+    idx = tl.arange(0, BLOCK_G * BLOCK_J)  # increases with the expert id: ties go to the lower id, as in the reference
+    ks = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
+    weights = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+    for jj in tl.static_range(TOP_K):
+        top = tl.max(choice, axis=1)
+        pick = tl.min(tl.where(choice == top[:, None], idx[None, :], BLOCK_G * BLOCK_J), axis=1)
+        ids = tl.where(ks[None, :] == jj, ((pick // BLOCK_J) * group_size + pick % BLOCK_J)[:, None], ids)
+        chosen = tl.sum(tl.where(idx[None, :] == pick[:, None], flat_scores, 0.0), axis=1)
+        weights = tl.where(ks[None, :] == jj, chosen[:, None], weights)
+        choice = tl.where(idx[None, :] == pick[:, None], float("-inf"), choice)
+    if NORM:
+        weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
+    pair = t[:, None] * TOP_K + ks[None, :]
+    pair_ok = t_ok[:, None] & (ks < TOP_K)[None, :]
+    tl.store(weights_ptr + pair, weights * routed_scaling_factor, mask=pair_ok)
+    tl.store(ids_ptr + pair, ids, mask=pair_ok)
+    _sort_pairs(tl.reshape(ids, (BLOCK_T * BLOCK_K,)), tl.reshape(pair, (BLOCK_T * BLOCK_K,)),
+                tl.reshape(pair_ok, (BLOCK_T * BLOCK_K,)), sorted_ptr, expert_ids_ptr, num_post_pad_ptr,
+                tokens * TOP_K, num_experts, capacity, num_tiles, block_m, BLOCK_E, BLOCK_S)
+
+
 _ONE_PROGRAM_CELLS = 1 << 16  # the one-program sort holds a [experts, pairs] comparison: up to this many cells
+_ONE_PROGRAM_PAIRS = 256  # and a [pairs, pairs] one
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -218,7 +328,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     num_tiles = capacity // block_m
     device = flat.device
     block_p, block_e = pow2(pairs), pow2(num_experts + 1)
-    if pairs and block_p * block_e <= _ONE_PROGRAM_CELLS:
+    if pairs and block_p * block_e <= _ONE_PROGRAM_CELLS and block_p <= _ONE_PROGRAM_PAIRS:
         sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
         expert_ids = torch.empty(num_tiles, dtype=torch.int32, device=device)
         num_post_pad = torch.empty(1, dtype=torch.int32, device=device)
@@ -506,8 +616,10 @@ def fused_moe(
     w2_bias: torch.Tensor | None = None,
     swiglu_limit: float | None = None,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sorted_pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Routed experts: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]). hidden [T, H] -> [T, H].
+    `sorted_pairs`: `moe_align_block_size`'s output for these ids, already made (`noaux_tc_route_and_sort`).
     Two grouped GEMM launches over the expert-sorted pairs, then one kernel that sums each token's k rows (and runs
     the `shared` expert's activation and down projection and adds it, as the torch reference does). `other_experts`: ids may name experts of other
     ranks (ids >= E), whose pairs are skipped. Biases and `swiglu_limit` (gpt-oss) as in the torch reference,
@@ -523,7 +635,11 @@ def fused_moe(
         hidden = hidden.contiguous()
     pairs = tokens * top_k
     block_m = _block_m(pairs, num_experts)
-    sorted_ids, expert_ids, num_post_pad = moe_align_block_size(topk_ids, num_experts, block_m)
+    if sorted_pairs is None:
+        sorted_pairs = moe_align_block_size(topk_ids, num_experts, block_m)
+    elif sorted_pairs[1].numel() * block_m != triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m:
+        raise ValueError("sorted_pairs were not sorted for these ids' tile size")
+    sorted_ids, expert_ids, num_post_pad = sorted_pairs
     if quant is None:
         kind, scale_n, scale_k, s13, s2, up_row0 = 0, 1, 1, w13, w2, 0
     elif quant.method in ("w4a16", "mxfp4"):

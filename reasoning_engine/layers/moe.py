@@ -76,8 +76,20 @@ class Router(nn.Module):
         self.n_group, self.topk_group, self.topk_method = n_group or 1, topk_group or 1, topk_method
         self.ops = kernel_module(self.kernel_family, "torch")
 
+    def route_and_sort(self, x: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+        """`forward`, and for noaux_tc on the Triton path the (token, choice) pairs already sorted for the grouped
+        GEMMs over `num_experts` stacked experts (`fused_moe`'s `sorted_pairs`; None when not made here)."""
+        if self.scoring == "sigmoid" and self.e_score_correction_bias is not None:
+            return self.ops.noaux_tc_route_and_sort(self._logits(x), self.e_score_correction_bias, self.top_k,
+                                                    self.n_group, self.topk_group, self.norm_topk_prob, self.scaling,
+                                                    num_experts)
+        return (*self(x), None)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+        logits = self._logits(x)
         if self.scoring == "sigmoid" and self.e_score_correction_bias is not None:
             return self.ops.noaux_tc_router(logits, self.e_score_correction_bias, self.top_k, self.n_group,
                                             self.topk_group, self.norm_topk_prob, self.scaling)
@@ -186,10 +198,11 @@ class Experts(nn.Module):
         self.fixed_dtypes = frozenset(("w13", "w2", "w13_scale", "w2_scale"))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None, sorted_pairs: tuple | None = None) -> torch.Tensor:
         """The routed experts' sum for each token, plus the shared experts' output when `shared` gives their gate_up
         output and down weight (`fused_moe.shared_expert`): on the Triton path one kernel sums a token's k expert
-        rows and runs the shared expert's activation and down projection beside them."""
+        rows and runs the shared expert's activation and down projection beside them. `sorted_pairs`: the pairs
+        already sorted by the router's kernel (`Router.route_and_sort`)."""
         partial = len(self.expert_range) < self.num_experts
         if partial:
             ids = self.local_ids(ids)
@@ -204,7 +217,8 @@ class Experts(nn.Module):
         quant = None
         if self.quant is not None:
             quant = MoEQuant(self.quant.method, self.w13_scale, self.w2_scale, self.quant.group_size, self.quant.block_shape)
-        return self.ops.fused_moe(x, self.w13, self.w2, weights, ids, quant, other_experts=partial, shared=shared)
+        return self.ops.fused_moe(x, self.w13, self.w2, weights, ids, quant, other_experts=partial, shared=shared,
+                                  sorted_pairs=None if partial else sorted_pairs)
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Global expert ids -> this rank's; another rank's expert becomes the local count, which the fused-MoE
@@ -229,13 +243,18 @@ class SparseMoE(nn.Module):
             counts = batch.dp_num_tokens
             x = self.parallel.dp.all_gather_rows(x, counts)
             rows = range(sum(counts[: self.parallel.dp.rank]), sum(counts[: self.parallel.dp.rank + 1]))
-        weights, ids = self.gate(x)
+        whole = len(self.experts.expert_range) == self.experts.num_experts  # no expert parallelism: global ids are local
+        if whole and type(self.experts) is Experts and not torch.compiler.is_compiling():
+            weights, ids, sorted_pairs = self.gate.route_and_sort(x, self.experts.num_experts)
+        else:
+            (weights, ids), sorted_pairs = self.gate(x), None
+        extra = {} if sorted_pairs is None else {"sorted_pairs": sorted_pairs}
         shared = self.shared_experts
         if isinstance(shared, GatedMLP) and shared.fusable and not self.parallel.gathers_tokens:
             # the shared expert's down projection and the sum with the routed experts: one kernel on the Triton path
-            out = self.experts(x, weights, ids, shared=(shared.gate_up_proj(own), shared.down_proj.weight))
+            out = self.experts(x, weights, ids, shared=(shared.gate_up_proj(own), shared.down_proj.weight), **extra)
         else:
-            out = self.experts(x, weights, ids)
+            out = self.experts(x, weights, ids, **extra)
             if shared is not None and self.parallel.gathers_tokens:
                 out[rows.start : rows.stop] += shared(own)
             elif shared is not None:

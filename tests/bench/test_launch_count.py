@@ -59,3 +59,26 @@ def test_tiny_deepseek_v3_decode_step_counts(launch_count: ModuleType) -> None:
     assert any("moe" in name or "expert" in name for name in moe["triton_kernels"]), moe
     assert moe["total"] > dense["total"] > 0
     assert result["step_total"] == 2 * moe["total"] + dense["total"] + other["total"]
+
+
+# per MoE layer: the input norm (its residual add fused), MLA's fused projection, its rotary / cache / absorbed-query
+# kernel, decode attention (2), W_UV, o_proj, the post-attention norm (add fused), the router's matmul, its
+# route-and-sort kernel, the shared expert's gate_up, the two expert GEMMs and the combine (shared down inside)
+MOE_LAYER_KERNELS = {"_rms_norm_kernel": 2, "_mla_rope_cache_kernel": 1, "_route_and_sort_kernel": 1,
+                     "_moe_gemm_kernel": 2, "_combine_kernel": 1}
+
+
+def test_moe_layer_launches_at_most_14_in_decode_and_verification(launch_count: ModuleType) -> None:
+    """Issue #58's bound: a Moonlight-structured MoE layer launches at most 14 kernels in a decode step and in a
+    verification step (n-gram draft), the residual adds, routing arithmetic, sort, concatenations and shared-expert
+    tail fused; only the matmuls stay torch ops."""
+    gpu_check = load_script("gpu_check")
+    config = dict(gpu_check.TINY_CONFIG, num_hidden_layers=3, vocab_size=64)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for draft_tokens in (0, 3):
+        result = launch_count.count_decode_step(config, device, draft_tokens=draft_tokens)
+        moe = result["moe_layer"]
+        assert result["launches_per_moe_layer"] <= 14, moe
+        assert (result["query_tokens"] > 1) == (draft_tokens > 0)
+        assert {k: v for k, v in moe["triton_kernels"].items() if k in MOE_LAYER_KERNELS} == MOE_LAYER_KERNELS, moe
+        assert moe["torch_ops"] == {"linear": 4, "bmm": 1}, moe

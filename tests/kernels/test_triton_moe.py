@@ -360,3 +360,27 @@ def test_router_layer_runs_noaux_tc_kernel(device):
     hf_w, hf_ids = transformers_router(torch.nn.functional.linear(x, router.weight).cpu(), router.e_score_correction_bias.detach().cpu(),
                                        4, 4, 2, True, 2.5)
     assert torch.equal(hf_ids.sort(dim=1).values, ids.long().cpu().sort(dim=1).values)
+
+
+@pytest.mark.parametrize("case", ROUTER_CASES + [(40, 64, 6, 1, 1, True, 2.446)])  # 40 tokens: the router alone
+def test_route_and_sort_in_one_launch(device, case):
+    """noaux_tc routing of a small step's tokens at once and the sort of their pairs from registers, in one launch:
+    the reference router's experts and weights, and the reference sort of its ids (for the tile size `fused_moe`
+    picks); a step with more tokens gets the router alone and no sort."""
+    tokens, experts, top_k, n_group, topk_group, norm, scale = case
+    logits = torch.randn(tokens, experts)
+    logits[:, 1] = logits[:, 0]  # a tie: the lower expert id goes first, as in the reference
+    bias = torch.randn(experts) * 0.1
+    w, ids, sort = triton_moe.noaux_tc_route_and_sort(logits.to(device), bias.to(device), top_k, n_group, topk_group,
+                                                      norm, scale, experts)
+    ref_w, ref_ids = fused_moe.noaux_tc_router(logits, bias, top_k, n_group, topk_group, norm, scale)
+    assert torch.equal(ids.cpu(), ref_ids)
+    assert_close(w.cpu(), ref_w)
+    if tokens > 16:
+        assert sort is None
+        return
+    if not tokens:
+        return
+    ref_sort = fused_moe.moe_align_block_size(ref_ids, experts, triton_moe._block_m(tokens * top_k, experts))
+    assert int(sort[2]) == int(ref_sort[2])
+    assert torch.equal(sort[0].cpu(), ref_sort[0]) and torch.equal(sort[1].cpu(), ref_sort[1])

@@ -121,8 +121,8 @@ def noaux_tc_route_and_sort(
     block_g, block_j, block_k = pow2(n_group), pow2(experts // n_group), pow2(top_k)
     block_e = pow2(num_experts + 1)
     if (not tokens or experts != num_experts
-            or pow2(tokens) * max(block_g * block_j, block_k * block_e) > _ONE_PROGRAM_CELLS
-            or pow2(tokens) * block_k > _ONE_PROGRAM_PAIRS):
+            or pow2(tokens, 2) * max(block_g * block_j, block_k * block_e) > _ONE_PROGRAM_CELLS
+            or pow2(tokens, 2) * block_k > _ONE_PROGRAM_PAIRS):
         return (*noaux_tc_router(router_logits, e_score_correction_bias, top_k, n_group, topk_group, norm_topk_prob,
                                  routed_scaling_factor), None)
     if router_logits.stride(-1) != 1:
@@ -135,14 +135,15 @@ def noaux_tc_route_and_sort(
     sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
     expert_ids = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
     num_post_pad = torch.empty(1, dtype=torch.int32, device=device)
-    block_p = pow2(tokens) * block_k
+    block_t = pow2(tokens, 2)  # a row of one token leaves [1, groups, experts] tiles that spill on sm_90 / sm_100
+    block_p = block_t * block_k
     _route_and_sort_kernel[(1,)](
         router_logits, e_score_correction_bias, weights, ids, sorted_ids, expert_ids, num_post_pad,
         tokens, router_logits.stride(0), experts, experts // n_group, float(routed_scaling_factor), capacity,
         capacity // block_m, block_m,
-        TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=norm_topk_prob, BLOCK_T=pow2(tokens),
-        BLOCK_G=block_g, BLOCK_J=block_j, BLOCK_K=block_k, BLOCK_E=block_e, BLOCK_S=max(16, 4096 // block_p),
-        num_warps=4,
+        TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=norm_topk_prob, BLOCK_T=block_t,
+        BLOCK_G=block_g, BLOCK_J=block_j, BLOCK_K=block_k, BLOCK_E=block_e, **_sort_blocks(block_p, block_e),
+        num_warps=8 if block_t * block_g * block_j >= 2048 else 4,
     )
     return weights, ids, (sorted_ids, expert_ids, num_post_pad)
 
@@ -211,7 +212,7 @@ def _align_scatter_kernel(ids_ptr, starts_ptr, offsets_ptr, sorted_ptr, num_pair
 
 @triton.jit
 def _sort_pairs(ids, pair, p_ok, sorted_ptr, expert_ids_ptr, num_post_pad_ptr, num_pairs, num_experts, capacity,
-                num_tiles, block_m, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+                num_tiles, block_m, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TL: tl.constexpr):
     """The whole sort of the pairs held in registers (ids [BLOCK_P] of pairs `pair`, `p_ok` the real ones) by one
     program: every output slot is written (the pair that lands there, or the sentinel), so nothing is allocated
     filled beforehand. A pair's slot is its expert's first row plus the count of earlier pairs of the same expert;
@@ -231,10 +232,10 @@ def _sort_pairs(ids, pair, p_ok, sorted_ptr, expert_ids_ptr, num_post_pad_ptr, n
         hit = slot[None, :] == s[:, None]  # [BLOCK_S, BLOCK_P]
         at = tl.sum(tl.where(hit, pair[None, :], 0), axis=1)
         tl.store(sorted_ptr + s, tl.where(tl.max(hit.to(tl.int32), axis=1) > 0, at, num_pairs), mask=s < capacity)
-    for t0 in range(0, num_tiles, BLOCK_S):
-        tiles = t0 + tl.arange(0, BLOCK_S)
+    for t0 in range(0, num_tiles, BLOCK_TL):
+        tiles = t0 + tl.arange(0, BLOCK_TL)
         first_row = tiles * block_m
-        owner = tl.sum(tl.where((ends[None, :] <= first_row[:, None]) & e_ok[None, :], 1, 0), axis=1)
+        owner = tl.sum(tl.where((ends[None, :] <= first_row[:, None]) & e_ok[None, :], 1, 0), axis=1)  # [BLOCK_TL, BLOCK_E]
         tl.store(expert_ids_ptr + tiles, tl.where(first_row < used, owner, -1), mask=tiles < num_tiles)
     tl.store(num_post_pad_ptr, used)
 
@@ -242,14 +243,14 @@ def _sort_pairs(ids, pair, p_ok, sorted_ptr, expert_ids_ptr, num_post_pad_ptr, n
 @triton.jit
 def _align_one_program_kernel(
     ids_ptr, sorted_ptr, expert_ids_ptr, num_post_pad_ptr, num_pairs, num_experts, capacity, num_tiles, block_m,
-    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TL: tl.constexpr,
 ):
     """The sort of a decode or verification step's few pairs in one program (`_sort_pairs`)."""
     p = tl.arange(0, BLOCK_P)
     p_ok = p < num_pairs
     ids = tl.load(ids_ptr + p, mask=p_ok, other=num_experts)
     _sort_pairs(ids, p, p_ok, sorted_ptr, expert_ids_ptr, num_post_pad_ptr, num_pairs, num_experts, capacity,
-                num_tiles, block_m, BLOCK_E, BLOCK_S)
+                num_tiles, block_m, BLOCK_E, BLOCK_S, BLOCK_TL)
 
 
 @triton.jit
@@ -258,7 +259,7 @@ def _route_and_sort_kernel(
     tokens, stride_logits, num_experts, group_size, routed_scaling_factor, capacity, num_tiles, block_m,
     TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TL: tl.constexpr,
 ):
     """noaux_tc routing of all of a small step's tokens at once (`_router_kernel`'s choice, a token per row of
     [tokens, groups, experts of a group] tiles), then the sort of their pairs (`_sort_pairs`) from registers: the
@@ -305,11 +306,17 @@ def _route_and_sort_kernel(
     tl.store(ids_ptr + pair, ids, mask=pair_ok)
     _sort_pairs(tl.reshape(ids, (BLOCK_T * BLOCK_K,)), tl.reshape(pair, (BLOCK_T * BLOCK_K,)),
                 tl.reshape(pair_ok, (BLOCK_T * BLOCK_K,)), sorted_ptr, expert_ids_ptr, num_post_pad_ptr,
-                tokens * TOP_K, num_experts, capacity, num_tiles, block_m, BLOCK_E, BLOCK_S)
+                tokens * TOP_K, num_experts, capacity, num_tiles, block_m, BLOCK_E, BLOCK_S, BLOCK_TL)
 
 
 _ONE_PROGRAM_CELLS = 1 << 16  # the one-program sort holds a [experts, pairs] comparison: up to this many cells
 _ONE_PROGRAM_PAIRS = 256  # and a [pairs, pairs] one
+
+
+def _sort_blocks(block_p: int, block_e: int) -> dict[str, int]:
+    """`_sort_pairs`' steps: output slots (each compared with every pair) and row tiles (with every expert) at a time,
+    about 2,048 comparisons a step (register tiles, no spills)."""
+    return {"BLOCK_S": max(16, 2048 // block_p), "BLOCK_TL": max(16, 2048 // block_e)}
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -334,7 +341,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
         num_post_pad = torch.empty(1, dtype=torch.int32, device=device)
         _align_one_program_kernel[(1,)](
             flat, sorted_ids, expert_ids, num_post_pad, pairs, num_experts, capacity, num_tiles, block_m,
-            BLOCK_P=block_p, BLOCK_E=block_e, BLOCK_S=max(16, 4096 // block_p), num_warps=4,
+            BLOCK_P=block_p, BLOCK_E=block_e, **_sort_blocks(block_p, block_e), num_warps=4,
         )
         return sorted_ids, expert_ids, num_post_pad
     sorted_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=device)

@@ -13,8 +13,9 @@ own sizes (slow without a GPU). A verification step (a draft of `--draft-tokens`
 too, under `verify_step`.
 
 Counted: a Triton launch is a call of a JIT (or interpreted) kernel's `run` outside warm-up; a torch op is an aten op
-seen by a TorchDispatchMode that is neither a view (`OpOverload.is_view`) nor an allocation alone (`NO_KERNEL`), and
-was not issued by the interpreter while it runs a Triton kernel. The last line of stdout is the JSON summary.
+seen by a TorchDispatchMode that is neither a view (`OpOverload.is_view`, unless its output has storage of its own:
+a cast or a contiguous copy) nor an allocation alone (`NO_KERNEL`), and was not issued by the interpreter while it
+runs a Triton kernel. The last line of stdout is the JSON summary.
 """
 
 from __future__ import annotations
@@ -71,9 +72,10 @@ def counting_launches(log: list[tuple[str, str, str]], scope: Callable[[], str] 
     class Ops(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             name = func.overloadpacket.__name__
-            if not inside[0] and not func.is_view and name not in NO_KERNEL:
+            out = func(*args, **(kwargs or {}))
+            if not inside[0] and name not in NO_KERNEL and (not func.is_view or _copied(args, out)):
                 log.append((scope(), "torch", name))
-            return func(*args, **(kwargs or {}))
+            return out
 
     originals = {cls: cls.__dict__["run"] for cls in classes}
     for cls in classes:
@@ -84,6 +86,16 @@ def counting_launches(log: list[tuple[str, str, str]], scope: Callable[[], str] 
     finally:
         for cls, original in originals.items():
             cls.run = original
+
+
+def _copied(args: Any, out: Any) -> bool:
+    """Whether an op whose schema may alias its input (`to`, `contiguous`, `reshape`: seen whole under inference
+    mode, where they are not decomposed) made a new tensor instead, a copy kernel."""
+    import torch
+
+    source = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return (isinstance(out, torch.Tensor) and source is not None
+            and out.untyped_storage().data_ptr() != source.untyped_storage().data_ptr())
 
 
 def summarize(log: list[tuple[str, str, str]]) -> dict[str, Any]:

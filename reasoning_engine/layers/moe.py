@@ -237,17 +237,23 @@ class SparseMoE(nn.Module):
         self.shared_experts = shared
         self.parallel = parallel
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+    # the decoder layer hands the router its input already in float32 (`router_input`), made by the norm's kernel
+    float_router_input = True
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None,
+                router_input: torch.Tensor | None = None) -> torch.Tensor:
+        """`router_input`: x in float32 (the router computes in float32), or None to cast here."""
         own = x
         if self.parallel.gathers_tokens:
             counts = batch.dp_num_tokens
             x = self.parallel.dp.all_gather_rows(x, counts)
             rows = range(sum(counts[: self.parallel.dp.rank]), sum(counts[: self.parallel.dp.rank + 1]))
+        gate_in = x if router_input is None or self.parallel.gathers_tokens else router_input
         whole = len(self.experts.expert_range) == self.experts.num_experts  # no expert parallelism: global ids are local
         if whole and type(self.experts) is Experts and not torch.compiler.is_compiling():
-            weights, ids, sorted_pairs = self.gate.route_and_sort(x, self.experts.num_experts)
+            weights, ids, sorted_pairs = self.gate.route_and_sort(gate_in, self.experts.num_experts)
         else:
-            (weights, ids), sorted_pairs = self.gate(x), None
+            (weights, ids), sorted_pairs = self.gate(gate_in), None
         extra = {} if sorted_pairs is None else {"sorted_pairs": sorted_pairs}
         shared = self.shared_experts
         if isinstance(shared, GatedMLP) and shared.fusable and not self.parallel.gathers_tokens:

@@ -28,6 +28,11 @@ class RMSNorm(nn.Module):
         one kernel on the Triton path."""
         return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
+    def add_and_norm_with_float(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`add_and_norm` and the normalised rows in float32 too (for a float32 router), one kernel on the Triton
+        path."""
+        return self.ops.fused_add_rms_norm_with_float(x, residual, self.weight, self.eps)
+
 
 class ShardedRMSNorm(RMSNorm):
     """RMSNorm over a feature dimension that tensor parallelism splits (MiniMax-M2's q/k norm spans all heads of a

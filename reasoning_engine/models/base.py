@@ -121,7 +121,11 @@ class DecoderLayer(nn.Module):
             residual, normed = x, self.input_layernorm(x)
         else:
             normed, residual = self.input_layernorm.add_and_norm(x, residual)
-        normed, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(positions, normed, batch), residual)
+        attn = self.self_attn(positions, normed, batch)
+        if getattr(self.mlp, "float_router_input", False):  # the router's float32 input from the norm's kernel
+            normed, residual, widened = self.post_attention_layernorm.add_and_norm_with_float(attn, residual)
+            return self.mlp(normed, batch, router_input=widened), residual
+        normed, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
         return self.mlp(normed, batch), residual
 
 

@@ -52,14 +52,8 @@ class StateCache:
         self.free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() takes the lowest
         self.snapshots: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
         self.turn_ends: set[bytes] = set()  # snapshots at a prompt's end or a decode's latest boundary: evicted last
-        self.slot_keys: dict[int, bytes] = {}
         self.pending: list[tuple[bytes, int]] = []  # written by this step, visible after it
         self.latest: dict[str, bytes] = {}  # seq_id -> key of its latest decode-boundary snapshot
-
-    @property
-    def padding_slot(self) -> int:
-        """A slot no request owns: idle replicas' and padding rows' state goes there."""
-        return self.num_slots
 
     @property
     def num_snapshots(self) -> int:
@@ -88,7 +82,6 @@ class StateCache:
                 raise RuntimeError("no state slot free and no snapshot to evict")  # the pool was sized too small
             key = next((k for k in self.snapshots if k not in self.turn_ends), next(iter(self.snapshots)))
             slot = self.snapshots.pop(key)
-            del self.slot_keys[slot]
             self.turn_ends.discard(key)
             return slot
         return self.free.pop()
@@ -149,7 +142,6 @@ class StateCache:
         """The step ran: the snapshots it wrote can be hit."""
         for key, slot in self.pending:
             self.snapshots[key] = slot
-            self.slot_keys[slot] = key
         self.pending.clear()
 
     def reset(self) -> None:
@@ -159,9 +151,7 @@ class StateCache:
 
     def _drop(self, key: bytes) -> None:
         self.turn_ends.discard(key)
-        slot = self.snapshots.pop(key)
-        del self.slot_keys[slot]
-        self.free.append(slot)
+        self.free.append(self.snapshots.pop(key))
 
     def _prompt_boundary(self, request: Request) -> int:
         """The last block boundary a later request with this prompt can hit (a hit leaves >= 1 token to run)."""
@@ -170,8 +160,10 @@ class StateCache:
     def _boundaries(self, request: Request, start: int, stop: int):
         bs = self.block_size
         prompt_end = self._prompt_boundary(request)
+        last = stop // bs * bs
         for boundary in range((start // bs + 1) * bs, stop + 1, bs):
-            if boundary == prompt_end or boundary % (self.interval_blocks * bs) == 0 or boundary > prompt_end:
-                if boundary > prompt_end and boundary != (stop // bs) * bs:
-                    continue  # decoding: only the last boundary of the step
+            if boundary > prompt_end:  # decoding: only the last boundary of the step
+                if boundary == last:
+                    yield boundary
+            elif boundary == prompt_end or boundary % (self.interval_blocks * bs) == 0:
                 yield boundary

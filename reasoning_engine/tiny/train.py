@@ -19,6 +19,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import csv  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import random  # noqa: E402
@@ -233,6 +234,21 @@ def save_state(path: Path, model: TinyDeepseekV3, opt: torch.optim.Optimizer, st
     tmp.replace(path)
 
 
+def keeps_thread_count(train_fn):  # type: ignore[no-untyped-def]
+    """Let a training function set torch's thread count for its run and give the caller's back afterwards: called
+    from a longer-lived process (a test session), a changed count oversubscribes every later step."""
+
+    @functools.wraps(train_fn)
+    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+        before = torch.get_num_threads()
+        try:
+            return train_fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(before)
+    return wrapper
+
+
+@keeps_thread_count
 def train(args: TrainArgs, resume: bool = False) -> None:
     """Build the tokenizer, train, and write the checkpoint; with resume, continue from checkpoint_dir/state.pt."""
     torch.set_num_threads(args.threads)

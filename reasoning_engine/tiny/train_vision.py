@@ -72,6 +72,7 @@ from reasoning_engine.tiny.tokenizer import tokenizer_config  # noqa: E402
 from reasoning_engine.tiny.train import (  # noqa: E402
     MAX_MODEL_LEN,
     MTP_WEIGHT,
+    keeps_thread_count,
     update_routing_bias,
     write_generation_config,
 )
@@ -536,6 +537,7 @@ def starting_point(args: VisionTrainArgs) -> tuple[TinyDeepseekV3, KimiVisionEnc
     return model, encoder, tokenizer, ids
 
 
+@keeps_thread_count
 def train(args: VisionTrainArgs) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -68,10 +68,14 @@ def test_layer0_head0_starts_on_the_previous_token() -> None:
 
 
 def test_a_few_steps_write_a_loadable_checkpoint(tmp_path: Path) -> None:
+    """...and leave the caller's torch thread count as it was (the run sets its own): a test session that trained
+    ran every later test oversubscribed."""
+    before = torch.get_num_threads()
     args = TrainArgs(steps=3, tokens_per_batch=512, lr=1e-3, warmup=1, weight_decay=0.05, pool_size=32, seed=1,
-                     threads=2, out_dir=tmp_path / "model", log_file=tmp_path / "log.csv", save_every=0,
+                     threads=before + 1, out_dir=tmp_path / "model", log_file=tmp_path / "log.csv", save_every=0,
                      checkpoint_dir=tmp_path / "ckpt", max_minutes=5.0, device="cpu")
     train(args)
+    assert torch.get_num_threads() == before
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                  "generation_config.json"):
         assert (tmp_path / "model" / name).is_file()

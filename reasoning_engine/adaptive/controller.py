@@ -17,7 +17,7 @@ import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from reasoning_engine.adaptive.acceptance import AcceptanceModel, ProposedDrafts
@@ -470,7 +470,7 @@ class AdaptiveController:
                            "seconds_per": self.cost.coefficients(), "corrections": dict(self.cost.corrections),
                            "prediction_error": {kind: {"log_bias": round(e[0], 4), "log_abs": round(e[1], 4)}
                                                 for kind, e in sorted(self.prediction_error.items())}},
-            "recent_steps": [asdict(t) for t in self.trace],
+            "recent_steps": [dict(vars(t)) for t in self.trace],  # plain fields: no deep copy needed
             "speculation": {"method": self.method, "max_draft_tokens": self.max_draft_tokens,
                             "last_draft_lengths": {"requests": len(lengths),
                                                    "mean": sum(lengths) / len(lengths) if lengths else 0.0,

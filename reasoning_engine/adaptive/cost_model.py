@@ -76,6 +76,17 @@ def _dot(a: tuple[float, ...], b: tuple[float, ...]) -> float:
     return sum(x * y for x, y in zip(a, b))
 
 
+def _solve_over(a: np.ndarray, b: np.ndarray, free: list[int]) -> np.ndarray:
+    """Least squares over the `free` features of the normal equations `a w = b`, the others zero."""
+    w = np.zeros(len(b))
+    if free:
+        try:
+            w[free] = np.linalg.solve(a[free][:, free], b[free])
+        except np.linalg.LinAlgError:
+            w[free] = np.linalg.lstsq(a[free][:, free], b[free], rcond=None)[0]
+    return w
+
+
 def _kind(shape: StepShape) -> str:
     """Which correction a step gets: with a prefill chunk or not, its batch size by power of two, and a "v" if it
     verifies drafts."""
@@ -101,6 +112,7 @@ class StepCostModel:
         self.observations = 0
         self.weights = np.zeros(n)
         self._coefficients = (0.0,) * n  # `weights` as floats, for `predict`
+        self._free: tuple[int, ...] = tuple(range(n))  # the features the last fit left free (non-zero)
         self.corrections: dict[str, float] = {}  # per kind of step, measured / linear prediction (running mean)
         self._verified_since_plain: dict[str, int] = {}  # per kind of plain step: verifying steps since the last plain
 
@@ -152,24 +164,42 @@ class StepCostModel:
         self._coefficients = tuple(float(w) for w in weights)
 
     def _solve(self) -> np.ndarray:
-        """Non-negative least squares by an active set: drop the most negative weight and solve again."""
+        """The non-negative least-squares weights of the decayed statistics by Lawson and Hanson's active-set method
+        ("Solving Least Squares Problems", 1974, ch. 23), on features scaled to a unit diagonal so one tolerance fits
+        them all. It starts from the last fit's free features (dropping any that now come out negative): between
+        fits the statistics move little, so one solve and the optimality check usually settle it."""
         self._fold()
         n = len(FEATURES)
-        free = list(range(n))
-        weights = np.zeros(n)
-        scale = np.maximum(np.diag(self._xtx), 1e-30)
-        while free:
-            a = self._xtx[np.ix_(free, free)] + self.ridge * np.diag(scale[free])
-            try:
-                solved = np.linalg.solve(a, self._xty[free])
-            except np.linalg.LinAlgError:
-                solved = np.linalg.lstsq(a, self._xty[free], rcond=None)[0]
-            if (solved >= 0).all():
-                weights[:] = 0.0
-                weights[free] = solved
-                return weights
-            free.pop(int(np.argmin(solved)))
-        return weights
+        scale = 1.0 / np.sqrt(np.maximum(self._xtx.diagonal(), 1e-30))
+        a = self._xtx * scale * scale[:, None]
+        a.flat[::n + 1] += self.ridge
+        b = self._xty * scale
+        tolerance = 1e-10 * max(float(np.abs(b).max()), 1e-30)
+        free = list(self._free)
+        while True:  # a feasible start: every free weight positive
+            w = _solve_over(a, b, free)
+            values = w.tolist()
+            if all(values[j] > 0.0 for j in free):
+                break
+            free = [j for j in free if values[j] > 0.0]
+        for _ in range(4 * n):
+            gradient = (b - a @ w).tolist()  # what raising each weight would still gain
+            fixed = [j for j in range(n) if j not in free and gradient[j] > tolerance]
+            if not fixed:
+                break
+            free.append(max(fixed, key=lambda j: gradient[j]))
+            while free:
+                z = _solve_over(a, b, free)
+                values = z.tolist()
+                if all(values[j] > 0.0 for j in free):
+                    w = z
+                    break
+                # move towards z only as far as the first free weight reaching zero, which then leaves the set
+                step = min(w[j] / (w[j] - z[j]) for j in free if values[j] <= 0.0)
+                w = w + step * (z - w)
+                free = [j for j in free if w[j] > 0.0]
+        self._free = tuple(sorted(free))
+        return w * scale
 
     def predict(self, shape: StepShape) -> float:
         """Linear prediction times the kind's correction (a kind not seen yet borrows the other side's: verifying

@@ -96,6 +96,41 @@ def test_cost_model_follows_a_slower_machine_and_stays_non_negative() -> None:
     assert all(value >= 0 for value in model.coefficients().values())
 
 
+def test_each_fit_is_the_non_negative_least_squares_optimum() -> None:
+    """Fits start from the last fit's free features; every fit is still the exact non-negative optimum of the decayed
+    statistics (checked against all 256 subsets of free features), through noise and features that are truly zero."""
+    from itertools import combinations
+
+    def objective(model: StepCostModel, w: np.ndarray) -> float:
+        a = model._xtx + model.ridge * np.diag(np.maximum(np.diag(model._xtx), 1e-30))
+        return float(w @ a @ w - 2 * w @ model._xty)  # the quadratic the fit minimises
+
+    def optimum(model: StepCostModel) -> float:
+        n = len(FEATURES)
+        a = model._xtx + model.ridge * np.diag(np.maximum(np.diag(model._xtx), 1e-30))
+        best = 0.0
+        for size in range(1, n + 1):
+            for free in combinations(range(n), size):
+                w = np.zeros(n)
+                w[list(free)] = np.linalg.lstsq(a[np.ix_(free, free)], model._xty[list(free)], rcond=None)[0]
+                if (w >= 0).all():
+                    best = min(best, objective(model, w))
+        return best
+
+    rng = random.Random(4)
+    model = StepCostModel()
+    checked = 0
+    for i, shape in enumerate(_random_shapes(rng, 400)):
+        slow = 1.6 if 150 <= i < 250 else 1.0  # the machine slows for a while: the free set moves
+        model.observe(shape, slow * _true_time(shape) * rng.uniform(0.8, 1.25))
+        if not model._pending and i % 5 == 0:  # just refitted
+            assert (model.weights >= 0).all()
+            best = optimum(model)
+            assert objective(model, model.weights) <= best + 1e-9 * abs(best)
+            checked += 1
+    assert checked > 10
+
+
 def test_cost_model_tells_a_steps_switch_to_verification_from_its_drafts() -> None:
     """The first draft in a batch costs the whole step's switch off the decode path; the next ones cost little."""
     rng = random.Random(5)

@@ -116,6 +116,7 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Embedding -> decoder layers -> norm -> LM head. Families subclass to build layers and map tensor names."""
 
+    draft_trees = True  # whether verification may branch (False: drafts are cut to their first path, engine.py)
     # checkpoint tensors that are not part of the model and are ignored (buffers some exporters save)
     ignored = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.|\.attn\.bias$|\.masked_bias$)")
 

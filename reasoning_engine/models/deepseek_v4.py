@@ -21,8 +21,8 @@ Cache layout, and why: two KV cache groups over the one block pool (cache_groups
   block of the prefix cache carries exactly the rows its tokens closed, and a block holds max(1, block_size / rate)
   rows instead of block_size tokens.
 Per position in a group the worker shares one block-major buffer between the two groups' layers (worker.py).
-Limits: draft trees (branching drafts) are not supported (chains are); FP8 / FP4 checkpoints and the MTP layer are
-not loaded yet.
+Limits: draft trees are cut to their first path (positions address the windows and rows, and a tree's nodes share
+positions); FP8 / FP4 checkpoints and the MTP layer are not loaded yet.
 
 Checkpoint names: the official ones (`layers.N.attn.wq_a`, `ffn.experts.E.w1`, `hc_attn_fn`, `embed`, `head`, ...,
 which transformers' save_pretrained also writes) and transformers' module names are both read.
@@ -152,6 +152,8 @@ class DeepseekV4Layer(nn.Module):
 
 
 class DeepseekV4ForCausalLM(CausalLM):
+    draft_trees = False  # its windows and rows are addressed by position: drafts verify as chains
+
     def __init__(self, config: ModelConfig, max_positions: int, parallel: Parallel = Parallel()) -> None:
         raw = config.raw
         tables = {which: rope_tables(config, which, max_positions) for which in ("main", "compress")}

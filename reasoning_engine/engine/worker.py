@@ -315,10 +315,12 @@ class ModelWorker:
                          for method, m in self.draft_models.items()}
         # EAGLE-3 reads intermediate layers, which a captured forward does not return: its steps stay eager
         # hybrid models' steps stay eager: their state addressing is not part of the captured or compiled graphs
-        if cuda_graphs_enabled(self.config) and not self.aux_layers and not self.linear_layers:
+        # DeepSeek-V4 (`eager_only`): its step addressing is built per step on the host
+        eager = bool(self.aux_layers or self.linear_layers or getattr(self.model, "eager_only", False))
+        if cuda_graphs_enabled(self.config) and not eager:
             self.decode_graphs = CudaGraphRunner(self.model, self.config, self.padding_block, capture=True,
                                                  max_draft_tokens=self.max_draft_tokens)
-        if self.config.compile_decode and not self.aux_layers and not self.linear_layers:
+        if self.config.compile_decode and not eager:
             self.compiled_decode = CompiledDecode(self.model)
             self._compile_decode_graphs()
 

@@ -153,6 +153,7 @@ class DeepseekV4Layer(nn.Module):
 
 class DeepseekV4ForCausalLM(CausalLM):
     draft_trees = False  # its windows and rows are addressed by position: drafts verify as chains
+    eager_only = True  # no CUDA graphs or compiled decode: the step's addressing is built on the host
 
     def __init__(self, config: ModelConfig, max_positions: int, parallel: Parallel = Parallel()) -> None:
         raw = config.raw

@@ -86,3 +86,20 @@ def test_official_and_transformers_names_map_to_the_same_parameters() -> None:
         "norm.weight": "norm.weight",
     }
     assert {name: canonical_name(name) for name in pairs} == pairs
+
+
+def test_triton_kernels_give_the_torch_tokens(v4) -> None:
+    """kernel_backend="triton" (the interpreter on CPU): the experts' clamped SwiGLU in the grouped GEMMs' epilogue,
+    Triton norms; the logits of the torch path and its greedy tokens."""
+    ckpt, _ = v4
+    prompts = _prompts(ckpt.vocab_size)[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    runs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(ckpt.path), dtype="float32", device="cpu", block_size=8, kernel_backend=backend)
+        logits = llm.compute_logits(prompts)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs[backend] = (logits, [list(o.outputs[0].token_ids) for o in outs])
+    for got, want in zip(runs["triton"][0], runs["torch"][0]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    assert runs["triton"][1] == runs["torch"][1]

@@ -302,8 +302,10 @@ class ParallelConfig:
     def _check_splits(self, model: ModelConfig, moe_experts: int) -> None:
         tp, raw = self.tensor_parallel_size, model.raw
         needs = [("num_attention_heads", model.num_attention_heads)]
-        if not model.is_mla:
+        if not model.is_mla and model.family != "deepseek_v4":  # V4's one K=V row is whole on every rank
             needs.append(("num_key_value_heads", model.num_key_value_heads))
+        if raw.get("o_groups"):  # DeepSeek-V4's output groups, split with their heads
+            needs.append(("o_groups", raw["o_groups"]))
         if raw.get("intermediate_size"):
             needs.append(("intermediate_size", raw["intermediate_size"]))
         for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_num_heads", "shared_expert_intermediate_size"):

@@ -93,3 +93,16 @@ def test_draft_trees_are_cut_to_their_first_path() -> None:
     tree = Draft([5, 6, 7, 8, 9], [-1, 0, -1, 1, 0])  # 5 -> 6 -> 8 is the first path; 7 and 9 branch off
     chain = tree.first_path()
     assert chain.token_ids == [5, 6, 8] and chain.parents == [-1, 0, 1]
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(data_parallel_size=2, enable_expert_parallel=True)],
+                         ids=["tp2", "dp2_ep"])
+def test_tensor_and_data_parallel_equal_one_process(path: str, plain, parallel: dict) -> None:
+    """TP 2 (each rank half the heads, sinks and output groups; the latent row, compressors and indexer whole) and
+    DP 2 with expert parallelism (hash-routed layers gather the replicas' token ids with their rows)."""
+    prompts = _prompts(5, (3, 17, 40, 70))
+    llm = LLM(path, **V4, **parallel)
+    try:
+        assert _generate(llm, prompts) == [plain(p) for p in prompts]
+    finally:
+        llm.shutdown()

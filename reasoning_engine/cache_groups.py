@@ -3,8 +3,8 @@ manager idea: vLLM's, written anew here).
 
 A "full" group's layers read every earlier position, so a request keeps all its blocks. A "sliding" group's layers read
 only the last `window` positions up to each query, so the blocks wholly before the window of the step's first query
-are given back as the sequence advances. Another kind (DeepSeek-V4's compressed rows) is one more `kind` with its own
-`first_needed_block`.
+are given back as the sequence advances. DeepSeek-V4 uses both: its compressed rows in a full group, its per-token rows
+in a sliding group (models/deepseek_v4.py).
 
 Every group draws its blocks from one pool. Layer caches are shared between groups by position: the j-th layer of
 every group uses cache tensor j, so a block id, allocated to one group, holds that group's layers and a block costs

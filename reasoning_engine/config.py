@@ -18,7 +18,8 @@ import torch
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v2", "qwen3", "qwen3_moe", "llama", "glm4_moe",
                          "minimax_m2", "deepseek_v32", "glm_moe_dsa", "gpt_oss", "glm4_moe_lite",
-                         "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear")
+                         "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear",
+                         "deepseek_v4")
 # Qwen3.5's checkpoints wrap the text model (with a vision tower beside it); the text config class reads its fields
 _TEXT_CONFIG_CLASS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
@@ -301,8 +302,10 @@ class ParallelConfig:
     def _check_splits(self, model: ModelConfig, moe_experts: int) -> None:
         tp, raw = self.tensor_parallel_size, model.raw
         needs = [("num_attention_heads", model.num_attention_heads)]
-        if not model.is_mla:
+        if not model.is_mla and model.family != "deepseek_v4":  # V4's one K=V row is whole on every rank
             needs.append(("num_key_value_heads", model.num_key_value_heads))
+        if raw.get("o_groups"):  # DeepSeek-V4's output groups, split with their heads
+            needs.append(("o_groups", raw["o_groups"]))
         if raw.get("intermediate_size"):
             needs.append(("intermediate_size", raw["intermediate_size"]))
         for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_num_heads", "shared_expert_intermediate_size"):

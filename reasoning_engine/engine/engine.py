@@ -464,7 +464,10 @@ class LLMEngine:
             return  # nothing to draft: spare building every request's sequence
         else:
             drafts = self.spec.propose_batch([(r.seq_id, r.all_token_ids, n) for r, n in zip(asking, limits)])
+        chains_only = not getattr(self.model, "draft_trees", True)
         for request, draft in zip(asking, drafts):
+            if chains_only and len(draft):
+                draft = draft.first_path()
             if request.grammar is not None and len(draft):
                 # nodes the grammar rejects could never be accepted: do not spend verification on them
                 draft = draft.subset(request.grammar.walk_draft(draft.token_ids, draft.parents, request.thinking,

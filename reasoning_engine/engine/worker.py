@@ -138,19 +138,22 @@ def cache_bytes_per_token(layers: Sequence[torch.nn.Module], dtype: torch.dtype)
 
 
 def shared_cache_layers(layers: Sequence[torch.nn.Module], groups: Sequence[CacheGroup]) -> list[list[torch.nn.Module]]:
-    """Per cache tensor j, the layers that share it: the j-th layer of every group (cache_groups.py). Layers sharing
-    a tensor must have the same cache shapes."""
+    """Per cache tensor j, the layers that share it: the j-th layer of every group (cache_groups.py). Layers of
+    unequal cache shapes (DeepSeek-V4's per-token and per-row caches) share one block-major buffer instead
+    (`allocate_caches`)."""
     shared: list[list[torch.nn.Module]] = []
     for group in groups:
         for j, index in enumerate(group.layers):
             if j == len(shared):
                 shared.append([])
             shared[j].append(layers[index])
-    for members in shared:
-        shapes = {tuple(members[0].cache_shape(1, 1))} | {tuple(m.cache_shape(1, 1)) for m in members}
-        if len(shapes) > 1:
-            raise ValueError(f"cache groups: layers sharing a cache tensor need equal cache shapes, got {shapes}")
     return shared
+
+
+def cache_bytes_per_block(members: Sequence[torch.nn.Module], dtype: torch.dtype, block_size: int) -> int:
+    """Bytes one block takes in a cache position shared by `members`: the largest member's."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    return max(sum(torch.Size(shape).numel() for shape in m.cache_shape(1, block_size)) for m in members) * size
 
 
 class ModelWorker:
@@ -279,9 +282,9 @@ class ModelWorker:
         """How many KV blocks this rank can hold: the configured count, or what fits in its share of free memory."""
         c = self.config
         shared = shared_cache_layers(self.model.attention_layers(), self.cache_groups)
-        per_token = cache_bytes_per_token([members[0] for members in shared], c.dtype)
-        per_token += sum(cache_bytes_per_token(m.attention_layers(), c.dtype) for m in self.draft_models.values())
-        per_block = per_token * c.block_size
+        per_block = sum(cache_bytes_per_block(members, c.dtype, c.block_size) for members in shared)
+        per_block += c.block_size * sum(cache_bytes_per_token(m.attention_layers(), c.dtype)
+                                        for m in self.draft_models.values())
         if c.kv_cache_blocks is not None:
             blocks = c.kv_cache_blocks
         elif c.kv_cache_memory is not None:  # one budget: a hybrid model's state slots come out of it first
@@ -312,10 +315,12 @@ class ModelWorker:
                          for method, m in self.draft_models.items()}
         # EAGLE-3 reads intermediate layers, which a captured forward does not return: its steps stay eager
         # hybrid models' steps stay eager: their state addressing is not part of the captured or compiled graphs
-        if cuda_graphs_enabled(self.config) and not self.aux_layers and not self.linear_layers:
+        # DeepSeek-V4 (`eager_only`): its step addressing is built per step on the host
+        eager = bool(self.aux_layers or self.linear_layers or getattr(self.model, "eager_only", False))
+        if cuda_graphs_enabled(self.config) and not eager:
             self.decode_graphs = CudaGraphRunner(self.model, self.config, self.padding_block, capture=True,
                                                  max_draft_tokens=self.max_draft_tokens)
-        if self.config.compile_decode and not self.aux_layers and not self.linear_layers:
+        if self.config.compile_decode and not eager:
             self.compiled_decode = CompiledDecode(self.model)
             self._compile_decode_graphs()
 
@@ -329,11 +334,25 @@ class ModelWorker:
                 layers[index].cache_group = g
         kv_caches: list[list[torch.Tensor]] = []
         for members in shared:
-            caches = [torch.zeros(shape, dtype=self.config.dtype, device=self.device)
-                      for shape in members[0].cache_shape(num_blocks, self.block_size)]
-            for attn in members:
-                attn.bind_cache(caches)
-            kv_caches.append(caches)
+            shapes = [m.cache_shape(num_blocks, self.block_size) for m in members]
+            if all(shape == shapes[0] for shape in shapes):
+                caches = [torch.zeros(shape, dtype=self.config.dtype, device=self.device) for shape in shapes[0]]
+                for attn in members:
+                    attn.bind_cache(caches)
+                kv_caches.append(caches)
+                continue
+            # unequal shapes: one buffer [blocks, largest member's elements per block]; each member views its tensors
+            # in every block's row (strided over blocks), so a block id given to one group holds that group's layers
+            width = max(sum(torch.Size(s[1:]).numel() for s in member) for member in shapes)
+            buffer = torch.zeros(num_blocks, width, dtype=self.config.dtype, device=self.device)
+            for attn, member in zip(members, shapes):
+                views, start = [], 0
+                for shape in member:
+                    size = torch.Size(shape[1:]).numel()
+                    views.append(buffer[:, start : start + size].view(num_blocks, *shape[1:]))
+                    start += size
+                attn.bind_cache(views)
+            kv_caches.append([buffer])
         total = sum(t.numel() * t.element_size() for caches in kv_caches for t in caches)
         logger.info("KV cache: %d blocks of %d tokens for %d layers in %d cache groups (%.1f MiB)", num_blocks,
                     self.block_size, len(layers), len(groups or [0]), total / 2**20)

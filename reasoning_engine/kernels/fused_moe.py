@@ -153,11 +153,13 @@ def fused_moe(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     swiglu_limit: float | None = None,
+    silu_limit: float | None = None,
 ) -> torch.Tensor:
     """Routed experts: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]). hidden [T, H] -> [T, H].
     Loops over the experts that received tokens, one dense GEMM pair each (weights dequantized per expert); ids of
     other ranks' experts (>= E, `other_experts`) are skipped. gpt-oss: biases w13_bias [E, 2I] and w2_bias [E, H],
-    and with `swiglu_limit` its clamped SwiGLU (`clamped_swiglu`) instead of silu(gate) * up."""
+    and with `swiglu_limit` its clamped SwiGLU (`clamped_swiglu`) instead of silu(gate) * up; DeepSeek-V4: with
+    `silu_limit` silu(gate) * up with both clamped first (`limited_swiglu`)."""
     tokens, top_k = topk_ids.shape
     out = torch.zeros(tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     flat = topk_ids.flatten().long()
@@ -170,7 +172,10 @@ def fused_moe(
         b13 = None if w13_bias is None else w13_bias[expert].to(hidden.dtype)
         b2 = None if w2_bias is None else w2_bias[expert].to(hidden.dtype)
         gate, up = F.linear(hidden[rows], g13, b13).chunk(2, dim=-1)
-        act = F.silu(gate) * up if swiglu_limit is None else clamped_swiglu(gate, up, swiglu_limit)
+        if swiglu_limit is not None:
+            act = clamped_swiglu(gate, up, swiglu_limit)
+        else:
+            act = F.silu(gate) * up if silu_limit is None else limited_swiglu(gate, up, silu_limit)
         y = F.linear(act, g2, b2).float() * topk_weights.flatten()[pairs].float().unsqueeze(1)
         out.index_add_(0, rows, y)
     return out.to(hidden.dtype)
@@ -182,6 +187,11 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: fl
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+
+def limited_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """DeepSeek-V4's expert activation: silu(gate clamped above at `limit`) * (up clamped to [-limit, limit])."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 @torch.library.custom_op("reasoning_engine::fused_moe", mutates_args=())

@@ -44,3 +44,15 @@ def apply_rotary(
     s = sin[positions].unsqueeze(1)
     both = _rotate(torch.cat([q, k], dim=1), c, s, interleaved)
     return both[:, : q.shape[1]], both[:, q.shape[1] :]
+
+
+def rotate_tail_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's rotary: the last rot_dim channels of each head rotated in interleaved pairs (2i, 2i+1), kept in
+    place (no de-interleaving: V4's values are its keys, and the output projection reads the channels as stored).
+    x [T, H, D]; cos, sin [T, rot_dim // 2] float32, already taken at each token's position (negate sin to undo)."""
+    half = cos.shape[-1]
+    tail = x[..., x.shape[-1] - 2 * half :].float()
+    x1, x2 = tail[..., 0::2], tail[..., 1::2]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    rotated = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat([x[..., : x.shape[-1] - 2 * half], rotated], dim=-1)

@@ -269,7 +269,8 @@ def _weight_step(
 
 @triton.jit
 def _moe_epilogue(gate, up, bias_ptr, topk_w_ptr, pair, pair_ok, cols, col_ok, n_out,
-                  GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU_LIMIT: tl.constexpr):
+                  GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
+                  SILU_LIMIT: tl.constexpr = 0.0):
     """Bias, activation and routing weight on [BLOCK_N channels, pairs] float32 sums (gate and up for GATED): shared
     by the GEMM and the split-K reduction, so both give the same bits. bias_ptr: the expert's bias row."""
     if HAS_BIAS:
@@ -281,6 +282,10 @@ def _moe_epilogue(gate, up, bias_ptr, topk_w_ptr, pair, pair_ok, cols, col_ok, n
             gate = tl.minimum(gate, SWIGLU_LIMIT)
             up = tl.minimum(tl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
             gate = gate * tl.sigmoid(1.702 * gate) * (up + 1.0)
+        elif SILU_LIMIT > 0:  # DeepSeek-V4: both clamped, then silu(gate) * up
+            gate = tl.minimum(gate, SILU_LIMIT)
+            up = tl.minimum(tl.maximum(up, -SILU_LIMIT), SILU_LIMIT)
+            gate = gate * tl.sigmoid(gate) * up
         else:
             gate = gate * tl.sigmoid(gate) * up
     if APPLY_WEIGHT:
@@ -297,6 +302,7 @@ def _moe_gemm_kernel(
     QUANT: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr, SPAN: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr = False, SWIGLU_LIMIT: tl.constexpr = 0.0,
+    SILU_LIMIT: tl.constexpr = 0.0,
 ):
     """One row tile (BLOCK_M pairs of one expert) x BLOCK_N output channels x (SPLIT) one SPAN of input channels.
 
@@ -360,7 +366,7 @@ def _moe_gemm_kernel(
         out_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = out_cols < n_out
         out = _moe_epilogue(gate, up, b_ptr + expert * stride_be, topk_w_ptr, pair, pair_ok, out_cols, col_ok, n_out,
-                            GATED, APPLY_WEIGHT, HAS_BIAS, SWIGLU_LIMIT)
+                            GATED, APPLY_WEIGHT, HAS_BIAS, SWIGLU_LIMIT, SILU_LIMIT)
         out_rows = out_ptr + pair.to(tl.int64)[None, :] * stride_om
         tl.store(out_rows + out_cols[:, None], out.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & pair_ok[None, :])
 
@@ -370,7 +376,7 @@ def _moe_split_reduce_kernel(
     part_ptr, b_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_pad_ptr, topk_w_ptr,
     num_pairs, n_out, splits, stride_ps, stride_be, stride_om,
     GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr = False, SWIGLU_LIMIT: tl.constexpr = 0.0,
+    HAS_BIAS: tl.constexpr = False, SWIGLU_LIMIT: tl.constexpr = 0.0, SILU_LIMIT: tl.constexpr = 0.0,
 ):
     """A split-K GEMM's float32 partial sums added in span order, then the GEMM's own epilogue (`_moe_epilogue`):
     one row tile of pairs x BLOCK_N output channels, in the GEMM's tiling."""
@@ -392,7 +398,7 @@ def _moe_split_reduce_kernel(
         if GATED:
             up += tl.load(at + split * stride_ps + n_out, mask=ok, other=0.0)
     out = _moe_epilogue(gate, up, b_ptr + expert * stride_be, topk_w_ptr, pair, pair_ok, cols, col_ok, n_out,
-                        GATED, APPLY_WEIGHT, HAS_BIAS, SWIGLU_LIMIT)
+                        GATED, APPLY_WEIGHT, HAS_BIAS, SWIGLU_LIMIT, SILU_LIMIT)
     tl.store(out_ptr + pair.to(tl.int64)[None, :] * stride_om + cols[:, None], out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -410,7 +416,8 @@ def _step(quant_kind: int, scale_k: int) -> int:
 def _launch_gemm(hidden: torch.Tensor, w: torch.Tensor, s: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                  align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], weights: torch.Tensor, *, row_tiles: int,
                  a_row_div: int, n_out: int, k_in: int, up_row0: int, gated: bool, apply_weight: bool,
-                 has_bias: bool, swiglu_limit: float, kind: int, scale_n: int, scale_k: int, block_m: int) -> None:
+                 has_bias: bool, swiglu_limit: float, kind: int, scale_n: int, scale_k: int, block_m: int,
+                 silu_limit: float = 0.0) -> None:
     """One grouped GEMM (`_moe_gemm_kernel`), split over its K spans when its tiles alone would leave the GPU
     idle (`_BUSY_PROGRAMS`); the split's partial sums then go through `_moe_split_reduce_kernel`. Splitting never
     changes a result's bits, so this choice may depend on the batch."""
@@ -425,7 +432,7 @@ def _launch_gemm(hidden: torch.Tensor, w: torch.Tensor, s: torch.Tensor, b: torc
     width = (2 if gated else 1) * n_out
     part = torch.empty(spans if split else 0, out.shape[0], width, dtype=torch.float32, device=out.device)
     common = dict(GATED=gated, APPLY_WEIGHT=apply_weight, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=has_bias,
-                  SWIGLU_LIMIT=swiglu_limit, num_warps=4)
+                  SWIGLU_LIMIT=swiglu_limit, SILU_LIMIT=silu_limit, num_warps=4)
     _moe_gemm_kernel[(num_tiles, col_tiles, spans if split else 1)](
         hidden, w, s, b, out, part, sorted_ids, expert_ids, num_post_pad, weights,
         out.shape[0], a_row_div, n_out, k_in, up_row0,
@@ -456,11 +463,12 @@ def fused_moe(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     swiglu_limit: float | None = None,
+    silu_limit: float | None = None,
 ) -> torch.Tensor:
     """Routed experts: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]). hidden [T, H] -> [T, H].
     Two grouped GEMM launches over the expert-sorted pairs, then a sum over each token's k rows. `other_experts`:
-    ids may name experts of other ranks (ids >= E), whose pairs are skipped. Biases and `swiglu_limit` (gpt-oss) as
-    in the torch reference, applied in the GEMMs' epilogues."""
+    ids may name experts of other ranks (ids >= E), whose pairs are skipped. Biases, `swiglu_limit` (gpt-oss) and
+    `silu_limit` (DeepSeek-V4) as in the torch reference, applied in the GEMMs' epilogues."""
     tokens, top_k = topk_ids.shape
     hidden_size = hidden.shape[1]
     num_experts = w13.shape[0]
@@ -485,7 +493,7 @@ def fused_moe(
     align = (sorted_ids, expert_ids, num_post_pad)
     row_tiles = min(pairs, num_experts) if block_m == 16 else expert_ids.numel()
     common = dict(row_tiles=row_tiles, kind=kind, scale_n=scale_n, scale_k=scale_k, block_m=block_m,
-                  swiglu_limit=float(swiglu_limit or 0.0))
+                  swiglu_limit=float(swiglu_limit or 0.0), silu_limit=float(silu_limit or 0.0))
     intermediate = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
     _launch_gemm(hidden, w13, s13, b13, intermediate, align, topk_weights, a_row_div=top_k, n_out=inter,
                  k_in=hidden_size, up_row0=up_row0, gated=True, apply_weight=False, has_bias=w13_bias is not None, **common)

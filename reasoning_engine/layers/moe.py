@@ -6,6 +6,8 @@ Routing follows each family's published definition:
   weights are the unbiased scores, optionally renormalised, times `routed_scaling_factor`.
 - DeepSeek-V2 (arXiv:2405.04434): softmax scores, greedy or group-limited greedy top-k, times the scaling factor.
 - Qwen3-MoE: softmax top-k, optionally renormalised.
+- DeepSeek-V4: `sqrtsoftplus` scores (sqrt(softplus(logit))) chosen like noaux_tc with one group; its first layers
+  route by a frozen token-id table instead (`HashRouter`: experts tid2eid[token], weighted by their scores).
 
 Under tensor parallelism the experts are split like dense MLPs (each rank holds 1 / size of every expert's
 intermediate channels); with expert parallelism each rank holds E / size whole experts, and the router's choices of
@@ -25,7 +27,7 @@ from torch import nn
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.kernels import kernel_module
 from reasoning_engine.kernels.fused_moe import MoEQuant, fused_moe_op
-from reasoning_engine.layers.activation import silu_and_mul
+from reasoning_engine.layers.activation import limited_silu_and_mul, silu_and_mul
 from reasoning_engine.layers.linear import row_parallel
 from reasoning_engine.parallel import Group, Parallel
 
@@ -35,8 +37,10 @@ class GatedMLP(nn.Module):
     `reduce` False (shared experts) the output is this rank's partial sum, which the MoE block reduces."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, tp: Group = Group(),
-                 reduce: bool = True) -> None:
+                 reduce: bool = True, silu_limit: float | None = None) -> None:
+        """`silu_limit`: DeepSeek-V4's clamped SwiGLU (`limited_silu_and_mul`)."""
         super().__init__()
+        self.silu_limit = silu_limit
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size // tp.size, bias=bias)
         if reduce:
             self.down_proj = row_parallel(intermediate_size, hidden_size, bias, tp)
@@ -45,7 +49,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         """`batch`: unused; every MLP of a decoder layer takes it, the MoE reads its data-parallel token counts."""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.silu_limit is not None:
+            return self.down_proj(limited_silu_and_mul(gate_up, self.silu_limit))
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class Router(nn.Module):
@@ -56,8 +63,8 @@ class Router(nn.Module):
                  topk_method: str = "greedy", correction_bias: bool = False, bias: bool = False) -> None:
         """`bias`: the router is a linear layer with a bias (gpt-oss)."""
         super().__init__()
-        if scoring not in ("sigmoid", "softmax"):
-            raise ValueError(f"scoring_func must be 'sigmoid' or 'softmax', got {scoring!r}")
+        if scoring not in ("sigmoid", "softmax", "sqrtsoftplus"):
+            raise ValueError(f"scoring_func must be 'sigmoid', 'softmax' or 'sqrtsoftplus', got {scoring!r}")
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts)) if correction_bias else None
         self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
@@ -69,6 +76,8 @@ class Router(nn.Module):
         logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         if self.scoring == "sigmoid":
             return self._noaux_tc(logits.sigmoid())
+        if self.scoring == "sqrtsoftplus":
+            return self._noaux_tc(F.softplus(logits).sqrt())
         scores = logits.softmax(dim=-1)
         if self.topk_method == "group_limited_greedy":
             group_scores = scores.view(-1, self.n_group, self.num_experts // self.n_group).amax(dim=-1)
@@ -93,6 +102,29 @@ class Router(nn.Module):
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scaling, ids
+
+
+class HashRouter(nn.Module):
+    """DeepSeek-V4's hash routing (its first `hash_moe` layers): token t goes to the experts tid2eid[t], a frozen
+    table of the checkpoint; their weights are the sqrtsoftplus scores of the learned gate, renormalised, times
+    `routed_scaling_factor`. Returns (weights [T, k] float32, expert ids [T, k]) like `Router`."""
+
+    uses_token_ids = True
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, vocab_size: int,
+                 routed_scaling_factor: float = 1.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        # a parameter, so loading checks it is filled; int64 as stored, never cast (`fixed_dtypes`)
+        self.tid2eid = nn.Parameter(torch.zeros(vocab_size, top_k, dtype=torch.long), requires_grad=False)
+        self.fixed_dtypes = frozenset(("tid2eid",))
+        self.scaling = routed_scaling_factor
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
+        ids = self.tid2eid[token_ids.clamp(0, self.tid2eid.shape[0] - 1)]
+        weights = scores.gather(1, ids)
+        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling, ids
 
 
 @dataclass(frozen=True)
@@ -131,6 +163,7 @@ class Experts(nn.Module):
         experts, with 1 / tp.size of their intermediate channels."""
         super().__init__()
         self.quant = quant
+        self.silu_limit: float | None = None  # DeepSeek-V4's clamped SwiGLU (kernels.fused_moe.limited_swiglu)
         self.ops = kernel_module(self.kernel_family, "torch")
         if parallel.ep is not None:
             self.expert_range = parallel.ep.part(num_experts, "n_routed_experts")
@@ -183,6 +216,9 @@ class Experts(nn.Module):
         quant = None
         if self.quant is not None:
             quant = MoEQuant(self.quant.method, self.w13_scale, self.w2_scale, self.quant.group_size, self.quant.block_shape)
+        if self.silu_limit is not None:
+            return self.ops.fused_moe(x, self.w13, self.w2, weights, ids, quant, other_experts=partial,
+                                      silu_limit=self.silu_limit)
         return self.ops.fused_moe(x, self.w13, self.w2, weights, ids, quant, other_experts=partial)
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
@@ -208,7 +244,13 @@ class SparseMoE(nn.Module):
             counts = batch.dp_num_tokens
             x = self.parallel.dp.all_gather_rows(x, counts)
             rows = range(sum(counts[: self.parallel.dp.rank]), sum(counts[: self.parallel.dp.rank + 1]))
-        weights, ids = self.gate(x)
+        if getattr(self.gate, "uses_token_ids", False):  # hash routing: each token's own id
+            token_ids = batch.input_ids
+            if self.parallel.gathers_tokens:
+                token_ids = self.parallel.dp.all_gather_rows(token_ids.unsqueeze(1), counts).squeeze(1)
+            weights, ids = self.gate(x, token_ids)
+        else:
+            weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             if self.parallel.gathers_tokens:

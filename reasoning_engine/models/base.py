@@ -21,7 +21,7 @@ from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.cache_groups import CacheGroup, single_group
 from reasoning_engine.config import ModelConfig
 from reasoning_engine.layers.linear import lm_head, vocab_embedding
-from reasoning_engine.layers.moe import Experts, Router
+from reasoning_engine.layers.moe import Experts, HashRouter, Router
 from reasoning_engine.layers.norm import RMSNorm
 from reasoning_engine.layers.rotary import RotaryEmbedding
 from reasoning_engine.models.weights import Index, LazyTensor
@@ -116,6 +116,7 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Embedding -> decoder layers -> norm -> LM head. Families subclass to build layers and map tensor names."""
 
+    draft_trees = True  # whether verification may branch (False: drafts are cut to their first path, engine.py)
     # checkpoint tensors that are not part of the model and are ignored (buffers some exporters save)
     ignored = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.|\.attn\.bias$|\.masked_bias$)")
 
@@ -282,7 +283,7 @@ def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device) -> 
         for name, buffer in list(sub.named_buffers(recurse=False)):
             sub.register_buffer(name, torch.empty(buffer.shape, dtype=buffer.dtype, device=device))
     for sub in module.modules():
-        if isinstance(sub, Router):
+        if isinstance(sub, (Router, HashRouter)):
             sub.float()
         elif isinstance(sub, RotaryEmbedding):
             sub.to_device(device)

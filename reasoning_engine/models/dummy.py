@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from reasoning_engine.layers.moe import Experts
+from reasoning_engine.layers.moe import Experts, HashRouter
 from reasoning_engine.layers.norm import RMSNorm
 from reasoning_engine.models.base import process_weights_after_loading
 
@@ -42,7 +42,10 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
                     param.zero_()
             continue
         for param in module.parameters(recurse=False):
-            if isinstance(module, RMSNorm):
+            if not param.is_floating_point():  # DeepSeek-V4's hash-routing table: random expert ids
+                param.random_(0, module.weight.shape[0] if isinstance(module, HashRouter) else 1,
+                              generator=generator(param.device))
+            elif isinstance(module, RMSNorm):
                 param.fill_(1.0)
             elif param.dim() >= 2:
                 param.normal_(0.0, param.shape[-1] ** -0.5, generator=generator(param.device))

@@ -11,6 +11,7 @@ from reasoning_engine.layers import use_kernel_backend
 from reasoning_engine.layers.linear import can_pack, pack_linears
 from reasoning_engine.models.base import CausalLM, materialize
 from reasoning_engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from reasoning_engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from reasoning_engine.models.glm4_moe import Glm4MoeForCausalLM
 from reasoning_engine.models.gpt_oss import GptOssForCausalLM
 from reasoning_engine.models.kimi_linear import KimiLinearForCausalLM
@@ -26,6 +27,7 @@ FAMILIES: dict[str, type[CausalLM]] = {
     "deepseek_v3": DeepseekV3ForCausalLM,
     "deepseek_v2": DeepseekV3ForCausalLM,
     "deepseek_v32": DeepseekV3ForCausalLM,
+    "deepseek_v4": DeepseekV4ForCausalLM,
     "glm_moe_dsa": DeepseekV3ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "qwen3_moe": Qwen3ForCausalLM,

@@ -76,6 +76,16 @@ class Draft:
     def is_path(self) -> bool:
         return all(parent == i - 1 for i, parent in enumerate(self.parents))
 
+    def first_path(self) -> Draft:
+        """The chain from the root through each node's first child: what a model that verifies only chains
+        (DeepSeek-V4) is given of a tree."""
+        keep, last = [], -1
+        for node, parent in enumerate(self.parents):
+            keep.append(parent == last)
+            if parent == last:
+                last = node
+        return self.subset(keep)
+
     def depths(self) -> list[int]:
         """Edges from the root: a child of the root has depth 1, so its position is root_position + 1."""
         depths: list[int] = []

@@ -92,6 +92,20 @@ _BASES: dict[str, dict[str, Any]] = {
         layer_types=["linear_attention"] * 3 + ["full_attention"], mlp_layer_types=["dense"] + ["sparse"] * 3,
         linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4, bos_token_id=0, eos_token_id=1,
         pad_token_id=None, initializer_range=0.2),
+    # DeepSeek-V4: one layer of each attention kind (a second CSA layer), hash-routed then sqrtsoftplus MoE layers,
+    # 4 hyper-connection streams; rates 4 and 16 and a window of 8 (the sliding group keeps 16 tokens), so the
+    # prompts cross many row boundaries; YaRN on the compressed layers' rotary; 16 index heads make an exact-zero
+    # index score (a tie) rare; a low swiglu_limit so the clamp bites
+    "deepseek_v4": dict(
+        vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        head_dim=32, q_lora_rank=48, num_experts_per_tok=2, n_routed_experts=8, partial_rotary_factor=0.25,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16}, hc_mult=4,
+        sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=16, index_head_dim=16, index_topk=4,
+        swiglu_limit=0.5, max_position_embeddings=512, initializer_range=0.2, bos_token_id=0, eos_token_id=1,
+        rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128, beta_fast=32,
+                             beta_slow=1)),
 }
 _BASES["qwen3_5_text"] = {k: v for k, v in _BASES["qwen3_next"].items()
                           if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -203,6 +217,8 @@ VARIANTS: dict[str, Variant] = {
     # partial edge blocks: k/v 96 x 192, in_proj_qkvz 576 x 192, in_proj_z 192 x 192, experts 160 x 192
     "qwen3_next_fp8": Variant("qwen3_next", _QWEN_FP8, published=False, quant="fp8", shards=2),
     "qwen3_5_moe_fp8": Variant("qwen3_5_moe_text", _QWEN_FP8, published=False, layout="qwen3_5", quant="fp8"),
+    # DeepSeek-V4 as transformers' save_pretrained writes it (the official tensor names)
+    "deepseek_v4": Variant("deepseek_v4", published=False),
 }
 
 
@@ -308,6 +324,7 @@ def _random_model(variant: Variant, seed: int) -> torch.nn.Module:
         "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
         "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
         "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
+        "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
     }[variant.family]
     kwargs = {**_BASES[variant.family], **variant.overrides}
     torch.manual_seed(seed)
@@ -326,11 +343,17 @@ def _random_model(variant: Variant, seed: int) -> torch.nn.Module:
             elif ".self_attn." in name and name.endswith(".bias"):  # transformers initialises biases to zero
                 param.copy_(0.2 * torch.randn(param.shape, generator=gen))
             elif name.endswith(("self_attn.sinks", "mlp.router.bias", "experts.gate_up_proj_bias",
-                                "experts.down_proj_bias")):  # gpt-oss
+                                "experts.down_proj_bias",  # gpt-oss
+                                "position_bias", "_hc.base", "hc_head.hc_base")):  # DeepSeek-V4
                 param.copy_(0.5 * torch.randn(param.shape, generator=gen))
+            elif name.endswith(("_hc.scale", "hc_head.hc_scale")):  # DeepSeek-V4's hyper-connections
+                param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=gen))
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(0.05 * torch.randn(buf.shape, generator=gen))
+            elif name.endswith("tid2eid"):  # DeepSeek-V4's hash routing: distinct experts per token
+                experts = model.config.n_routed_experts
+                buf.copy_(torch.stack([torch.randperm(experts, generator=gen)[: buf.shape[1]] for _ in range(buf.shape[0])]))
     return model
 
 

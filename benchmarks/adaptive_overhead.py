@@ -1,10 +1,10 @@
-"""Adaptive against `--no-adaptive` on one server each, alternated, at one concurrency: the bundled model's held-out
-task types (benchmarks/adaptive_heldout.py's split), suffix speculation with 8 draft tokens, one thread per server.
-Prints output tok/s by wall clock and per server CPU second, and for the adaptive server its steps per policy arm
-and the gate's buckets: where it runs the default arm on nearly every step, the ratio is the adaptive engine's own
-cost.
+"""Adaptive against `--no-adaptive` on one server each, alternated (the order swapped every round), at one concurrency:
+the bundled model's development task types (`--part held-out` only to report; the split is
+benchmarks/adaptive_heldout.py's), suffix speculation with 8 draft tokens, one thread per server. Prints output tok/s
+by wall clock and per server CPU second, and for the adaptive server its steps per policy arm and the gate's buckets:
+where it runs the default arm on nearly every step, the ratio is the adaptive engine's own cost.
 
-    python benchmarks/adaptive_overhead.py [--concurrency 1] [--requests 24] [--rounds 3]
+    python benchmarks/adaptive_overhead.py [--part dev] [--concurrency 1] [--requests 24] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -43,15 +43,17 @@ async def drive(url: str, prompts: list[dict], concurrency: int, pid: int) -> tu
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=("dev", "held-out"), default="dev")
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
-    prompts = task_prompts("held-out", args.requests)[:args.requests]
+    prompts = task_prompts(args.part, args.requests)[:args.requests]
     for round_ in range(args.rounds):
         rates = {}
-        for name, flags in (("adaptive", []), ("fixed", ["--no-adaptive"])):
+        servers = [("adaptive", []), ("fixed", ["--no-adaptive"])]
+        for name, flags in servers if round_ % 2 == 0 else servers[::-1]:
             server = Server(None, [*flags, "--speculative-config", SUFFIX.format(k=8)], 2048)
             try:
                 tokens, wall, cpu = asyncio.run(drive(server.url, prompts, args.concurrency, server.proc.pid))

@@ -27,6 +27,8 @@ drafts look a sixth cheaper than they were). Where one side is rarely run, its c
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,10 +58,15 @@ class StepShape:
         return min(self.draft_tokens, self.sequences) if self.draft_sequences < 0 else self.draft_sequences
 
     def values(self) -> tuple[float, ...]:
-        """The features as plain floats: a prediction is a dot product of 8, which numpy makes dearer than Python."""
-        verifying = self.verifying
-        return (1.0, float(self.query_tokens), float(self.sequences), float(self.context_tokens), float(self.pairs),
-                float(self.draft_tokens), float(verifying), 1.0 if verifying else 0.0)
+        """The features as plain floats: a prediction is a dot product of 8, which numpy makes dearer than Python.
+        Built once per shape (a step's shape is priced and observed several times)."""
+        cached = self.__dict__.get("_values")
+        if cached is None:
+            verifying = self.verifying
+            cached = (1.0, float(self.query_tokens), float(self.sequences), float(self.context_tokens),
+                      float(self.pairs), float(self.draft_tokens), float(verifying), 1.0 if verifying else 0.0)
+            object.__setattr__(self, "_values", cached)  # frozen: a cache, not a field (not in eq or hash)
+        return cached
 
     def features(self) -> np.ndarray:
         return np.array(self.values())
@@ -73,7 +80,7 @@ SURPRISE_REFIT_AFTER = 4  # a surprising step refits at once, but at most once p
 
 
 def _dot(a: tuple[float, ...], b: tuple[float, ...]) -> float:
-    return sum(x * y for x, y in zip(a, b))
+    return sum(map(operator.mul, a, b))
 
 
 def _solve_over(a: np.ndarray, b: np.ndarray, free: list[int]) -> np.ndarray:
@@ -90,8 +97,14 @@ def _solve_over(a: np.ndarray, b: np.ndarray, free: list[int]) -> np.ndarray:
 def _kind(shape: StepShape) -> str:
     """Which correction a step gets: with a prefill chunk or not, its batch size by power of two, and a "v" if it
     verifies drafts."""
-    prefill = shape.query_tokens - shape.draft_tokens > shape.sequences
-    return f"p{int(prefill)}b{shape.sequences.bit_length()}" + ("v" if shape.verifying else "")
+    return _kind_name(shape.query_tokens - shape.draft_tokens > shape.sequences, shape.sequences.bit_length(),
+                      shape.verifying > 0)
+
+
+@functools.lru_cache(maxsize=256)
+def _kind_name(prefill: bool, batch_bits: int, verifying: bool) -> str:
+    """The few kinds' names, built once each (asked for several times a step)."""
+    return f"p{int(prefill)}b{batch_bits}" + ("v" if verifying else "")
 
 
 def chunk_pairs(tokens: int, context: int) -> int:

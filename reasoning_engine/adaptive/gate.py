@@ -123,7 +123,8 @@ class Bucket:
         if default.count < MIN_DEFAULT or self.since_default >= DEFAULT_EVERY:
             return "default"
         floor = (1 - ALPHA) * default.mean
-        for arm in sorted(allowed, key=self.upper, reverse=True):  # a stable sort keeps ARMS' order on ties
+        uppers = {arm: self.upper(arm) for arm in allowed}
+        for arm in sorted(allowed, key=uppers.__getitem__, reverse=True):  # a stable sort keeps ARMS' order on ties
             if arm == "default" or self.bank + self.lower(arm) - floor >= 0:
                 return arm
         return "default"

@@ -9,28 +9,26 @@ prefill chunk):
 
 Every step is scored by its decodes' tokens per second against the cost model's prediction for the same step without
 drafts (tokens x predicted plain seconds / (decodes x seconds)), the proposing and choosing done for it included, so
-steps of different contexts and arms compare on one scale. The arms' scores are decayed means that fade per step of the
-bucket, whichever arm ran, so they cover the same stretch of time.
+steps of different contexts and arms compare on one scale. Scores are taken against the linear prediction without its
+per-kind corrections (a plain step's correction follows plain steps: against it plain steps would score about 1
+whatever they delivered). The arms' scores are decayed means that fade per step of the bucket, whichever arm ran, so
+they cover the same stretch of time (about the last 1 / (1 - SCORE_DECAY) steps).
 
 The choice is a discounted upper-confidence-bound rule (Garivier and Moulines, "On Upper-Confidence Bound Policies for
-Switching Bandit Problems", ALT 2011) made conservative (Wu, Shariff, Lattimore and Szepesvari, "Conservative Bandits",
-ICML 2016): the arm with the highest upper bound runs, but an arm other than the default only while the bucket's
-banked surplus (every scored step adds its score less (1 - ALPHA) x the default's mean) covers that arm's lower bound
-falling short of (1 - ALPHA) x the default's mean. Whatever the cost model or the acceptance estimates believe, a
-bucket's steps therefore score at least about (1 - ALPHA) of what the fixed default scores; an arm that measures better
-takes over, and the others are tried again as their bounds widen with time. Of the arms the bank affords, the one with
-the highest upper bound runs; the default also runs once every DEFAULT_EVERY steps of a bucket whatever leads, so the
-floor every other arm is held to is a current measurement, not one from when the cost model was young.
+Switching Bandit Problems", ALT 2011) made conservative as in Wu, Shariff, Lattimore and Szepesvari ("Conservative
+Bandits", ICML 2016): an arm other than the default runs only while the bucket's surplus covers its lower confidence
+bound falling short of (1 - ALPHA) x the default's mean. The surplus counts each recent step at what is known of its
+arm for sure, not at its score: a default step at ALPHA x the default's mean, another arm's step at its current lower
+bound less that floor. A step's score varies with what the drafts happened to match (its spread is most of its mean),
+and a surplus of realised scores banks such luck and spends it exploring. So over the recent steps, whatever the cost
+model or the acceptance estimates believe, a bucket loses at most about ALPHA of the default's score, while an arm
+that measures better builds the surplus and takes over. The default also runs once every DEFAULT_EVERY steps of a
+bucket whatever leads, so the floor is a current measurement.
 
-Scores are taken against the cost model's linear prediction without its per-kind corrections: a plain step's
-correction follows plain steps, so against the corrected prediction plain steps would score about 1 whatever they
-delivered, while the default's older scores kept the scale of their time.
-
-An arm never tried has the lowest score as its lower bound, with one exception known without measuring: a step without
-drafts does a subset of the work of the same step with drafts, so before it is measured, "plain" is bounded below by
-the default's score over the default's tokens per decoding request (1 if it drafted nothing). Where drafting at this
-batch size costs more than it gives, no drafts are tried after a few default steps rather than after the bank has
-slowly filled.
+An arm never tried has the lowest score as its lower bound, except "plain": a step without drafts does a subset of the
+work of the same step with drafts, so before it is measured it is bounded below by the default's score over the
+default's tokens per decoding request (1 if it drafted nothing), and where drafting does not pay at a batch size, no
+drafts are tried after a few default steps.
 """
 
 from __future__ import annotations
@@ -47,7 +45,6 @@ MIN_DEFAULT = 32  # the default's scores before any other arm is tried (its firs
 CONFIDENCE = 2.0  # standard errors in the upper and lower bounds
 PRIOR_DEVIATION = 0.25  # a score's assumed standard deviation, worth PRIOR_WEIGHT scores, until measured
 PRIOR_WEIGHT = 2.0
-BANK_CAP = 16.0  # the surplus a bucket may bank, in default steps' scores (old luck must not pay for new exploring)
 LOADED_WEIGHT = 8.0  # a saved arm's scores, at a restart, count as at most this many steps (`PolicyGate.temper`)
 SCORE_BOUNDS = (0.1, 10.0)  # a single step counts as if at most 10x off (a stall must not swamp the mean)
 
@@ -96,10 +93,9 @@ class ArmScore:
 
 @dataclass
 class Bucket:
-    """One batch size's arms and banked surplus."""
+    """One batch size's arms."""
 
     arms: dict[str, ArmScore] = field(default_factory=lambda: {arm: ArmScore() for arm in ARMS})
-    bank: float = 0.0
     chosen: str = "default"
     since_default: int = 0  # scored steps since the default's last
 
@@ -116,17 +112,30 @@ class Bucket:
             return max(default.mean / max(default.tokens_per_decode, 1.0), SCORE_BOUNDS[0])
         return SCORE_BOUNDS[0]
 
+    def surplus(self) -> float:
+        """What the recent steps leave over (1 - ALPHA) x the default's mean, each counted at what is known of its arm
+        for sure (module docstring): ALPHA x the default's mean per default step, an arm's lower bound less that floor
+        per step of it, over the arms' decayed step weights."""
+        default = self.arms["default"]
+        floor = (1 - ALPHA) * default.mean
+        total = ALPHA * default.mean * default.weight
+        for arm in ARMS[1:]:
+            if self.arms[arm].weight > 0:
+                total += self.arms[arm].weight * (self.lower(arm) - floor)
+        return total
+
     def choose(self, allowed: tuple[str, ...] = ARMS) -> str:
-        """The arm the next step runs (the default until it has MIN_DEFAULT scores): of those the bank affords, the
-        one with the highest upper bound (ties go to the earlier arm, the default first)."""
+        """The arm the next step runs: the one with the highest upper bound (of arms equally unknown, the one with
+        the higher lower bound; then the earlier arm, the default first) if the surplus affords it, else the default,
+        which then saves up for it (a cheaper arm run instead would spend what the leading one needs). The default
+        also runs until it has MIN_DEFAULT scores, and every DEFAULT_EVERY steps."""
         default = self.arms["default"]
         if default.count < MIN_DEFAULT or self.since_default >= DEFAULT_EVERY:
             return "default"
-        floor = (1 - ALPHA) * default.mean
-        uppers = {arm: self.upper(arm) for arm in allowed}
-        for arm in sorted(allowed, key=uppers.__getitem__, reverse=True):  # a stable sort keeps ARMS' order on ties
-            if arm == "default" or self.bank + self.lower(arm) - floor >= 0:
-                return arm
+        lowers = {arm: self.lower(arm) for arm in allowed}
+        arm = max(allowed, key=lambda a: (self.upper(a), lowers[a], -ARMS.index(a)))
+        if arm == "default" or self.surplus() + lowers[arm] - (1 - ALPHA) * default.mean >= 0:
+            return arm
         return "default"
 
     def add(self, arm: str, score: float, tokens_per_decode: float = 1.0) -> None:
@@ -136,10 +145,6 @@ class Bucket:
             other.fade()
         self.arms[arm].add(score, tokens_per_decode)
         self.since_default = 0 if arm == "default" else self.since_default + 1
-        default = self.arms["default"]
-        if default.count >= MIN_DEFAULT:
-            floor = (1 - ALPHA) * default.mean
-            self.bank = min(self.bank + score - floor, BANK_CAP * default.mean)
         self.chosen = self.leader()
 
     def leader(self) -> str:
@@ -190,7 +195,7 @@ class PolicyGate:
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per bucket (its decoding requests, as "16-31", and "16-31 beside a chunk"): each arm's mean score and
-        steps, the leading arm and the banked surplus."""
+        steps, the leading arm and the surplus."""
         out: dict[str, dict[str, Any]] = {}
         for buckets, suffix in ((self.buckets, ""), (self.chunk_buckets, " beside a chunk")):
             for b, bucket in sorted(buckets.items()):
@@ -199,22 +204,21 @@ class PolicyGate:
                     row[arm] = round(score.mean, 4)
                     row[f"{arm}_steps"] = score.count
                 row["leader"] = bucket.chosen
-                row["bank"] = round(bucket.bank, 4)
+                row["surplus"] = round(bucket.surplus(), 4)
                 out[f"{(1 << b) >> 1}-{(1 << b) - 1}{suffix}"] = row
         return out
 
     def to_dict(self) -> dict[str, list[float]]:
         """Bucket b under "b", and beside a chunk under "cb": per arm (ARMS order) total, squares, weight, count,
-        tokens, then the bank."""
-        return {f"{prefix}{b}": [*(v for arm in ARMS for v in _values(bucket.arms[arm])), bucket.bank]
+        tokens."""
+        return {f"{prefix}{b}": [v for arm in ARMS for v in _values(bucket.arms[arm])]
                 for buckets, prefix in ((self.buckets, ""), (self.chunk_buckets, "c")) for b, bucket in buckets.items()}
 
     def temper(self, weight: float = LOADED_WEIGHT) -> None:
-        """Make loaded scores a prior: each arm's means kept, its weight at most `weight` steps, nothing banked. A
-        state learned on other traffic (the saved state of a server before a restart) must not outvote what this
-        traffic measures for long, nor pay for exploring it with a surplus it did not earn."""
+        """Make loaded scores a prior: each arm's means kept, its weight at most `weight` steps. A state learned on
+        other traffic (the saved state of a server before a restart) must not outvote what this traffic measures for
+        long, nor pay for exploring it with a surplus it did not earn here."""
         for bucket in (*self.buckets.values(), *self.chunk_buckets.values()):
-            bucket.bank = 0.0
             for score in bucket.arms.values():
                 if score.weight > weight:
                     factor = weight / score.weight
@@ -227,14 +231,14 @@ class PolicyGate:
         chunk_buckets: dict[int, Bucket] = {}
         low, high = SCORE_BOUNDS
         for key, values in data.items():
-            if len(values) != 5 * len(ARMS) + 1:
+            if len(values) not in (5 * len(ARMS), 5 * len(ARMS) + 1):  # a state saved before had a bank at the end
                 raise ValueError(f"policy gate bucket {key} has {len(values)} values")
             arms = {arm: ArmScore(float(values[5 * i]), float(values[5 * i + 1]), float(values[5 * i + 2]),
                                   int(values[5 * i + 3]), float(values[5 * i + 4])) for i, arm in enumerate(ARMS)}
             if any(s.weight < 0 or s.count < 0 or s.tokens < 0 or (s.weight and not low <= s.mean <= high)
                    for s in arms.values()):
                 raise ValueError(f"policy gate bucket {key} out of range")
-            bucket = Bucket(arms, float(values[-1]))
+            bucket = Bucket(arms)
             bucket.chosen = bucket.leader()
             if key.startswith("c"):
                 chunk_buckets[int(key[1:])] = bucket

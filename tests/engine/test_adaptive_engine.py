@@ -307,11 +307,11 @@ def test_a_learned_policy_made_wrong_on_purpose_falls_back_to_the_fixed_default(
     """The safety net (adaptive/gate.py): the gate starts out believing the adaptive policy far ahead of the fixed
     default at one request (a learned state), while the cost model is forced to price every draft as a thousand times
     dearer than it is, so the adaptive policy verifies nothing on outputs where drafting pays (the random model's
-    greedy outputs repeat). Its measured steps drain the bank of surplus that lets it run, and the engine runs the
+    greedy outputs repeat). Its measured steps lower the surplus that lets it run, and the engine runs the
     fixed default for the rest, within a bounded number of steps; greedy outputs stay exact."""
     import numpy as np
 
-    from reasoning_engine.adaptive.gate import BANK_CAP, ArmScore, Bucket
+    from reasoning_engine.adaptive.gate import ArmScore, Bucket
 
     prompts = _ids(mixed_prompts(3, seed=5, low=5, high=20))
     params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
@@ -326,8 +326,7 @@ def test_a_learned_policy_made_wrong_on_purpose_falls_back_to_the_fixed_default(
 
     def believed(mean: float) -> ArmScore:
         return ArmScore(mean * 40, (mean * mean + 0.01) * 40, 40.0, 40)
-    controller.gate.buckets[1] = Bucket({"default": believed(1.2), "adaptive": believed(4.0), "plain": believed(1.0)},
-                                        bank=BANK_CAP * 1.2)
+    controller.gate.buckets[1] = Bucket({"default": believed(1.2), "adaptive": believed(4.0), "plain": believed(1.0)})
     chosen: list[str] = []
     choose = controller.gate.choose
     controller.gate.choose = lambda *args: chosen.append(choose(*args)) or chosen[-1]
@@ -335,7 +334,7 @@ def test_a_learned_policy_made_wrong_on_purpose_falls_back_to_the_fixed_default(
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     assert chosen[0] == "adaptive"  # what it had learned
     first_default = chosen.index("default")
-    assert first_default < 150  # the bank (at most BANK_CAP default steps' scores) pays for a bounded loss
+    assert first_default < 150  # the surplus its believed scores give pays for a bounded loss
     late = chosen[len(chosen) // 2:]
     assert late.count("default") >= 0.75 * len(late)
     assert controller.gate.summary()["1-1"]["leader"] == "default"

@@ -13,9 +13,10 @@ step of one sequence is bound by that read. The graphs multiply the plain weight
 (layers/linear.py) and hold repacked copies besides: on the 87M-parameter benchmark model (350 MB of weights) the
 compiled engine took 1.5 GiB more memory than the eager one.
 
-Pure decode steps take this path; prefill chunks, draft verification and steps that return intermediate layers
-(EAGLE-3) run eagerly. Steps of up to MAX_SEQS sequences are bound by reading the weights, and run the max-autotune
-graphs: on the benchmark model (benchmarks/cpu_decode.py, 2 threads) compiled decoding ran 2.37x and 2.34x eager for
+Pure decode steps take this path, a hybrid model's too (its linear-attention state addressed by tensors alone,
+layers/linear_attention.DecodeStateMetadata); prefill chunks, draft verification and steps that return intermediate
+layers (EAGLE-3) run eagerly.
+Steps of up to MAX_SEQS sequences are bound by reading the weights, and run the max-autotune graphs: on the benchmark model (benchmarks/cpu_decode.py, 2 threads) compiled decoding ran 2.37x and 2.34x eager for
 one sequence (two runs, benchmarks/results/cpu_decode_guards_cpu_2026-12-02.md). Larger steps are bound by arithmetic
 and run a third graph, compiled without max-autotune: there Inductor's weight freezing packs each linear weight for
 oneDNN, as the eager path does (layers/linear.py), where the generated GEMM kernels were slower (an earlier
@@ -29,8 +30,9 @@ the keys out for a matrix product. At 32 sequences that attention took a third o
 
 The step is compiled as one graph (fullgraph) with dynamic shapes: one graph for a single sequence (torch always
 specialises sizes 0 and 1), one for 2 to MAX_SEQS and one for more, all for any context length, so steps do not
-recompile. The runner compiles the three when the engine starts (226 s for the benchmark model on 2 cores with
-Inductor's cache cold, most of it timing the GEMM kernels), not during the first requests.
+recompile. The runner compiles the three (those max_num_seqs lets a step use) when the engine starts (226 s for the
+benchmark model on 2 cores with Inductor's cache cold, most of it timing the GEMM kernels), not during the first
+requests.
 Dynamo guards each call of a compiled function: before it runs a graph it checks that everything the graph read
 still holds, some 1,500 checks here, nearly all on the model (module types, attributes such as head counts, hooks,
 the ids of the bound caches). The model is fixed once the engine is built, and its weights are constants of the
@@ -56,6 +58,7 @@ import torch
 
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.kernels.attention import MixedAttentionMetadata
+from reasoning_engine.layers.linear_attention import DecodeStateMetadata
 from reasoning_engine.models.base import CausalLM
 
 if TYPE_CHECKING:
@@ -69,7 +72,14 @@ class CompiledDecode:
     MAX_SEQS = 4  # the largest step of the max-autotune graphs; larger ones take the third graph
 
     def __init__(self, model: CausalLM) -> None:
+        """`model`: its caches bound. A hybrid model's linear-attention state tensors are marked static: with
+        dynamic shapes dynamo would give a batch size equal to one of their sizes (the conv state's K-1 = 3) the
+        same symbol and specialise the graph to it."""
         self.model = model
+        self.hybrid = bool(model.linear_layers())
+        for layer in model.linear_layers():
+            for tensor in (layer.conv_state, layer.recurrent_state):
+                torch._dynamo.mark_static(tensor)
         options = {"pattern_matcher": False, "guard_filter_fn": self._keep_guard}
         # two code objects, so that dynamo keeps the graphs for up to MAX_SEQS sequences apart from the larger one
         self.step = torch.compile(_own_code(self._step), dynamic=True, fullgraph=True, options=options)
@@ -93,9 +103,11 @@ class CompiledDecode:
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """One query token per sequence, no draft tree, and contexts even enough to attend as one batch (a step
-        the attention splits by length runs eager: a graph traced over one split would not fit the next)."""
+        the attention splits by length runs eager: a graph traced over one split would not fit the next); a hybrid
+        model's linear-attention state addressed by tensors alone (`DecodeStateMetadata`)."""
         return (batch.max_query_len == 1 and batch.tree_mask is None and batch.num_seqs > 0
-                and not any(isinstance(view.attn_metadata, MixedAttentionMetadata) for view in batch.with_groups()))
+                and not any(isinstance(view.attn_metadata, MixedAttentionMetadata) for view in batch.with_groups())
+                and (not self.hybrid or isinstance(batch.state_metadata, DecodeStateMetadata)))
 
     def warm_up(self, batch: ForwardBatch) -> None:
         """Compile the graph this decode batch needs (the runner does so for one, three and MAX_SEQS + 1 sequences

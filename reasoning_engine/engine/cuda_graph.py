@@ -5,7 +5,11 @@ bound by the CPU launching them. A CUDA graph records the whole forward once and
 replays fixed kernels on fixed memory, so each batch-size bucket (1, 2, 4, ... up to max_num_seqs) gets its own graph
 over static input buffers, captured at engine start. A step copies its tensors into those buffers, pads the batch to
 the bucket with rows that write their K/V to a spare cache slot, replays, and keeps the first rows of the output.
-A hybrid model's KV cache groups (cache_groups.py) each have their own slot and block-table buffers.
+A hybrid model's KV cache groups (cache_groups.py) each have their own slot and block-table buffers; its
+linear-attention layers read and write each sequence's state slot through a static slot buffer and a static
+zero-start flag buffer (`layers/linear_attention.DecodeStateMetadata`), padding rows pointing at the padding state
+slot, which no request owns, from zeros. The snapshots a decode step takes are copied out of the live slots after the
+replay (`ModelWorker.add_state`).
 
 A verification step (each sequence's last token and the draft tree below it, `ForwardBatch.tree_mask`) replays a graph
 of a (batch size, query length) bucket, the query length being the root plus k draft nodes for each draft-length
@@ -14,7 +18,9 @@ length: its padding rows follow its real ones, its length grows by as many (so t
 context as its length minus its query rows, see its real context), the tree mask hides them from the real rows, and
 they write their K/V to the padding block. Keys the padding rows add to a sequence are read through its block table,
 whose columns past its own blocks point at the padding block. A step of decodes and verifications mixed is one too
-(a decode is a root without drafts).
+(a decode is a root without drafts). A hybrid model's verification graph finds each row's parent from the static tree
+mask and writes each row's state to its sequence's scratch slots (a decoding sequence's first row to its live slot,
+other rows to the padding slot; `padded_tree_state`); a step with a prefill chunk or a snapshot inside it runs eagerly.
 
 Only the model forward (ids -> final hidden states) is captured; logits and sampling stay eager. Steps with a prefill
 chunk, or larger than every bucket, run eagerly.
@@ -41,6 +47,8 @@ import torch
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.config import EngineConfig
 from reasoning_engine.kernels import kernel_module
+from reasoning_engine.layers.linear_attention import (DecodeStateMetadata, fits_padded_tree, is_decode_state_step,
+                                                      padded_tree_state)
 from reasoning_engine.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -83,9 +91,11 @@ class CudaGraphRunner:
     plus k draft nodes); with `capture`, one CUDA graph per bucket replays the model forward over them."""
 
     def __init__(self, model: CausalLM, config: EngineConfig, padding_block: int, capture: bool,
-                 max_draft_tokens: int = 0) -> None:
+                 max_draft_tokens: int = 0, state_padding_slot: int | None = None) -> None:
         """`padding_block`: a cache block no request owns; padding rows write their K/V to its first slot.
-        `max_draft_tokens`: the most draft nodes a sequence verifies (0: no speculation, no verification graphs)."""
+        `max_draft_tokens`: the most draft nodes a sequence verifies (0: no speculation, no verification graphs).
+        `state_padding_slot`: a hybrid model's linear-attention state slot no request owns, where padding rows keep
+        their state (None: no linear-attention layers)."""
         self.model = model
         self.device = config.device
         self.attention_ops = kernel_module("attention", config.kernel_backend)
@@ -115,6 +125,12 @@ class CudaGraphRunner:
             self.tree_mask = torch.zeros(tokens, max_query, dtype=torch.bool)
             # per query length, the first row of each sequence
             self.query_starts = {q: torch.arange(largest + 1, dtype=torch.long) * q for q in {q for _, q in self.buckets}}
+            # hybrid models: per sequence its linear-attention state slot, whether it starts from zeros and (when it
+            # verifies a draft) its first scratch slot, else -1
+            self.state_padding_slot = state_padding_slot
+            self.state_slots = torch.full((largest,), state_padding_slot or 0, dtype=torch.long)
+            self.state_fresh = torch.ones(largest, dtype=torch.bool)
+            self.state_scratch = torch.full((largest,), -1, dtype=torch.long)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         if capture:
@@ -136,9 +152,12 @@ class CudaGraphRunner:
         chunk, too many sequences or draft nodes, a context past max_model_len)."""
         if not 0 < batch.num_seqs or batch.block_tables.shape[1] > self.max_blocks or batch.max_seq_len > self.max_model_len:
             return None
+        hybrid = self.state_padding_slot is not None
         if batch.max_query_len == 1 and batch.tree_mask is None:
+            if hybrid and not is_decode_state_step(batch):
+                return None
             return choose_bucket([(b, 1) for b in self.batch_sizes], batch.num_seqs, 1)
-        if batch.tree_mask is None:
+        if batch.tree_mask is None or (hybrid and not fits_padded_tree(batch)):
             return None
         return choose_bucket(self.verify_buckets, batch.num_seqs, batch.max_query_len)
 
@@ -225,6 +244,10 @@ class CudaGraphRunner:
         )
         batch.groups = [dataclasses.replace(batch, slot_mapping=slots[:tokens], block_tables=tables[:size], groups=[])
                         for slots, tables in zip(self.group_slots[1:], self.group_tables[1:])]
+        if self.state_padding_slot is not None:  # built here, within the captured region: the tree's are tensor ops
+            slots, fresh = self.state_slots[:size], self.state_fresh[:size]
+            batch.state_metadata = (DecodeStateMetadata(slots, fresh) if query_len == 1 else padded_tree_state(
+                slots, fresh, self.state_scratch[:size], batch.tree_mask, self.state_padding_slot))
         return batch
 
     def _forward(self, size: int, query_len: int = 1) -> torch.Tensor:
@@ -244,6 +267,9 @@ class CudaGraphRunner:
         for view, slots, tables in zip(batch.with_groups(), self.group_slots, self.group_tables):
             slots[:n].copy_(view.slot_mapping)
             tables[:n, : view.block_tables.shape[1]].copy_(view.block_tables)
+        if self.state_padding_slot is not None:
+            self.state_slots[:n].copy_(batch.state_slots)
+            self.state_fresh[:n].copy_(batch.state_fresh)
         self._pad(n, size, 1)
 
     def _fill_verify(self, batch: ForwardBatch, size: int, query_len: int) -> torch.Tensor:
@@ -268,18 +294,27 @@ class CudaGraphRunner:
             tables[:n, : view.block_tables.shape[1]].copy_(view.block_tables)
         if batch.tree_mask is not None:
             self.tree_mask[rows, : batch.max_query_len] = batch.tree_mask
+        if self.state_padding_slot is not None:
+            self.state_slots[:n].copy_(batch.state_slots)
+            self.state_fresh[:n].copy_(batch.state_fresh)
+            self.state_scratch[:n].copy_(torch.tensor(batch.state_scratch or [-1] * n, dtype=torch.long))
         return rows
 
     def _pad(self, start: int, stop: int, query_len: int) -> None:
         """Sequences start..stop-1 become `query_len`-token sequences at position 0 in the padding block: their K/V go
         to a slot no request reads and their attention sees only that block (finite outputs, which are dropped). With
         several query rows each row sees only itself among them. A verification step pads every sequence's block table
-        past its own blocks with the padding block (`_fill_verify` then writes the real rows over it)."""
+        past its own blocks with the padding block (`_fill_verify` then writes the real rows over it). A hybrid
+        model's padding sequences start from zeros in the padding state slot."""
         if start == stop:
             return
         rows = slice(start * query_len, stop * query_len)
         self.input_ids[rows] = 0
         self.seq_lens[start:stop] = query_len
+        if self.state_padding_slot is not None:
+            self.state_slots[start:stop] = self.state_padding_slot
+            self.state_fresh[start:stop] = True
+            self.state_scratch[start:stop] = -1
         for slots in self.group_slots:
             slots[rows] = self.padding_block * self.block_size
         for tables in self.group_tables:

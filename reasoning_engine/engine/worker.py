@@ -16,7 +16,8 @@ forward pass and their output rows replace the placeholder tokens' embeddings (t
 stay cached by content hash until it says to drop them).
 
 On CUDA with the Triton kernels, decode and verification steps replay CUDA graphs captured at start (`cuda_graph.py`); with
-`compile_decode`, CPU decode steps run `torch.compile` graphs (`compiled_decode.py`); everything else runs eagerly.
+`compile_decode`, CPU decode steps run `torch.compile` graphs (`compiled_decode.py`); everything else runs eagerly. A
+hybrid model's steps take those paths too (a verification step with a prefill chunk beside it runs eagerly).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from reasoning_engine.engine.compiled_decode import CompiledDecode
 from reasoning_engine.engine.cuda_graph import CudaGraphRunner, cuda_graphs_enabled
 from reasoning_engine.engine.encoder_cache import MediaSlice
 from reasoning_engine.kernels import kernel_module
-from reasoning_engine.layers.linear_attention import prepare_state
+from reasoning_engine.layers.linear_attention import is_decode_state_step, prepare_state
 from reasoning_engine.models.kimi_vision import build_vision_encoder
 from reasoning_engine.models.registry import build_model
 from reasoning_engine.multimodal.inputs import MediaItem
@@ -313,13 +314,15 @@ class ModelWorker:
             self.allocate_states()
         self.drafters = {method: DraftRunner(method, m, self, self.max_draft_tokens)
                          for method, m in self.draft_models.items()}
-        # EAGLE-3 reads intermediate layers, which a captured forward does not return: its steps stay eager
-        # hybrid models' steps stay eager: their state addressing is not part of the captured or compiled graphs
-        # DeepSeek-V4 (`eager_only`): its step addressing is built per step on the host
-        eager = bool(self.aux_layers or self.linear_layers or getattr(self.model, "eager_only", False))
+        # EAGLE-3 reads intermediate layers, which a captured forward does not return: its steps stay eager. A
+        # hybrid model's decode and verification steps address their linear-attention state through tensors alone
+        # (slots, zero-start flags, scratch slots; padding rows in the padding state slot), so they are captured and
+        # compiled like any other model's. DeepSeek-V4 (`eager_only`) builds its step addressing per step on the host
+        eager = bool(self.aux_layers or getattr(self.model, "eager_only", False))
         if cuda_graphs_enabled(self.config) and not eager:
-            self.decode_graphs = CudaGraphRunner(self.model, self.config, self.padding_block, capture=True,
-                                                 max_draft_tokens=self.max_draft_tokens)
+            self.decode_graphs = CudaGraphRunner(
+                self.model, self.config, self.padding_block, capture=True, max_draft_tokens=self.max_draft_tokens,
+                state_padding_slot=self.state_padding_slot if self.linear_layers else None)
         if self.config.compile_decode and not eager:
             self.compiled_decode = CompiledDecode(self.model)
             self._compile_decode_graphs()
@@ -360,17 +363,23 @@ class ModelWorker:
 
     @torch.inference_mode()
     def _compile_decode_graphs(self) -> None:
-        """Compile the three decode graphs at start rather than during the first requests: steps of one, three and
-        MAX_SEQS + 1 sequences whose context lies in the padding block, which no request owns. The sizes avoid
+        """Compile the decode graphs at start rather than during the first requests: steps of one, three and
+        MAX_SEQS + 1 sequences whose context lies in the padding block, which no request owns (only those that
+        max_num_seqs lets a step use: one sequence; 2 to MAX_SEQS; more). The sizes avoid
         coincidences (context 7, block tables 2 wider than needed): torch gives equal sizes one symbol, so a graph
         traced with, say, batch size == table width would demand that of every later step (and one traced with two
-        sequences came out specialised to two on the test models, whose heads come in pairs)."""
+        sequences came out specialised to two on the test models, whose heads come in pairs). A hybrid model's rows
+        keep their linear-attention state in the padding state slot."""
         start = time.perf_counter()
         pad, size, length = self.padding_block, self.block_size, 7
         table = [pad] * (-(-length // size) + 2)
-        for n in (1, 3, CompiledDecode.MAX_SEQS + 1):
-            self.compiled_decode.warm_up(self.make_batch([0] * n, [length - 1] * n, [pad * size + (length - 1) % size] * n,
-                                                         [1] * n, [length] * n, [table] * n, list(range(n))))
+        most = self.config.max_num_seqs
+        for n in (1, 3, CompiledDecode.MAX_SEQS + 1)[: 1 + (most > 1) + (most > CompiledDecode.MAX_SEQS)]:
+            batch = self.make_batch([0] * n, [length - 1] * n, [pad * size + (length - 1) % size] * n, [1] * n,
+                                    [length] * n, [table] * n, list(range(n)))
+            if self.linear_layers:
+                self.add_state(batch, None)
+            self.compiled_decode.warm_up(batch)
         logger.info("compile_decode: decode graphs compiled in %.1f s (guards: %d kept, %d on the model dropped)",
                     time.perf_counter() - start, self.compiled_decode.guards_kept,
                     self.compiled_decode.guards_dropped)
@@ -447,18 +456,29 @@ class ModelWorker:
             self.prepare_attention(batch)
         return batch
 
-    def add_state(self, batch: ForwardBatch, step: StepInput | None) -> None:
+    def add_state(self, batch: ForwardBatch, step: StepInput | None) -> list[tuple[int, int]]:
         """A hybrid model's state addressing for the batch (a step without it, such as an idle replica's, runs its
-        rows in the padding slot from zeros)."""
+        rows in the padding slot from zeros); the metadata of a step other than a decode waits for its eager run.
+        Returns the (live, snapshot) slot copies to make after the forward pass: the snapshot of a sequence that runs
+        one token is its state after the step, so it is copied out of the live slot then, and a decode step itself (a
+        CUDA graph, a compiled graph) writes no snapshot."""
         n = len(batch.query_lens_cpu)
         if step is None or step.state_slots is None:
             slots, fresh, saves, scratch = [self.state_padding_slot] * n, [True] * n, None, None
         else:
             slots, fresh, saves, scratch = step.state_slots, step.state_fresh, step.state_saves, step.state_scratch
+        after: list[tuple[int, int]] = []
+        if saves:
+            lens = batch.query_lens_cpu
+            after = [(slot, snapshot) for slot, per_seq, length in zip(slots, saves, lens) if length == 1
+                     for _, snapshot in per_seq]
+            saves = [[] if length == 1 else per_seq for per_seq, length in zip(saves, lens)]
         batch.state_slots = torch.tensor(slots, dtype=torch.long, device=self.device)
         batch.state_fresh = torch.tensor(fresh, dtype=torch.bool, device=self.device)
         batch.state_saves, batch.state_scratch = saves, scratch
-        batch.state_metadata = prepare_state(batch)
+        batch.state_metadata = prepare_state(batch) if is_decode_state_step(batch) else None
+        return after
+
     def prepare_attention(self, batch: ForwardBatch) -> None:
         """The attention metadata of the batch and of its other cache groups' views."""
         for view in batch.with_groups():
@@ -479,10 +499,11 @@ class ModelWorker:
                                 group_slots=step.group_slots, group_block_tables=step.group_block_tables)
         if len(steps) > 1:
             batch.dp_num_tokens = [len(s.input_ids) for s in steps]
+        saves_after: list[tuple[int, int]] = []
         if self.linear_layers:
             self.copy_states(step.state_commits)
             self.copy_states(step.state_restores)
-            self.add_state(batch, step)
+            saves_after = self.add_state(batch, step)
         self._media_embeddings(step, batch)
         aux_hidden = dict.fromkeys(self.aux_layers) if self.aux_layers else None
         logits: torch.Tensor | None = None
@@ -494,7 +515,10 @@ class ModelWorker:
             if self.compiled_decode is not None and batch.media_rows is None and self.compiled_decode.can_run(batch):  # never built with aux layers
                 hidden, logits = self.compiled_decode.run(batch)  # a decode step's logits rows are all of its rows
             else:
+                if self.linear_layers and batch.state_metadata is None:
+                    batch.state_metadata = prepare_state(batch)
                 hidden = self.model(batch, aux_hidden)
+        self.copy_states(saves_after)
         if logits is None:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
         if self.drafters:

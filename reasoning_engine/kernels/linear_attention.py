@@ -4,6 +4,9 @@ Linear: one per key channel). The CPU path and the reference for the GPU librari
 
 The engine hands a step's tokens as one ragged batch (`query_start_loc`, cumulative query lengths) and each sequence's
 carried state as a plain [B, ...] tensor; draft trees (speculative verification) give each token a parent row instead.
+Decode steps (one token per sequence) have their own entry points (`*_decode`), and so do draft trees laid out as a
+CUDA-graph verification bucket lays them out (`*_tree_padded`: B sequences of Q rows): no host syncs and shapes set
+by the batch alone, so CUDA graphs capture them and torch.compile traces them as one graph.
 
 The gated delta rule (Yang, Kautz & Hatamizadeh 2024, arXiv:2412.06464; KDA's per-channel decay: Kimi Team 2025,
 arXiv:2510.26692), per token with state S [Dk, Dv]:
@@ -142,10 +145,64 @@ def causal_conv1d_tree(x: Tensor, weight: Tensor, bias: Tensor | None, state: Te
     out = torch.empty(num_tokens, channels, dtype=torch.float32, device=x.device)
     w = weight.float()
     for rows in levels:  # every token of one depth at once: its parents' states are all written
-        window = torch.cat([table[source[rows]], x[rows].float()[:, :, None]], dim=2)  # [n, C, K]
-        out[rows] = (window * w).sum(-1) + (bias.float() if bias is not None else 0.0)
-        table[num_seqs + rows] = window[:, :, 1:]
+        out[rows], table[num_seqs + rows] = _conv_step(x[rows], w, bias, table[source[rows]])
     return _activate(out, activation).to(x.dtype), table[num_seqs:].to(state.dtype)
+
+
+def causal_conv1d_tree_padded(x: Tensor, weight: Tensor, bias: Tensor | None, state: Tensor, parent: Tensor,
+                              activation: str | None = "silu") -> tuple[Tensor, Tensor]:
+    """Draft trees laid out as B sequences of Q rows each (a CUDA-graph verification bucket): x [B * Q, C], sequence b's
+    rows from b * Q; parent [B, Q] int64: the row of its own sequence each row continues (one before it), or -1 for the
+    sequence's state [B, C, K-1]. Returns (out [B * Q, C], row_states [B * Q, C, K-1]). Every sequence's row t at
+    once, for t = 0 .. Q-1: free of host syncs."""
+    _check_conv(x, weight, state)
+    num_seqs, query_len = _check_padded_tree(parent, x.shape[0], state.shape[0])
+    hist = state.shape[2]
+    rows = x.view(num_seqs, query_len, -1)
+    nodes = torch.zeros(num_seqs, query_len, x.shape[1], hist, dtype=torch.float32, device=x.device)
+    out = torch.empty(num_seqs, query_len, x.shape[1], dtype=torch.float32, device=x.device)
+    w, seqs = weight.float(), torch.arange(num_seqs, device=x.device)
+    for t in range(query_len):
+        before = _tree_predecessor(nodes, seqs, parent[:, t], state)
+        out[:, t], nodes[:, t] = _conv_step(rows[:, t], w, bias, before)
+    return (_activate(out.view(-1, x.shape[1]), activation).to(x.dtype),
+            nodes.view(-1, x.shape[1], hist).to(state.dtype))
+
+
+def _check_padded_tree(parent: Tensor, num_tokens: int, num_states: int) -> tuple[int, int]:
+    if parent.dim() != 2 or parent.shape[0] != num_states or parent.shape[0] * parent.shape[1] != num_tokens:
+        raise ValueError(f"parent must be [B, Q] with B = {num_states} states and B * Q = {num_tokens} tokens, "
+                         f"got {tuple(parent.shape)}")
+    return parent.shape[0], parent.shape[1]
+
+
+def _tree_predecessor(nodes: Tensor, seqs: Tensor, parent: Tensor, state: Tensor) -> Tensor:
+    """The state each sequence's row continues: its parent row's (nodes [B, Q, ...]), or the sequence's own."""
+    mask = (parent >= 0).view(-1, *([1] * (state.dim() - 1)))
+    return torch.where(mask, nodes[seqs, parent.clamp(min=0)], state.float())
+
+
+def _conv_step(x: Tensor, w: Tensor, bias: Tensor | None, state: Tensor) -> tuple[Tensor, Tensor]:
+    """One token for each of N states: x [N, C], w [C, K] float32, state [N, C, K-1]. Returns (float32 output before
+    the activation [N, C], float32 state after the token [N, C, K-1])."""
+    window = torch.cat([state.float(), x.float()[:, :, None]], dim=2)  # [N, C, K]
+    out = (window * w).sum(-1)
+    if bias is not None:
+        out = out + bias.float()
+    return out, window[:, :, 1:]
+
+
+def causal_conv1d_decode(x: Tensor, weight: Tensor, bias: Tensor | None, state: Tensor,
+                         activation: str | None = "silu") -> tuple[Tensor, Tensor]:
+    """One token per sequence: x [B, C], state [B, C, K-1]. Returns (out [B, C] in x.dtype, the state after the token
+    [B, C, K-1] in state.dtype). Free of host syncs (a decode step's form for CUDA graphs and compiled decode)."""
+    _check_conv(x, weight, state)
+    if x.shape[0] != state.shape[0]:
+        raise ValueError(f"a decode step has one token per state: {x.shape[0]} tokens, {state.shape[0]} states")
+    if x.is_cuda and _importable("causal_conv1d"):
+        return _gpu_causal_conv1d_update(x, weight, bias, state, activation)
+    out, final = _conv_step(x, weight.float(), bias, state)
+    return _activate(out, activation).to(x.dtype), final.to(state.dtype)
 
 
 # ------------------------------------------------------------------------------------------------ gated delta rule
@@ -368,6 +425,42 @@ def gated_delta_rule_tree(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
     return out.to(out_dtype), table[num_seqs:]
 
 
+def gated_delta_rule_tree_padded(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                                 parent: Tensor, scale: float | None = None,
+                                 qk_l2norm: bool = True) -> tuple[Tensor, Tensor]:
+    """Draft trees laid out as B sequences of Q rows each, as causal_conv1d_tree_padded: q, k, v, g, beta with
+    T = B * Q rows, state [B, Hv, Dk, Dv], parent [B, Q]. Returns (out [T, Hv, Dv] in v.dtype, row_states
+    [T, Hv, Dk, Dv] float32). Every sequence's row t in one batched recurrent step: free of host syncs."""
+    _check_delta(q, k, v, g, beta, state)
+    num_seqs, query_len = _check_padded_tree(parent, q.shape[0], state.shape[0])
+    out_dtype = v.dtype
+    q, k, v, g, beta = (t.view(num_seqs, query_len, *t.shape[1:])
+                        for t in _prepare(q, k, v, g, beta, scale, qk_l2norm))
+    nodes = torch.zeros(num_seqs, query_len, *state.shape[1:], dtype=torch.float32, device=v.device)
+    out = torch.empty_like(v)
+    seqs = torch.arange(num_seqs, device=v.device)
+    for t in range(query_len):
+        before = _tree_predecessor(nodes, seqs, parent[:, t], state)
+        out[:, t], nodes[:, t] = _recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], before)
+    return out.view(-1, *out.shape[2:]).to(out_dtype), nodes.view(-1, *state.shape[1:])
+
+
+def gated_delta_rule_decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                            scale: float | None = None, qk_l2norm: bool = True) -> tuple[Tensor, Tensor]:
+    """One token per sequence (shapes as gated_delta_rule's with T = B): returns (out [B, Hv, Dv] in v.dtype, the state
+    after the token [B, Hv, Dk, Dv] float32). Free of host syncs (a decode step's form for CUDA graphs and compiled
+    decode)."""
+    _check_delta(q, k, v, g, beta, state)
+    if q.shape[0] != state.shape[0]:
+        raise ValueError(f"a decode step has one token per state: {q.shape[0]} tokens, {state.shape[0]} states")
+    if _fla_applies(q):
+        return _fla_gated_delta_rule_decode(q, k, v, g, beta, state, scale, qk_l2norm)
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, qk_l2norm)
+    out, final = _recurrent_step(q, k, v, g, beta, state.float())
+    return out.to(out_dtype), final
+
+
 # ------------------------------------------------------------------------------------------------ GPU libraries
 # Optional (`pip install reasoning-engine[gpu-linear]`): flash-linear-attention for the delta rule, causal-conv1d for
 # the decode conv. Used only for CUDA tensors when importable; everything else takes the torch path above.
@@ -399,17 +492,37 @@ def _gpu_causal_conv1d_update(x: Tensor, weight: Tensor, bias: Tensor | None, st
     return out, conv_state
 
 
+def _fla_functions(g: Tensor):
+    """flash-linear-attention's (chunked, fused recurrent) kernels: KDA's for a per-channel decay, else Gated
+    DeltaNet's."""
+    if g.dim() == 3:
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+        return chunk_kda, fused_recurrent_kda
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def _fla_gated_delta_rule_decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                                 scale: float | None, qk_l2norm: bool) -> tuple[Tensor, Tensor]:
+    """The fused recurrent kernel over B sequences of one token each (its batch dimension; no cu_seqlens, which the
+    library would read on the host)."""
+    _, recurrent_fn = _fla_functions(g)
+    group = v.shape[1] // q.shape[1]
+    if group > 1:
+        q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
+    o, final = recurrent_fn(q=q[:, None], k=k[:, None], v=v[:, None], g=g[:, None].float(), beta=beta[:, None],
+                            scale=scale, initial_state=state.float(), output_final_state=True,
+                            use_qk_l2norm_in_kernel=qk_l2norm)
+    return o[:, 0].to(v.dtype), final.float()
+
+
 def _fla_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, query_start_loc: Tensor,
                           lens: list[int], state: Tensor, scale: float | None, qk_l2norm: bool,
                           save_after: list[list[int]]) -> tuple[Tensor, Tensor, list[list[Tensor]]]:
     """flash-linear-attention's varlen kernels (batch dim 1, cu_seqlens). The library returns final states only, so
     each sequence is cut at its save points and round r runs every sequence's r-th piece, from the previous round's
     states."""
-    if g.dim() == 3:
-        from fla.ops.kda import chunk_kda as chunk_fn, fused_recurrent_kda as recurrent_fn
-    else:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk_fn
-        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as recurrent_fn
+    chunk_fn, recurrent_fn = _fla_functions(g)
     group = v.shape[1] // q.shape[1]
     if group > 1:
         q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)

@@ -7,6 +7,15 @@ slot (or zeros for a sequence that starts fresh) and writes it back, and writes 
 (`state_saves`: the state after n of the step's tokens, into a snapshot slot). A sequence verifying a draft tree
 leaves its live slot alone: each node's state goes to a scratch slot of its own, and the driver copies the accepted
 node's into the live slot at the start of the next step (`state_commits`), so a rejected branch costs nothing.
+
+A decode step (one token per sequence, no draft, no snapshot written inside it: the snapshot of a sequence that runs
+one token is its state after the step, which the worker copies out of the live slot then) gets
+`DecodeStateMetadata`: its slot and zero-start flag per sequence as tensors, read with a gather and torch.where and
+written back with index_copy_, so the step has no host sync and no shape that depends on a value. That is what lets
+CUDA graphs replay it (padding rows point at the padding slot, which no request owns, and start from zeros) and
+torch.compile trace it as one graph for every batch size. A CUDA-graph verification step (`PaddedTreeStateMetadata`)
+is the same with every sequence padded to the bucket's query length: each row continues a parent row of its
+sequence, found from the tree mask with tensor ops, and its state goes to a slot chosen the same way.
 """
 
 from __future__ import annotations
@@ -42,9 +51,69 @@ class LinearStateMetadata:
     verify_scratch: torch.Tensor | None  # [Tv] the scratch slot each node's state is written to
 
 
-def prepare_state(batch: ForwardBatch) -> LinearStateMetadata:
+@dataclass
+class DecodeStateMetadata:
+    """A decode step's state addressing: per sequence the slot it reads and writes and whether it starts from zeros
+    (tensors only, so one captured or compiled graph serves every step of its batch size)."""
+
+    slots: torch.Tensor  # [B] int64
+    fresh: torch.Tensor  # [B] bool
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """The slot each row's state is written to: its own."""
+        return self.slots
+
+
+@dataclass
+class PaddedTreeStateMetadata:
+    """A CUDA-graph verification step's state addressing (engine/cuda_graph.py): B sequences of Q rows each, sequence
+    b's from row b * Q; per sequence its slot and zero-start flag, per row the row of its sequence it continues (-1: the
+    slot's state) and the slot its state is written to."""
+
+    slots: torch.Tensor  # [B] int64
+    fresh: torch.Tensor  # [B] bool
+    parent: torch.Tensor  # [B, Q] int64
+    targets: torch.Tensor  # [B * Q] int64
+
+
+def padded_tree_state(slots: torch.Tensor, fresh: torch.Tensor, scratch: torch.Tensor, tree_mask: torch.Tensor,
+                      padding_slot: int) -> PaddedTreeStateMetadata:
+    """The addressing of B sequences of Q rows from tensors alone (the buffers a CUDA graph replays over): `scratch`
+    [B], a verifying sequence's first scratch slot or -1 for one that decodes; `tree_mask` [B * Q, Q], the rows of
+    its sequence each row sees, itself included (padding rows: only themselves). A row's parent is the nearest row it
+    sees before it (its ancestors come in order); a verifying sequence's row t writes its scratch slot t (padding rows
+    too: within its own Q scratch slots, never read), a decoding sequence's first row its live slot, any other row the
+    padding slot."""
+    num_seqs, query_len = slots.shape[0], tree_mask.shape[1]
+    cols = torch.arange(query_len, device=slots.device)
+    earlier = tree_mask.view(num_seqs, query_len, query_len) & (cols.view(1, -1) < cols.view(-1, 1))
+    parent = torch.where(earlier, cols, -1).amax(dim=-1)
+    first = scratch.view(-1, 1).expand(num_seqs, query_len)
+    live = torch.where(cols == 0, slots.view(-1, 1), padding_slot)
+    targets = torch.where(first >= 0, first + cols, live).reshape(-1)
+    return PaddedTreeStateMetadata(slots, fresh, parent, targets)
+
+
+def is_decode_state_step(batch: ForwardBatch) -> bool:
+    """One token per sequence (so none verifies a draft) and no snapshot to write inside the step."""
+    return batch.max_query_len == 1 and not any(batch.state_saves or ())
+
+
+def fits_padded_tree(batch: ForwardBatch) -> bool:
+    """Whether a step with a tree mask can run as `PaddedTreeStateMetadata`: every sequence verifies a draft or
+    decodes one token (no prefill chunk), and no snapshot is written inside the step."""
+    scratch = batch.state_scratch or [-1] * len(batch.query_lens_cpu)
+    return (not any(batch.state_saves or ())
+            and all(n == 1 for n, first in zip(batch.query_lens_cpu, scratch) if first < 0))
+
+
+def prepare_state(batch: ForwardBatch) -> LinearStateMetadata | DecodeStateMetadata:
     """The step's state addressing from the batch's per-sequence fields (`state_slots`, `state_fresh`,
-    `state_saves`, `state_scratch`) and, for drafts, its tree mask."""
+    `state_saves`, `state_scratch`) and, for drafts, its tree mask: a decode step's in tensors alone, any other's
+    as host-side plans (LinearStateMetadata)."""
+    if is_decode_state_step(batch):
+        return DecodeStateMetadata(batch.state_slots, batch.state_fresh)
     dev = batch.input_ids.device
     lens = batch.query_lens_cpu
     starts = [0]
@@ -136,8 +205,16 @@ class LinearAttention(nn.Module):
 
     def conv(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The short causal conv (with SiLU) of x [T, conv_dim], reading and updating the conv states."""
-        meta: LinearStateMetadata = batch.state_metadata
+        meta = batch.state_metadata
         weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
+        if isinstance(meta, (DecodeStateMetadata, PaddedTreeStateMetadata)):
+            state = _slot_states(self.conv_state, meta)
+            if isinstance(meta, DecodeStateMetadata):
+                out, written = ops.causal_conv1d_decode(x, weight, None, state)
+            else:
+                out, written = ops.causal_conv1d_tree_padded(x, weight, None, state, meta.parent)
+            self.conv_state.index_copy_(0, meta.targets, written)
+            return out
         out = torch.empty_like(x)
         xp = x if meta.plain_rows is None else x[meta.plain_rows]
         if xp.shape[0]:
@@ -164,7 +241,15 @@ class LinearAttention(nn.Module):
                    batch: ForwardBatch) -> torch.Tensor:
         """The gated delta rule over the step's sequences; q, k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv] or [T, Hv, Dk],
         beta [T, Hv]; returns [T, Hv, Dv]."""
-        meta: LinearStateMetadata = batch.state_metadata
+        meta = batch.state_metadata
+        if isinstance(meta, (DecodeStateMetadata, PaddedTreeStateMetadata)):
+            state = _slot_states(self.recurrent_state, meta)
+            if isinstance(meta, DecodeStateMetadata):
+                out, written = ops.gated_delta_rule_decode(q, k, v, g, beta, state)
+            else:
+                out, written = ops.gated_delta_rule_tree_padded(q, k, v, g, beta, state, meta.parent)
+            self.recurrent_state.index_copy_(0, meta.targets, written)
+            return out
         out = torch.empty_like(v)
         rows = meta.plain_rows
         if rows is None or rows.numel():
@@ -189,6 +274,11 @@ class LinearAttention(nn.Module):
             self.recurrent_state[meta.verify_scratch] = node_states
             out[r] = o
         return out
+
+
+def _slot_states(states: torch.Tensor, meta: DecodeStateMetadata | PaddedTreeStateMetadata) -> torch.Tensor:
+    """Each sequence's state from its slot, zeros where it starts fresh: a gather and a select, no host sync."""
+    return torch.where(meta.fresh.view(-1, *[1] * (states.dim() - 1)), 0, states[meta.slots])
 
 
 def _conv_states_after(state: torch.Tensor, x: torch.Tensor, meta: LinearStateMetadata) -> torch.Tensor:

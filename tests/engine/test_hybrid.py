@@ -1,8 +1,9 @@
 """Hybrid models (linear-attention state slots beside the paged KV cache, engine/state_cache.py) through everything the
 engine does: chunked prefill, prefix hits restored from state snapshots (a repeated prompt, an agent's next turn),
-preemption and recompute, n > 1, aborts, batch invariance and lossless speculative decoding. Every run is checked
-against the same model run plainly (one request at a time, no prefix cache, no drafts), which test_parity.py checks
-against transformers."""
+preemption and recompute, n > 1, aborts, batch invariance and lossless speculative decoding, decode steps through the
+CUDA-graph runner's static padded path (compile_decode's graphs are checked at the layer level,
+tests/layers/test_linear_attention.py: compiling an engine's were minutes on 2 cores). Every run is checked against the same model run
+plainly (one request at a time, no prefix cache, no drafts), which test_parity.py checks against transformers."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ import pytest
 import torch
 
 from reasoning_engine import LLM, SamplingParams
+from reasoning_engine.engine.cuda_graph import CudaGraphRunner
+from reasoning_engine.engine.worker import StepInput
+
+from .test_cuda_graph import _record_buckets, _record_sizes
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -140,7 +145,8 @@ def test_speculative_decoding_is_lossless(path: str, plain, method: str) -> None
 class TreeDrafts:
     """Draft trees that know the plain continuation: below the root a wrong token (with a wrong child), beside it the
     right tokens, the last of them wrong every third step; so some drafts are accepted whole, some in part, and
-    the accepted branch is never the first."""
+    the accepted branch is never the first. Below three draft tokens: a chain of the right tokens, the last wrong
+    every third step."""
 
     method = "oracle"
 
@@ -155,8 +161,14 @@ class TreeDrafts:
         from reasoning_engine.speculative.draft import Draft
 
         seq = next((e for e in self.expected if e[: len(token_ids)] == list(token_ids)), None)
-        if seq is None or max_draft_tokens < 3:
+        if seq is None or max_draft_tokens < 1:
             return Draft.empty()
+        if max_draft_tokens < 3:
+            chain = seq[len(token_ids) : len(token_ids) + max_draft_tokens]
+            self.calls += 1
+            if chain and self.calls % 3 == 0:
+                chain[-1] = (chain[-1] + 1) % 256
+            return Draft.path(chain) if chain else Draft.empty()
         right = seq[len(token_ids) : len(token_ids) + max_draft_tokens - 2]
         self.calls += 1
         if right and self.calls % 3 == 0:
@@ -264,3 +276,104 @@ def test_prompts_of_many_blocks_match_transformers(tiny_checkpoint, name: str) -
             for _ in range(32):
                 seq.append(int(reference(torch.tensor([seq])).logits[0, -1].argmax()))
         assert tokens == seq[len(ids):], f"{name}, prompt of {len(ids)} tokens"
+
+
+def test_padded_static_decode_matches_eager(path: str, plain) -> None:
+    """Decode steps through the CUDA-graph runner's static buffers with padding rows (capture=False: the path a graph
+    replays, with the forward called directly; that is how it is checked without a GPU): the plain tokens, snapshots
+    taken at decode boundaries (copied after the step) that a next turn hits, and a padded step that leaves every
+    state slot but the padding slot as the eager step leaves it."""
+    llm = LLM(path, dtype="float32", device="cpu", block_size=BS, max_num_seqs=8, enforce_eager=True)
+    worker = llm.engine.runner.worker
+    assert worker.decode_graphs is None
+    graphs = CudaGraphRunner(worker.model, worker.config, worker.padding_block, capture=False,
+                             state_padding_slot=worker.state_padding_slot)
+    worker.decode_graphs = graphs
+    sizes = _record_sizes(graphs)
+    prompts = _prompts(30, (5, 19, 33, 12, 41))
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 19, 2, 12, 9)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    answers = [list(o.outputs[0].token_ids) for o in outs]
+    assert answers == [plain(p, sp) for p, sp in zip(prompts, params)]
+    assert {5, 3} <= set(sizes), f"expected decode steps that need padding, got sizes {sizes}"
+    assert graphs.num_steps == len(sizes)
+    turn = prompts[1] + answers[1] + _prompts(31, (6,))[0]
+    before = llm.engine.block_manager.prefix_hits
+    assert _generate(llm, [turn]) == [plain(turn)]
+    assert llm.engine.block_manager.prefix_hits - before == (len(prompts[1]) + len(answers[1]) - 1) // BS * BS
+    _assert_no_leak(llm)
+
+    # one step of three sequences (one from zeros) padded to four, eager and static, from the same states
+    pad = worker.padding_block
+    step = StepInput([3, 4, 5], [6, 6, 6], [pad * BS + 6] * 3, [1, 1, 1], [7, 7, 7], [[pad]] * 3, [0, 1, 2],
+                     state_slots=[4, 0, 2], state_fresh=[False, True, False], state_saves=[[], [], []])
+    for tensors in worker.state_caches:
+        for tensor in tensors:
+            tensor.copy_(torch.randn_like(tensor))
+    start = [t.clone() for tensors in worker.state_caches for t in tensors]
+    worker.decode_graphs = None
+    want = worker.execute_model([step])[0]
+    want_states = [t.clone() for tensors in worker.state_caches for t in tensors]
+    for tensor, saved in zip((t for tensors in worker.state_caches for t in tensors), start):
+        tensor.copy_(saved)
+    worker.decode_graphs = graphs
+    steps = graphs.num_steps
+    got = worker.execute_model([step])[0]
+    assert graphs.num_steps == steps + 1 and sizes[-1] == 3 and 3 not in graphs.batch_sizes  # padded
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    others = [s for s in range(worker.state_padding_slot + 1) if s != worker.state_padding_slot]
+    for tensor, expected in zip((t for tensors in worker.state_caches for t in tensors), want_states):
+        torch.testing.assert_close(tensor[others], expected[others], rtol=1e-5, atol=1e-5)
+        assert torch.equal(tensor[worker.state_padding_slot + 1:], expected[worker.state_padding_slot + 1:])
+
+
+def test_padded_static_verify_matches_eager(path: str, plain) -> None:
+    """Verification steps through the runner's static buffers (capture=False), every sequence padded to the bucket's
+    query length and the batch to its size: each node's state goes to its scratch slot and the accepted one's is
+    committed, a decode among verifications writes its live slot; the plain tokens, and a next turn hits a snapshot
+    taken on an accepted path."""
+    prompts = _prompts(10, (13, 29, 21))
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    expected = [p + plain(p, params) for p in prompts]
+    llm = LLM(path, dtype="float32", device="cpu", block_size=BS, max_num_seqs=8, enforce_eager=True, adaptive=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 6})
+    worker = llm.engine.runner.worker
+    graphs = CudaGraphRunner(worker.model, worker.config, worker.padding_block, capture=False,
+                             max_draft_tokens=worker.max_draft_tokens, state_padding_slot=worker.state_padding_slot)
+    assert {q for _, q in graphs.verify_buckets} == {2, 3, 5, 7}
+    worker.decode_graphs = graphs
+    llm.engine.spec.proposer = TreeDrafts(expected)
+    served = _record_buckets(graphs)
+    assert _generate(llm, prompts, params) == [plain(p, params) for p in prompts]
+    verified = [step for step in served if step[1] > 1]
+    assert graphs.num_verify_steps == len(verified) >= 3
+    assert any(bucket[0] > n for n, _, _, bucket in verified), f"no step padded in sequences: {verified}"
+    assert any(shortest < q for _, q, shortest, _ in verified), f"no step of unequal queries: {verified}"
+    assert any(bucket[1] > q for _, q, _, bucket in verified), f"no step padded to a longer query: {verified}"
+    stats = llm.engine.spec.stats
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
+    turn = expected[0] + _prompts(11, (5,))[0]
+    before = llm.engine.block_manager.prefix_hits
+    assert _generate(llm, [turn]) == [plain(turn)]
+    assert llm.engine.block_manager.prefix_hits - before == (len(expected[0]) - 1) // BS * BS
+    _assert_no_leak(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_graphs_match_eager_on_gpu(path: str) -> None:
+    """Captured decode and verification graphs of a hybrid model give the eager steps' tokens."""
+    motif = _prompts(7, (9,))[0]
+    prompts = [motif * 4, _prompts(40, (21,))[0], motif[:5] * 6, _prompts(41, (3,))[0], _prompts(42, (33,))[0]]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    common = dict(dtype="float32", device="cuda", kernel_backend="triton", block_size=BS, max_num_seqs=8,
+                  adaptive=False, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    eager = LLM(path, enforce_eager=True, **common)
+    want = _generate(eager, prompts, params)
+    del eager
+    llm = LLM(path, **common)
+    graphs = llm.engine.runner.worker.decode_graphs
+    assert graphs.captured_batch_sizes == [1, 2, 4, 8] and graphs.captured_verify_buckets
+    assert _generate(llm, prompts, params) == want
+    assert graphs.num_steps > graphs.num_verify_steps > 0
+    _assert_no_leak(llm)

@@ -230,6 +230,92 @@ def test_conv_tree_equals_each_root_to_leaf_path_as_a_sequence():
             torch.testing.assert_close(token_states[row], ref_state)
 
 
+# ------------------------------------------------------------------------------- decode and padded-tree forms
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gated_deltanet", "kda"])
+def test_decode_forms_match_transformers(per_channel):
+    """One token per sequence (the forms CUDA graphs and compiled decode run): transformers' recurrent step and conv
+    update per sequence."""
+    x = _delta_inputs([1, 1, 1], per_channel)
+    out, final = la.gated_delta_rule_decode(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
+    c = _conv_inputs([1, 1, 1])
+    conv_out, conv_final = la.causal_conv1d_decode(c["x"], c["weight"], c["bias"], c["state"])
+    for b in range(3):
+        ref_out, ref_state = _reference_delta(x, slice(b, b + 1), x["state"][b], chunked=False)
+        _close(out[b : b + 1], ref_out, 1e-5)
+        _close(final[b], ref_state, 1e-5)
+        ref_out, ref_state = _reference_conv(c["x"][b : b + 1], c["weight"], c["bias"], c["state"][b], "silu")
+        _close(conv_out[b : b + 1], ref_out, 1e-5)
+        torch.testing.assert_close(conv_final[b], ref_state)
+    with pytest.raises(ValueError, match="one token per state"):
+        la.gated_delta_rule_decode(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"][:2])
+    with pytest.raises(ValueError, match="one token per state"):
+        la.causal_conv1d_decode(c["x"], c["weight"], c["bias"], c["state"][:2])
+
+
+def _padded_forest(query_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_forest`'s two trees laid out as a verification bucket lays them out: sequence b's rows from b * query_len,
+    its padding rows (parent -1) after them. Returns (padded parent [2, Q], the padded row of each forest row, and
+    the forest's seq_index and parent)."""
+    seq_index, parent, _ = _forest()
+    rank = [int((seq_index[:r] == seq_index[r]).sum()) for r in range(len(seq_index))]  # position within its tree
+    place = torch.tensor([int(seq_index[r]) * query_len + rank[r] for r in range(len(seq_index))])
+    padded = torch.full((2, query_len), -1)
+    for r in range(len(seq_index)):
+        if parent[r] >= 0:
+            padded[seq_index[r], rank[r]] = rank[int(parent[r])]
+    return padded, place, seq_index, parent
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gated_deltanet", "kda"])
+def test_padded_tree_equals_the_ragged_tree(per_channel):
+    """A verification bucket's layout (two trees of 6 and 3 tokens padded to 8 rows each) gives the ragged tree
+    form's outputs and states on the real rows, conv and delta rule."""
+    padded, place, seq_index, parent = _padded_forest(8)
+    x = _delta_inputs([16], per_channel)
+    state = torch.randn(2, HV, DK, DV) * 0.1
+    out, rows = la.gated_delta_rule_tree_padded(x["q"], x["k"], x["v"], x["g"], x["beta"], state, padded)
+    ref_out, ref_rows = la.gated_delta_rule_tree(*(x[n][place] for n in ("q", "k", "v", "g", "beta")), state,
+                                                 seq_index, parent)
+    assert out.shape == (16, HV, DV) and rows.shape == (16, HV, DK, DV)
+    _close(out[place], ref_out, 1e-6)
+    _close(rows[place], ref_rows, 1e-6)
+    c = _conv_inputs([16])
+    conv_state = torch.randn(2, 6, 3)
+    conv_out, conv_rows = la.causal_conv1d_tree_padded(c["x"], c["weight"], c["bias"], conv_state, padded)
+    ref_out, ref_rows = la.causal_conv1d_tree(c["x"][place], c["weight"], c["bias"], conv_state, seq_index, parent)
+    _close(conv_out[place], ref_out, 1e-6)
+    torch.testing.assert_close(conv_rows[place], ref_rows)
+    with pytest.raises(ValueError, match="parent must be"):
+        la.gated_delta_rule_tree_padded(x["q"], x["k"], x["v"], x["g"], x["beta"], state, padded[:, :5])
+
+
+def test_gpu_library_decode_uses_the_batch_dimension(monkeypatch):
+    """flash-linear-attention's fused recurrent kernel for a decode step, stood in for by transformers' function:
+    B sequences of one token on its batch dimension (cu_seqlens, which it would read on the host, left out)."""
+    import sys
+    import types
+
+    def library(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens=None):
+        assert cu_seqlens is None and q.shape[1] == 1 and q.shape[2] == v.shape[2] and output_final_state
+        return qwen.torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
+                                                     output_final_state=True,
+                                                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+    for name in ("fla", "fla.ops", "fla.ops.gated_delta_rule"):
+        module = types.ModuleType(name)
+        module.chunk_gated_delta_rule = module.fused_recurrent_gated_delta_rule = library
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(la, "_fla_applies", lambda q: True)
+    x = _delta_inputs([1, 1, 1], per_channel=False)
+    out, final = la.gated_delta_rule_decode(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
+    monkeypatch.setattr(la, "_fla_applies", lambda q: False)
+    want_out, want_final = la.gated_delta_rule_decode(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
+    _close(out, want_out, 1e-5)
+    _close(final, want_final, 1e-5)
+
+
 # ---------------------------------------------------------------------------------------------------- input checks
 
 
@@ -264,6 +350,9 @@ def test_cpu_tensors_take_the_torch_path(monkeypatch):
     la.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], _ragged([1, 1]), x["state"])
     c = _conv_inputs([1, 1])
     la.causal_conv1d(c["x"], c["weight"], c["bias"], _ragged([1, 1]), c["state"])
+    monkeypatch.setattr(la, "_fla_gated_delta_rule_decode", forbidden)
+    la.gated_delta_rule_decode(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
+    la.causal_conv1d_decode(c["x"], c["weight"], c["bias"], c["state"])
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["gated_deltanet", "kda"])

@@ -2,8 +2,9 @@
 engine does: chunked prefill, prefix hits restored from state snapshots (a repeated prompt, an agent's next turn),
 preemption and recompute, n > 1, aborts, batch invariance and lossless speculative decoding, decode steps through the
 CUDA-graph runner's static padded path (compile_decode's graphs are checked at the layer level,
-tests/layers/test_linear_attention.py: compiling an engine's were minutes on 2 cores). Every run is checked against the same model run
-plainly (one request at a time, no prefix cache, no drafts), which test_parity.py checks against transformers."""
+tests/layers/test_linear_attention.py: compiling an engine's took minutes on 2 cores). Every run is checked against
+the same model run plainly (one request at a time, no prefix cache, no drafts), which test_parity.py checks against
+transformers."""
 
 from __future__ import annotations
 

@@ -27,3 +27,17 @@ def greedy_by_backend(path: str, device: str, prompts: list[list[int]], max_toke
         llm = LLM(path, dtype="float32", device=device, kernel_backend=backend, block_size=4)
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     return outs
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_k2"])
+def test_triton_matches_torch_greedy_with_drafts_and_chunks_in_one_step(name: str, tiny_checkpoint, device: str) -> None:
+    """MLA with suffix speculation and a small token budget: steps mix decodes, draft trees being verified (the
+    latent split kernel) and a prompt chunked past 16 tokens (the prefill kernel); Triton gives torch's tokens."""
+    prompts = [[3, 17, 9, 42] * 3, [7, 1, 30], [5 + (i * 7) % 40 for i in range(40)]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(tiny_checkpoint(name).path, dtype="float32", device=device, kernel_backend=backend, block_size=4,
+                  max_num_batched_tokens=24, speculative_config={"method": "suffix", "num_speculative_tokens": 4})
+        outs[backend] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert outs["triton"] == outs["torch"]

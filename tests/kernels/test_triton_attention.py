@@ -395,3 +395,116 @@ def test_write_kv_cache_strided_values_and_empty(device):
     triton_attention.write_kv_cache(cache, kv[..., 3:], torch.tensor([7, 0, 2], device=device))
     assert torch.equal(cache.view(-1, 2, 3)[torch.tensor([7, 0, 2], device=device)], kv[..., 3:])
     triton_attention.write_kv_cache(cache, kv[:0, :, 3:], torch.zeros(0, dtype=torch.int64, device=device))
+
+
+class _LaunchRecorder:
+    """Stands in for a Triton kernel: records each launch's grid, then launches the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
+
+
+@pytest.fixture
+def latent_launches(monkeypatch):
+    """The grids of the latent split kernel and the prefill kernel launched while the test runs."""
+    recorders = {}
+    for name in ("_latent_partial_kernel", "_prefill_kernel"):
+        recorders[name] = _LaunchRecorder(getattr(triton_attention, name))
+        monkeypatch.setattr(triton_attention, name, recorders[name])
+    return {name: r.grids for name, r in recorders.items()}
+
+
+def _latent_rows(kv_cache, latent, device):
+    def rows(slots):
+        kv = kv_cache.view(-1, kv_cache.shape[-1])[slots.to(device)].cpu().unsqueeze(1)
+        return kv, kv[..., :latent]
+    return rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [8, 64])
+def test_latent_decode_groups_all_heads_of_a_sequence_in_one_program(device, latent_launches, dtype, heads):
+    """MLA decode at 8 and 64 heads (Kimi K2.5 under TP 8 and TP 1): one program per (sequence, context slice) holds
+    every head as the rows of its tile, so each latent tile is read once for all heads; the slices merged give the
+    torch reference's and the dense computation's result."""
+    lens = ([150, 3, 40], [1, 1, 1])
+    batch, q, kv_cache = mla_case(*lens, 16, heads, 32, 16, dtype, device)
+    meta = triton_attention.prepare_attention(batch, 16, split_tokens=16)
+    out = triton_attention.paged_latent_attention(q, kv_cache, 32, batch, meta, 0.2)
+    ref = attention.paged_latent_attention(q, kv_cache, 32, batch, attention.prepare_attention(batch, 16), 0.2)
+    assert_close(out, ref, scale=2.0)
+    if dtype == torch.float32:
+        assert_close(out.cpu(), dense_reference(q, _latent_rows(kv_cache, 32, device), batch, 16, 0.2, 32).float())
+    assert latent_launches["_latent_partial_kernel"] == [(3, 1, 10)]  # 151 keys in slices of 16; all heads at once
+    assert latent_launches["_prefill_kernel"] == []
+
+
+def test_latent_split_plan_fills_the_gpu_from_the_sequence_alone():
+    """Kimi K2.5's latent rows (512 + 64 bf16): slices of whole 64-key tiles, at least as many keys as the partial
+    output weighs (two tiles at 64 heads, one at 8), as many slices as SMs for long contexts; batch 1 at 1k context
+    runs 8 or 16 programs, not 4. A launch sized for any longer bound has at least the slices a sequence uses."""
+    wide, narrow = (triton_attention.latent_min_split(h, 512, 1152) for h in (64, 8))
+    assert (wide, narrow) == (128, 64)
+    assert triton_attention.latent_split_plan(1024, wide, 132) == (128, 8)
+    assert triton_attention.latent_split_plan(1024, narrow, 132) == (64, 16)
+    assert triton_attention.latent_split_plan(32768, wide, 132) == (256, 128)
+    assert triton_attention.latent_split_plan(131072, narrow, 132) == (1024, 128)
+    for length in (1, 37, 1024, 4097, 32768, 100_000, 131072):
+        per_split, splits = triton_attention.latent_split_plan(length, wide, 132)
+        assert per_split % wide == 0 and (splits - 1) * per_split < length <= splits * per_split and splits <= 132
+        assert splits <= min(triton_attention.latent_launch_splits(b, wide, 132) for b in (length, length + 1, 131072))
+
+
+@pytest.mark.parametrize("heads", [8, 64])
+def test_mixed_step_sends_decodes_and_drafts_to_the_latent_kernel_and_long_chunks_to_prefill(device, latent_launches, heads):
+    """One step with decodes, draft trees, a short chunk and a long chunk: the sequences of at most `short_query`
+    query tokens go through the latent split kernel (query tokens x heads as its rows, under the draft tree), the long
+    chunk alone through the prefill kernel; the whole matches the dense computation and the torch reference."""
+    lens = ([40, 7, 0, 30, 3, 9, 20], [1, 4, 1, 12, 1, 3, 1])  # short_query 6: the 12-token chunk is long
+    batch, q, kv_cache = mla_case(*lens, 4, heads, 24, 8, torch.float32, device, tree=True)
+    meta = triton_attention.prepare_attention(batch, 4, split_tokens=8, short_query=6)
+    assert (meta.short_rows, meta.short_max_query_len, meta.has_long) == (11, 4, True)
+    out = triton_attention.paged_latent_attention(q, kv_cache, 24, batch, meta, 0.2)
+    assert_close(out.cpu(), dense_reference(q, _latent_rows(kv_cache, 24, device), batch, 4, 0.2, 24).float())
+    ref = attention.paged_latent_attention(q, kv_cache, 24, batch, attention.prepare_attention(batch, 4), 0.2)
+    assert_close(out, ref)
+    rows_per_program = max(64 // heads, 1)
+    (grid,) = latent_launches["_latent_partial_kernel"]
+    assert grid == (7, -(-4 // rows_per_program), 3)  # 4 draft tokens x heads rows; 41 keys in slices of 16
+    assert len(latent_launches["_prefill_kernel"]) == 1
+
+
+def test_a_verification_step_alone_goes_through_the_latent_kernel(device, latent_launches):
+    """Drafts and decodes without a long chunk: no prefill launch at all."""
+    batch, q, kv_cache = mla_case([33, 5, 0], [5, 1, 3], 4, 8, 24, 8, torch.bfloat16, device, tree=True)
+    meta = triton_attention.prepare_attention(batch, 4, split_tokens=8)
+    out = triton_attention.paged_latent_attention(q, kv_cache, 24, batch, meta, 0.2)
+    ref = attention.paged_latent_attention(q, kv_cache, 24, batch, attention.prepare_attention(batch, 4), 0.2)
+    assert_close(out, ref, scale=2.0)
+    assert latent_launches["_prefill_kernel"] == [] and len(latent_launches["_latent_partial_kernel"]) == 1
+
+
+def test_wide_latent_splits_its_value_channels_between_two_programs(device, latent_launches):
+    """A 256-channel latent (Kimi's is 512): two programs share each (row block, slice), each with half of the value
+    channels and the whole QK product; decodes and draft trees together still match the dense computation."""
+    batch, q, kv_cache = mla_case([40, 7, 0], [1, 4, 3], 4, 8, 256, 16, torch.float32, device, tree=True)
+    meta = triton_attention.prepare_attention(batch, 4, split_tokens=8)
+    out = triton_attention.paged_latent_attention(q, kv_cache, 256, batch, meta, 0.1)
+    assert_close(out.cpu(), dense_reference(q, _latent_rows(kv_cache, 256, device), batch, 4, 0.1, 256).float())
+    ref = attention.paged_latent_attention(q, kv_cache, 256, batch, attention.prepare_attention(batch, 4), 0.1)
+    assert_close(out, ref)
+    assert latent_launches["_latent_partial_kernel"] == [(3, 2, 3)]  # 4 tokens x 8 heads: one row block, two halves
+
+
+def test_tree_bits_pack_each_rows_draft_tree():
+    """The latent kernel reads a row's draft tree as int32 bits (bit j: sees step token j); `short_query` past 31
+    tokens would not fit and is refused by name."""
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1], [1, 0, 0]], dtype=torch.bool)
+    assert triton_attention.tree_bits(tree, 16).tolist() == [1, 3, 5, 1]
+    assert triton_attention.tree_bits(tree, 2).tolist() == [1, 3, 1, 1]
+    with pytest.raises(ValueError, match="short_query"):
+        triton_attention.tree_bits(tree, 32)

@@ -19,8 +19,8 @@ CUDA graph replays it (sized by max_model_len = 128k); prefill chunks of 2048 an
 verification (8 sequences x 4 tokens, and a mixed step: 8 decodes, 2 draft trees and a 2k chunk; contexts 32k and 128k); Kimi under TP=8 (8 heads, experts' intermediate 256) and EP=8 with
 data-parallel attention (64 heads, 48 whole experts), and Moonlight-16B-A3B (16 heads, 64 experts, bf16 and INT4).
 K2.6's text model has K2.5's shapes. `decode_path` marks kernels launched on every decode step (speculative
-verification included); `launched` is False for kernels the engine does not call yet (the Triton router and
-sampling: layers/moe.py and layers/sampler.py use torch there).
+verification included); `launched` is False for kernels the engine does not call yet (the Triton sampling:
+layers/sampler.py uses torch there).
 
 Occupancy (per SM): CTAs limited by registers (65,536 per SM, allocated per warp in units of 256), shared memory
 (228 KB per SM, 1 KB reserved per CTA, at most 227 KB per CTA), threads (2048) and 32 CTAs; the same on sm_90 and
@@ -402,7 +402,59 @@ def router_case(model: Model, tokens: int) -> Case:
         bias = torch.randn(model.global_experts, device=device) * 0.01
         return (lambda: triton_moe.noaux_tc_router(logits, bias, model.top_k, 1, 1, True, 2.827)), None
 
-    return Case(model.name, "router", f"t{tokens}", True, build, launched=False)
+    return Case(model.name, "router", f"t{tokens}", True, build)
+
+
+def route_sort_case(model: Model, tokens: int) -> Case:
+    """noaux_tc routing and the expert sort of a small step in one launch (layers/moe.py `Router.route_and_sort`)."""
+    def build(device: str) -> tuple[Callable[[], Any], None]:
+        import torch
+
+        from reasoning_engine.kernels import triton_moe
+
+        logits = torch.randn(tokens, model.global_experts, device=device)
+        bias = torch.randn(model.global_experts, device=device) * 0.01
+        return (lambda: triton_moe.noaux_tc_route_and_sort(logits, bias, model.top_k, 1, 1, True, 2.827,
+                                                           model.global_experts)), None
+
+    return Case(model.name, "route+sort", f"t{tokens}", True, build)
+
+
+def mla_rope_cache_case(model: Model, tokens: int) -> Case:
+    """MLA's latent norm, rotations, cache write and absorbed query in one launch (nope 128)."""
+    def build(device: str) -> tuple[Callable[[], Any], None]:
+        import torch
+
+        from reasoning_engine.kernels import triton_rotary
+
+        nope, width = 128, model.latent + model.rope
+        q = torch.randn(tokens, model.heads, nope + model.rope, dtype=torch.bfloat16, device=device)
+        kv_a = torch.randn(tokens, width, dtype=torch.bfloat16, device=device)
+        w_uk = torch.randn(model.heads, nope, model.latent, dtype=torch.bfloat16, device=device) * 0.05
+        norm = torch.ones(model.latent, dtype=torch.bfloat16, device=device)
+        cache = torch.empty(tokens // BLOCK_SIZE + 2, BLOCK_SIZE, width, dtype=torch.bfloat16, device=device)
+        slots = torch.randperm(cache.shape[0] * BLOCK_SIZE, device=device)[:tokens]
+        cos = torch.randn(MAX_MODEL_LEN, model.rope // 2, device=device)
+        positions = torch.randint(0, MAX_MODEL_LEN, (tokens,), device=device)
+        return (lambda: triton_rotary.mla_rope_and_cache(positions, q, kv_a, w_uk, norm, 1e-6, cos, cos, True, cache,
+                                                         slots)), None
+
+    return Case(model.name, "mla rope+cache", f"t{tokens}", True, build)
+
+
+def combine_case(model: Model, tokens: int) -> Case:
+    """The routed rows' sum plus the shared expert (one expert's width) computed in the combine kernel."""
+    def build(device: str) -> tuple[Callable[[], Any], None]:
+        import torch
+
+        from reasoning_engine.kernels import triton_moe
+
+        per_pair = torch.randn(tokens, model.top_k, model.hidden, device=device)
+        gate_up = torch.randn(tokens, 2 * model.inter, dtype=torch.bfloat16, device=device)
+        w_down = torch.randn(model.hidden, model.inter, dtype=torch.bfloat16, device=device) * 0.02
+        return (lambda: triton_moe.moe_combine(per_pair, torch.bfloat16, (gate_up, w_down))), None
+
+    return Case(model.name, "moe combine+shared", f"t{tokens}", True, build)
 
 
 def norm_case(model: Model, tokens: int, width: int, residual: bool) -> Case:
@@ -619,6 +671,9 @@ def all_cases() -> list[Case]:
         widths = (model.hidden, model.latent) + ((model.q_lora,) if model.q_lora else ())
         cases += [norm_case(model, b, w, w == model.hidden) for b in DECODE_BATCHES for w in widths]
         cases += [rotary_case(model, b) for b in DECODE_BATCHES]
+        cases += [route_sort_case(model, b) for b in (1, 8)]
+        cases += [mla_rope_cache_case(model, b) for b in DECODE_BATCHES]
+        cases += [combine_case(model, b) for b in DECODE_BATCHES]
     cases += [sampling_case(KIMI_TP8, b, f) for b in DECODE_BATCHES for f in (False, True)]
     cases += [verify_sampling_case(KIMI_TP8, b, 3) for b in (1, 8)]
     cases += [vision_attention_case([4096], "1 image x 4096 patches"),

@@ -44,6 +44,20 @@ def test_counts_a_hand_written_three_kernel_step(launch_count: ModuleType) -> No
     assert summary == {"total": 3, "triton": 2, "torch": 1, "triton_kernels": {"double": 2}, "torch_ops": {"add": 1}}
 
 
+def test_counts_casts_and_copies_under_inference_mode(launch_count: ModuleType) -> None:
+    """Under inference mode `to` and `contiguous` reach the dispatch mode whole, with schemas that may alias: a cast
+    or a copy (new storage) is a launch, a no-op (the input returned) is none."""
+    log: list[tuple[str, str, str]] = []
+    with torch.inference_mode():
+        x = torch.randn(2, 4, dtype=torch.bfloat16)
+        with launch_count.counting_launches(log, lambda: "toy"):
+            y = x.float()  # a cast: one kernel
+            assert y.float() is y  # already float32: none
+            x.t().contiguous()  # a copy: one kernel
+            x.contiguous()  # already contiguous: none
+    assert [(kind, name) for _, kind, name in log] == [("torch", "to"), ("torch", "contiguous")]
+
+
 def test_tiny_deepseek_v3_decode_step_counts(launch_count: ModuleType) -> None:
     """A 3-layer (1 dense + 2 MoE) deepseek_v3 of Moonlight's structure at tiny widths: one prefill then one decode
     forward; every MoE layer launches the same kernels, Triton's MoE GEMMs (gate_up, down) and MLA decode among them;
@@ -59,3 +73,28 @@ def test_tiny_deepseek_v3_decode_step_counts(launch_count: ModuleType) -> None:
     assert any("moe" in name or "expert" in name for name in moe["triton_kernels"]), moe
     assert moe["total"] > dense["total"] > 0
     assert result["step_total"] == 2 * moe["total"] + dense["total"] + other["total"]
+
+
+# per MoE layer: the input norm (its residual add fused), MLA's fused projection, its rotary / cache / absorbed-query
+# kernel, decode attention (2), W_UV, o_proj, the post-attention norm (add fused, and the router's float32 input
+# written by it: no cast), the router's matmul, its
+# route-and-sort kernel, the shared expert's gate_up, the two expert GEMMs and the combine (shared down inside)
+MOE_LAYER_KERNELS = {"_rms_norm_kernel": 2, "_mla_rope_cache_kernel": 1, "_route_and_sort_kernel": 1,
+                     "_moe_gemm_kernel": 2, "_combine_kernel": 1}
+
+
+def test_moe_layer_launches_at_most_14_in_decode_and_verification(launch_count: ModuleType) -> None:
+    """Issue #58's bound: a Moonlight-structured MoE layer launches at most 14 kernels in a decode step and in a
+    verification step (n-gram draft), the residual adds, routing arithmetic, sort, concatenations, casts and
+    shared-expert tail fused; only the matmuls stay torch ops."""
+    gpu_check = load_script("gpu_check")
+    config = dict(gpu_check.TINY_CONFIG, num_hidden_layers=3, vocab_size=64)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for draft_tokens in (0, 3):
+        result = launch_count.count_decode_step(config, device, draft_tokens=draft_tokens)
+        moe = result["moe_layer"]
+        assert result["launches_per_moe_layer"] <= 14, moe
+        assert (result["query_tokens"] > 1) == (draft_tokens > 0)
+        assert {k: v for k, v in moe["triton_kernels"].items() if k in MOE_LAYER_KERNELS} == MOE_LAYER_KERNELS, moe
+        # a verification step's W_UV product ([H, T, v]) is copied into o_proj's [T, H * v] rows (decode: a view)
+        assert moe["torch_ops"] == {"linear": 4, "bmm": 1, **({"reshape": 1} if draft_tokens else {})}, moe

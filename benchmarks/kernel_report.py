@@ -248,11 +248,15 @@ def _ragged_batch(context: int, queries: list[int], tree: bool, device: str) -> 
 
 def _mla_decode_traffic(model: Model, batch: int, ctx: int) -> Traffic:
     """Minimum: every sequence's latent cache rows once, the absorbed queries in, the latent outputs out. Modelled:
-    the kernels' own `latent_traffic` (cache tiles per program, partial results written and merged)."""
+    the kernels' own `decode_traffic` (few heads: the decode kernel, `decodes_take_decode_kernel`) or
+    `latent_traffic` (cache tiles per program, partial results written and merged)."""
     from reasoning_engine.kernels import triton_attention as ta
 
     row = (model.latent + model.rope) * BF16
     minimum = batch * ctx * row + batch * model.heads * (row + model.latent * BF16)
+    if ta.decodes_take_decode_kernel(model.heads):
+        return Traffic(minimum, ta.decode_traffic([ctx] * batch, model.heads, 1, (model.latent, model.rope), model.latent,
+                                                  BF16, v_from_k=True))
     return Traffic(minimum, ta.latent_traffic([ctx] * batch, [1] * batch, model.heads, model.latent, model.rope, BF16))
 
 

@@ -244,17 +244,20 @@ def _rows(batch, rows):
 
 
 def _decode(kind, q, caches, batch):
-    meta = triton_attention.prepare_attention(batch, 16, split_tokens=16)
+    meta = triton_attention.prepare_attention(batch, 16, split_tokens=16, decode_kernel_heads=0 if kind == "mla_latent" else 16)
     if kind == "gqa":
         return triton_attention.paged_attention(q, *caches, batch, meta, 0.25)
     return triton_attention.paged_latent_attention(q, caches[0], 32, batch, meta, 0.2)
 
 
-@pytest.mark.parametrize("kind", ["gqa", "mla"])
+@pytest.mark.parametrize("kind", ["gqa", "mla", "mla_latent"])
 def test_decode_is_bitwise_batch_and_graph_invariant(device, kind):
     """A sequence's bf16 decode output is the same bits alone, in a batch with shorter and much longer sequences
-    (which change the launch's slice count), and with the CUDA-graph path's static arguments (a bound of 4096)."""
-    lens = [37, 300, 5, 2100]  # 2100 > 16 x _MAX_SPLITS: its slices are 32 tokens
+    (which change the launch's slice count), and with the CUDA-graph path's static arguments (a bound of 4096). MLA
+    at 4 heads takes the decode kernel; "mla_latent" sends it through the latent split kernel."""
+    # 2100 > 16 x _MAX_SPLITS: its decode slices are 32 tokens (the latent kernel, whose cap is the SM count, needs no
+    # such length: a shorter long sequence keeps its interpreted run short)
+    lens = [37, 150, 5, 300] if kind == "mla_latent" else [37, 300, 5, 2100]
     if kind == "gqa":
         batch, q, *caches = gqa_case(lens, [1] * 4, 16, 4, 2, 16, torch.bfloat16, device)
     else:
@@ -410,9 +413,10 @@ class _LaunchRecorder:
 
 @pytest.fixture
 def latent_launches(monkeypatch):
-    """The grids of the latent split kernel and the prefill kernel launched while the test runs."""
+    """The grids of the latent split kernel, its merge, the decode and the prefill kernel launched while the test
+    runs."""
     recorders = {}
-    for name in ("_latent_partial_kernel", "_prefill_kernel"):
+    for name in ("_latent_partial_kernel", "_latent_reduce_kernel", "_decode_partial_kernel", "_prefill_kernel"):
         recorders[name] = _LaunchRecorder(getattr(triton_attention, name))
         monkeypatch.setattr(triton_attention, name, recorders[name])
     return {name: r.grids for name, r in recorders.items()}
@@ -426,11 +430,11 @@ def _latent_rows(kv_cache, latent, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads", [8, 64])
-def test_latent_decode_groups_all_heads_of_a_sequence_in_one_program(device, latent_launches, dtype, heads):
-    """MLA decode at 8 and 64 heads (Kimi K2.5 under TP 8 and TP 1): one program per (sequence, context slice) holds
-    every head as the rows of its tile, so each latent tile is read once for all heads; the slices merged give the
-    torch reference's and the dense computation's result."""
+def test_latent_decode_groups_all_heads_of_a_sequence_in_one_program(device, latent_launches, dtype):
+    """MLA decode at 64 heads (Kimi K2.5 without TP): one program per (sequence, context slice) holds every head as
+    the rows of its tile, so each latent tile is read once for all heads; the slices merged give the torch
+    reference's and the dense computation's result."""
+    heads = 64
     lens = ([150, 3, 40], [1, 1, 1])
     batch, q, kv_cache = mla_case(*lens, 16, heads, 32, 16, dtype, device)
     meta = triton_attention.prepare_attention(batch, 16, split_tokens=16)
@@ -440,7 +444,44 @@ def test_latent_decode_groups_all_heads_of_a_sequence_in_one_program(device, lat
     if dtype == torch.float32:
         assert_close(out.cpu(), dense_reference(q, _latent_rows(kv_cache, 32, device), batch, 16, 0.2, 32).float())
     assert latent_launches["_latent_partial_kernel"] == [(3, 1, 10)]  # 151 keys in slices of 16; all heads at once
-    assert latent_launches["_prefill_kernel"] == []
+    assert latent_launches["_prefill_kernel"] == [] and latent_launches["_decode_partial_kernel"] == []
+
+
+@pytest.mark.parametrize("heads", [8, 16, 24])
+def test_decodes_alone_with_few_heads_take_the_decode_kernel(device, latent_launches, heads):
+    """A step of MLA decodes alone with at most 16 heads (Kimi K2.5 under TP 8: 8) goes through the decode kernel,
+    one program holding every head over a cache tile; more heads, or a step that also verifies a draft, through the
+    latent split kernel. Both give the torch reference's result."""
+    few = heads <= 16
+    assert triton_attention.decodes_take_decode_kernel(heads) == few
+    for query_lens in ([1, 1, 1], [1, 3, 1]):
+        batch, q, kv_cache = mla_case([40, 7, 20], query_lens, 4, heads, 24, 8, torch.float32, device, tree=True)
+        meta = triton_attention.prepare_attention(batch, 4, split_tokens=16)
+        out = triton_attention.paged_latent_attention(q, kv_cache, 24, batch, meta, 0.2)
+        ref = attention.paged_latent_attention(q, kv_cache, 24, batch, attention.prepare_attention(batch, 4), 0.2)
+        assert_close(out, ref)
+        decode_kernel = few and max(query_lens) == 1
+        assert len(latent_launches["_decode_partial_kernel"]) == decode_kernel
+        assert len(latent_launches["_latent_partial_kernel"]) == (not decode_kernel)
+        for grids in latent_launches.values():
+            grids.clear()
+
+
+def test_one_slice_launch_writes_the_output_without_a_merge(device, latent_launches):
+    """When every short sequence fits one slice the latent kernel writes the output itself (no merge launch), with
+    the bits the merge of that single slice gives: the same step with the CUDA-graph path's bound (many slices
+    launched, one used by each sequence) goes through the merge and gives the same bf16 output."""
+    batch, q, kv_cache = mla_case([40, 7, 0], [1, 4, 3], 4, 8, 24, 8, torch.bfloat16, device, tree=True)
+    out = triton_attention.paged_latent_attention(q, kv_cache, 24, batch,
+                                                  triton_attention.prepare_attention(batch, 4, split_tokens=64), 0.2)
+    assert latent_launches["_latent_partial_kernel"] == [(3, 1, 1)] and latent_launches["_latent_reduce_kernel"] == []
+    static = _static(batch, 1024, kv_cache.shape[0], device)
+    merged = triton_attention.paged_latent_attention(q, kv_cache, 24, static,
+                                                     triton_attention.prepare_attention(static, 4, split_tokens=64), 0.2)
+    assert latent_launches["_latent_partial_kernel"][1] == (3, 1, 16) and len(latent_launches["_latent_reduce_kernel"]) == 1
+    assert torch.equal(out, merged)
+    ref = attention.paged_latent_attention(q, kv_cache, 24, batch, attention.prepare_attention(batch, 4), 0.2)
+    assert_close(out, ref, scale=2.0)
 
 
 def test_latent_split_plan_fills_the_gpu_from_the_sequence_alone():
@@ -459,7 +500,7 @@ def test_latent_split_plan_fills_the_gpu_from_the_sequence_alone():
         assert splits <= min(triton_attention.latent_launch_splits(b, wide, 132) for b in (length, length + 1, 131072))
 
 
-@pytest.mark.parametrize("heads", [8, 64])
+@pytest.mark.parametrize("heads", [8, 32])
 def test_mixed_step_sends_decodes_and_drafts_to_the_latent_kernel_and_long_chunks_to_prefill(device, latent_launches, heads):
     """One step with decodes, draft trees, a short chunk and a long chunk: the sequences of at most `short_query`
     query tokens go through the latent split kernel (query tokens x heads as its rows, under the draft tree), the long

@@ -183,5 +183,15 @@ class MLAttention(nn.Module):
             out_latent = source.ops.sparse_latent_attention(query, self.kv_cache,
                                                             self.kv_lora_rank, batch, batch.attn_metadata, self.scale,
                                                             selected)
-        out = torch.bmm(out_latent.transpose(0, 1), self.w_uv).transpose(0, 1)  # [T, H, v]
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self.o_proj(self._up_project_values(out_latent))
+
+    def _up_project_values(self, out_latent: torch.Tensor) -> torch.Tensor:
+        """[T, H, latent] -> [T, H * v]: each head's output times its W_UV, written straight into o_proj's input rows
+        (the product's [H, T, v] is a strided view of them), so several query rows need no copy after the bmm.
+        Under torch.compile (which takes no strided `out=`) the product is reshaped instead."""
+        num_tokens = out_latent.shape[0]
+        if torch.compiler.is_compiling():
+            return torch.bmm(out_latent.transpose(0, 1), self.w_uv).transpose(0, 1).reshape(num_tokens, -1)
+        out = torch.empty(num_tokens, self.num_heads, self.v_dim, dtype=out_latent.dtype, device=out_latent.device)
+        torch.bmm(out_latent.transpose(0, 1), self.w_uv, out=out.transpose(0, 1))
+        return out.view(num_tokens, -1)

@@ -16,11 +16,11 @@ parallel processes. On a machine without a GPU the script imports Triton with TR
 
 Shapes: decode batches 1, 8, 64 at contexts 1k, 32k and 128k, eager (launch sized by the longest sequence) and as a
 CUDA graph replays it (sized by max_model_len = 128k); prefill chunks of 2048 and 8192 tokens; speculative
-verification (8 sequences x 4 tokens); Kimi under TP=8 (8 heads, experts' intermediate 256) and EP=8 with
+verification (8 sequences x 4 tokens, and a mixed step: 8 decodes, 2 draft trees and a 2k chunk; contexts 32k and 128k); Kimi under TP=8 (8 heads, experts' intermediate 256) and EP=8 with
 data-parallel attention (64 heads, 48 whole experts), and Moonlight-16B-A3B (16 heads, 64 experts, bf16 and INT4).
 K2.6's text model has K2.5's shapes. `decode_path` marks kernels launched on every decode step (speculative
-verification included); `launched` is False for kernels the engine does not call yet (the Triton router and
-sampling: layers/moe.py and layers/sampler.py use torch there).
+verification included); `launched` is False for kernels the engine does not call yet (the Triton sampling:
+layers/sampler.py uses torch there).
 
 Occupancy (per SM): CTAs limited by registers (65,536 per SM, allocated per warp in units of 256), shared memory
 (228 KB per SM, 1 KB reserved per CTA, at most 227 KB per CTA), threads (2048) and 32 CTAs; the same on sm_90 and
@@ -248,13 +248,16 @@ def _ragged_batch(context: int, queries: list[int], tree: bool, device: str) -> 
 
 def _mla_decode_traffic(model: Model, batch: int, ctx: int) -> Traffic:
     """Minimum: every sequence's latent cache rows once, the absorbed queries in, the latent outputs out. Modelled:
-    the kernels' own `decode_traffic` (cache tiles per head block, partial results written and merged)."""
+    the kernels' own `decode_traffic` (few heads: the decode kernel, `decodes_take_decode_kernel`) or
+    `latent_traffic` (cache tiles per program, partial results written and merged)."""
     from reasoning_engine.kernels import triton_attention as ta
 
     row = (model.latent + model.rope) * BF16
     minimum = batch * ctx * row + batch * model.heads * (row + model.latent * BF16)
-    return Traffic(minimum, ta.decode_traffic([ctx] * batch, model.heads, 1, (model.latent, model.rope), model.latent,
-                                              BF16, v_from_k=True))
+    if ta.decodes_take_decode_kernel(model.heads):
+        return Traffic(minimum, ta.decode_traffic([ctx] * batch, model.heads, 1, (model.latent, model.rope), model.latent,
+                                                  BF16, v_from_k=True))
+    return Traffic(minimum, ta.latent_traffic([ctx] * batch, [1] * batch, model.heads, model.latent, model.rope, BF16))
 
 
 def attention_decode_case(model: Model, batch: int, ctx: int, graph: bool) -> Case:
@@ -275,17 +278,22 @@ def attention_decode_case(model: Model, batch: int, ctx: int, graph: bool) -> Ca
 
 
 def _mla_ragged_traffic(model: Model, context: int, queries: list[int], launches: list[Launch]) -> Traffic:
-    """Minimum as for decode; modelled: every program of the varlen kernel (one block of BLOCK_M queries of one
-    sequence and one head) reads its sequence's whole cache up to its last query."""
-    (launch,) = launches[-1:]
-    block_m = launch.kwargs["BLOCK_M"]
+    """Minimum as for decode; modelled: sequences of at most SHORT_QUERY query tokens as the latent split kernel
+    reads them (`latent_traffic`), and every program of the varlen kernel (one block of BLOCK_M queries of one long
+    sequence and one head) reading its sequence's whole cache up to its last query."""
+    from reasoning_engine.kernels import triton_attention as ta
+
     row = (model.latent + model.rope) * BF16
     tokens = sum(queries)
-    q_out = tokens * model.heads * (row + model.latent * BF16)
-    minimum = sum(context + q for q in queries) * row + q_out
-    reads = sum(-(-q // block_m) * model.heads * (context + q) * row for q in queries)
-    programs = sum(-(-q // block_m) for q in queries) * model.heads
-    return Traffic(minimum, {"_prefill_kernel": (reads + q_out, programs)})
+    minimum = sum(context + q for q in queries) * row + tokens * model.heads * (row + model.latent * BF16)
+    kernels = ta.latent_traffic([context + q for q in queries], queries, model.heads, model.latent, model.rope, BF16)
+    long = [q for q in queries if q > ta.SHORT_QUERY]
+    prefill = [launch for launch in launches if launch.kernel == "_prefill_kernel"]
+    if prefill:
+        block_m = prefill[-1].kwargs["BLOCK_M"]
+        reads = sum(-(-q // block_m) * model.heads * ((context + q) * row + q * (row + model.latent * BF16)) for q in long)
+        kernels["_prefill_kernel"] = (reads, sum(-(-q // block_m) for q in long) * model.heads)
+    return Traffic(minimum, {k: v for k, v in kernels.items() if v[1]})
 
 
 def attention_ragged_case(model: Model, context: int, queries: list[int], tree: bool, decode_path: bool, name: str) -> Case:
@@ -398,7 +406,59 @@ def router_case(model: Model, tokens: int) -> Case:
         bias = torch.randn(model.global_experts, device=device) * 0.01
         return (lambda: triton_moe.noaux_tc_router(logits, bias, model.top_k, 1, 1, True, 2.827)), None
 
-    return Case(model.name, "router", f"t{tokens}", True, build, launched=False)
+    return Case(model.name, "router", f"t{tokens}", True, build)
+
+
+def route_sort_case(model: Model, tokens: int) -> Case:
+    """noaux_tc routing and the expert sort of a small step in one launch (layers/moe.py `Router.route_and_sort`)."""
+    def build(device: str) -> tuple[Callable[[], Any], None]:
+        import torch
+
+        from reasoning_engine.kernels import triton_moe
+
+        logits = torch.randn(tokens, model.global_experts, device=device)
+        bias = torch.randn(model.global_experts, device=device) * 0.01
+        return (lambda: triton_moe.noaux_tc_route_and_sort(logits, bias, model.top_k, 1, 1, True, 2.827,
+                                                           model.global_experts)), None
+
+    return Case(model.name, "route+sort", f"t{tokens}", True, build)
+
+
+def mla_rope_cache_case(model: Model, tokens: int) -> Case:
+    """MLA's latent norm, rotations, cache write and absorbed query in one launch (nope 128)."""
+    def build(device: str) -> tuple[Callable[[], Any], None]:
+        import torch
+
+        from reasoning_engine.kernels import triton_rotary
+
+        nope, width = 128, model.latent + model.rope
+        q = torch.randn(tokens, model.heads, nope + model.rope, dtype=torch.bfloat16, device=device)
+        kv_a = torch.randn(tokens, width, dtype=torch.bfloat16, device=device)
+        w_uk = torch.randn(model.heads, nope, model.latent, dtype=torch.bfloat16, device=device) * 0.05
+        norm = torch.ones(model.latent, dtype=torch.bfloat16, device=device)
+        cache = torch.empty(tokens // BLOCK_SIZE + 2, BLOCK_SIZE, width, dtype=torch.bfloat16, device=device)
+        slots = torch.randperm(cache.shape[0] * BLOCK_SIZE, device=device)[:tokens]
+        cos = torch.randn(MAX_MODEL_LEN, model.rope // 2, device=device)
+        positions = torch.randint(0, MAX_MODEL_LEN, (tokens,), device=device)
+        return (lambda: triton_rotary.mla_rope_and_cache(positions, q, kv_a, w_uk, norm, 1e-6, cos, cos, True, cache,
+                                                         slots)), None
+
+    return Case(model.name, "mla rope+cache", f"t{tokens}", True, build)
+
+
+def combine_case(model: Model, tokens: int) -> Case:
+    """The routed rows' sum plus the shared expert (one expert's width) computed in the combine kernel."""
+    def build(device: str) -> tuple[Callable[[], Any], None]:
+        import torch
+
+        from reasoning_engine.kernels import triton_moe
+
+        per_pair = torch.randn(tokens, model.top_k, model.hidden, device=device)
+        gate_up = torch.randn(tokens, 2 * model.inter, dtype=torch.bfloat16, device=device)
+        w_down = torch.randn(model.hidden, model.inter, dtype=torch.bfloat16, device=device) * 0.02
+        return (lambda: triton_moe.moe_combine(per_pair, torch.bfloat16, (gate_up, w_down))), None
+
+    return Case(model.name, "moe combine+shared", f"t{tokens}", True, build)
 
 
 def norm_case(model: Model, tokens: int, width: int, residual: bool) -> Case:
@@ -600,7 +660,10 @@ def all_cases() -> list[Case]:
             cases += [attention_decode_case(model, b, ctx, graph) for b in DECODE_BATCHES for ctx in CONTEXTS]
         cases += [attention_ragged_case(model, 0, [n], False, False, f"chunk{_k(n)}") for n in PREFILL_CHUNKS]
         cases.append(attention_ragged_case(model, 30720, [2048], False, False, "chunk2k after 30k"))
-        cases.append(attention_ragged_case(model, 32768, [4] * 8, True, True, "b8 x 4 tokens ctx32k tree"))
+        for ctx in (32768, 131072):  # verification alone, and a mixed step: decodes, draft trees and a prefill chunk
+            cases.append(attention_ragged_case(model, ctx, [4] * 8, True, True, f"b8 x 4 tokens ctx{_k(ctx)} tree"))
+            cases.append(attention_ragged_case(model, ctx, [1] * 8 + [4] * 2 + [2048], True, True,
+                                               f"mixed 8 decodes + 2 x 4-token trees + chunk2k ctx{_k(ctx)}"))
         cases += [cache_write_case(model, b, True) for b in DECODE_BATCHES]
         cases.append(cache_write_case(model, 8192, False))
     for model in MOE_MODELS:
@@ -612,6 +675,9 @@ def all_cases() -> list[Case]:
         widths = (model.hidden, model.latent) + ((model.q_lora,) if model.q_lora else ())
         cases += [norm_case(model, b, w, w == model.hidden) for b in DECODE_BATCHES for w in widths]
         cases += [rotary_case(model, b) for b in DECODE_BATCHES]
+        cases += [route_sort_case(model, b) for b in (1, 8)]
+        cases += [mla_rope_cache_case(model, b) for b in DECODE_BATCHES]
+        cases += [combine_case(model, b) for b in DECODE_BATCHES]
     cases += [sampling_case(KIMI_TP8, b, f) for b in DECODE_BATCHES for f in (False, True)]
     cases += [verify_sampling_case(KIMI_TP8, b, 3) for b in (1, 8)]
     cases += [vision_attention_case([4096], "1 image x 4096 patches"),

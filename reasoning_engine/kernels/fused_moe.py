@@ -67,6 +67,22 @@ def noaux_tc_router(
     return weights * routed_scaling_factor, topk_ids.to(torch.int32)
 
 
+def noaux_tc_route_and_sort(
+    router_logits: torch.Tensor,
+    e_score_correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+    num_experts: int,
+) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """`noaux_tc_router` and no sort: these experts loop over their tokens and need none (the Triton module also
+    sorts the pairs for its grouped GEMMs, in the same launch)."""
+    return (*noaux_tc_router(router_logits, e_score_correction_bias, top_k, n_group, topk_group, norm_topk_prob,
+                             routed_scaling_factor), None)
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the T*k (token, choice) pairs by expert so a grouped GEMM can take each expert's rows in tiles of
     block_m. Pair p = t * k + j. Each expert's pairs keep their order and its segment is padded to a multiple of
@@ -154,12 +170,16 @@ def fused_moe(
     w2_bias: torch.Tensor | None = None,
     swiglu_limit: float | None = None,
     silu_limit: float | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sorted_pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Routed experts: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]). hidden [T, H] -> [T, H].
     Loops over the experts that received tokens, one dense GEMM pair each (weights dequantized per expert); ids of
     other ranks' experts (>= E, `other_experts`) are skipped. gpt-oss: biases w13_bias [E, 2I] and w2_bias [E, H],
     and with `swiglu_limit` its clamped SwiGLU (`clamped_swiglu`) instead of silu(gate) * up; DeepSeek-V4: with
-    `silu_limit` silu(gate) * up with both clamped first (`limited_swiglu`)."""
+    `silu_limit` silu(gate) * up with both clamped first (`limited_swiglu`). `shared`: the shared
+    experts' (gate_up output [T, 2I'], down weight [H, I']), whose `shared_expert` output is added to the sum once
+    that is rounded to hidden's dtype. `sorted_pairs` (the Triton GEMMs' sort of the pairs) is not needed here."""
     tokens, top_k = topk_ids.shape
     out = torch.zeros(tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     flat = topk_ids.flatten().long()
@@ -178,7 +198,15 @@ def fused_moe(
             act = F.silu(gate) * up if silu_limit is None else limited_swiglu(gate, up, silu_limit)
         y = F.linear(act, g2, b2).float() * topk_weights.flatten()[pairs].float().unsqueeze(1)
         out.index_add_(0, rows, y)
-    return out.to(hidden.dtype)
+    out = out.to(hidden.dtype)
+    return out if shared is None else out + shared_expert(*shared)
+
+
+def shared_expert(gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """A shared expert's second half (no bias): down(silu(gate) * up) from its gate_up projection's output [T, 2I]
+    and its down weight [H, I], as `layers.moe.GatedMLP` computes it."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w_down)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float = 1.702) -> torch.Tensor:

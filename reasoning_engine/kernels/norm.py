@@ -24,3 +24,11 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     pass over memory on the Triton path."""
     summed = x + residual
     return rms_norm(summed, weight, eps), summed
+
+
+def fused_add_rms_norm_with_float(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`fused_add_rms_norm` plus the normalised rows widened to float32 (the MoE router's input, which the Triton
+    path writes from the same kernel instead of casting)."""
+    out, summed = fused_add_rms_norm(x, residual, weight, eps)
+    return out, summed, out.float()

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from reasoning_engine.kernels.attention import write_kv_cache
+from reasoning_engine.kernels.norm import rms_norm
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     half = cos.shape[-1]
@@ -56,3 +59,22 @@ def rotate_tail_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
     rotated = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2).to(x.dtype)
     return torch.cat([x[..., : x.shape[-1] - 2 * half], rotated], dim=-1)
+
+
+def mla_rope_and_cache(
+    positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor, w_uk: torch.Tensor, norm_weight: torch.Tensor,
+    eps: float, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """What multi-head latent attention (absorbed form) does between its projections and the attention kernel:
+    q [T, H, nope + rope] and kv_a [T, latent + rope] (the projections' outputs, may be strided views), w_uk
+    [H, nope, latent]. The latent is RMS-normalised (`norm_weight`, `eps`), k_pe rotated, and both written to the
+    cache row [latent | rope] at each token's slot; returns the attention query [T, H, latent + rope]: q_nope @ W_UK
+    per head, then q_pe rotated. One kernel on the Triton path."""
+    nope, latent = w_uk.shape[1], w_uk.shape[2]
+    q_nope, q_pe = q.split([nope, q.shape[-1] - nope], dim=-1)
+    c_kv, k_pe = kv_a.split([latent, kv_a.shape[-1] - latent], dim=-1)
+    c_kv = rms_norm(c_kv, norm_weight, eps)
+    q_pe, k_pe = apply_rotary(positions, q_pe, k_pe.unsqueeze(1), cos, sin, interleaved)
+    write_kv_cache(cache, torch.cat([c_kv, k_pe.squeeze(1)], dim=-1), slot_mapping)
+    q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, latent]
+    return torch.cat([q_latent, q_pe], dim=-1)

@@ -20,12 +20,13 @@ import triton
 import triton.language as tl
 
 from reasoning_engine.kernels._triton_utils import dot_mode, mma, num_warps_for, pow2
-from reasoning_engine.kernels.fused_moe import MoEQuant
+from reasoning_engine.kernels.fused_moe import MoEQuant, shared_expert
 
 _ALIGN_CHUNK = 128  # pairs per program of the sort; the rank inside a chunk costs CHUNK^2 comparisons
 _SCAN_EXPERTS = 32  # experts per program of the scan over chunks (Kimi's 384: 12 programs)
 _SCAN_CHUNKS = 64  # chunks per step of that scan: a 16k-token prefill (1,024 chunks) takes 16 steps
 _SPLIT_SPAN = 512  # input channels per split-K span: a result's bits depend on this and on K alone
+_FUSED_SHARED_TOKENS = 64  # up to this many tokens the combine kernel runs the shared expert's down projection itself
 _BUSY_PROGRAMS = 4 * 132  # programs a decode GEMM launch aims for: 4 per H200 SM, since the row tiles counted are a
 # bound (with expert parallelism most may hold another rank's experts and return at once)
 
@@ -102,6 +103,51 @@ def noaux_tc_router(
     return weights, ids
 
 
+def noaux_tc_route_and_sort(
+    router_logits: torch.Tensor,
+    e_score_correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+    num_experts: int,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    """`noaux_tc_router`, and for a step with few tokens also the pairs sorted for `fused_moe` over `num_experts`
+    stacked experts (its `sorted_pairs`), all in one launch (`_route_and_sort_kernel`); for more tokens the router
+    alone (the sort is then `fused_moe`'s)."""
+    tokens, experts = router_logits.shape
+    pairs = tokens * top_k
+    block_g, block_j, block_k = pow2(n_group), pow2(experts // n_group), pow2(top_k)
+    block_e = pow2(num_experts + 1)
+    if (not tokens or experts != num_experts
+            or pow2(tokens, 2) * max(block_g * block_j, block_k * block_e) > _ONE_PROGRAM_CELLS
+            or pow2(tokens, 2) * block_k > _ONE_PROGRAM_PAIRS):
+        return (*noaux_tc_router(router_logits, e_score_correction_bias, top_k, n_group, topk_group, norm_topk_prob,
+                                 routed_scaling_factor), None)
+    if router_logits.stride(-1) != 1:
+        router_logits = router_logits.contiguous()
+    device = router_logits.device
+    block_m = _block_m(pairs, num_experts)
+    capacity = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=device)
+    sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    num_post_pad = torch.empty(1, dtype=torch.int32, device=device)
+    block_t = pow2(tokens, 2)  # a row of one token leaves [1, groups, experts] tiles that spill on sm_90 / sm_100
+    block_p = block_t * block_k
+    _route_and_sort_kernel[(1,)](
+        router_logits, e_score_correction_bias, weights, ids, sorted_ids, expert_ids, num_post_pad,
+        tokens, router_logits.stride(0), experts, experts // n_group, float(routed_scaling_factor), capacity,
+        capacity // block_m, block_m,
+        TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=norm_topk_prob, BLOCK_T=block_t,
+        BLOCK_G=block_g, BLOCK_J=block_j, BLOCK_K=block_k, BLOCK_E=block_e, **_sort_blocks(block_p, block_e),
+        num_warps=8 if block_t * block_g * block_j >= 2048 else 4,
+    )
+    return weights, ids, (sorted_ids, expert_ids, num_post_pad)
+
+
 @triton.jit
 def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, CHUNK: tl.constexpr, BINS: tl.constexpr):
     chunk = tl.program_id(0)
@@ -164,9 +210,119 @@ def _align_scatter_kernel(ids_ptr, starts_ptr, offsets_ptr, sorted_ptr, num_pair
     tl.store(sorted_ptr + base + rank, offs, mask=ok)
 
 
+@triton.jit
+def _sort_pairs(ids, pair, p_ok, sorted_ptr, expert_ids_ptr, num_post_pad_ptr, num_pairs, num_experts, capacity,
+                num_tiles, block_m, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TL: tl.constexpr):
+    """The whole sort of the pairs held in registers (ids [BLOCK_P] of pairs `pair`, `p_ok` the real ones) by one
+    program: every output slot is written (the pair that lands there, or the sentinel), so nothing is allocated
+    filled beforehand. A pair's slot is its expert's first row plus the count of earlier pairs of the same expert;
+    each slot finds its pair by comparison (a gather, no scatter, so no ordering between writes is needed)."""
+    ids = tl.where(p_ok, tl.minimum(ids, num_experts), num_experts)  # another rank's expert: the spare bin E
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < num_experts
+    member = ids[None, :] == e[:, None]  # [BLOCK_E, BLOCK_P]
+    padded = tl.where(e_ok, tl.cdiv(tl.sum(member.to(tl.int32), axis=1), block_m) * block_m, 0)
+    ends = tl.cumsum(padded, axis=0)
+    used = tl.sum(padded, axis=0)
+    start = tl.sum(tl.where(member, (ends - padded)[:, None], 0), axis=0)
+    rank = tl.sum(((ids[:, None] == ids[None, :]) & (pair[None, :] < pair[:, None])).to(tl.int32), axis=1)
+    slot = tl.where(p_ok & (ids < num_experts), start + rank, -1)
+    for s0 in range(0, capacity, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        hit = slot[None, :] == s[:, None]  # [BLOCK_S, BLOCK_P]
+        at = tl.sum(tl.where(hit, pair[None, :], 0), axis=1)
+        tl.store(sorted_ptr + s, tl.where(tl.max(hit.to(tl.int32), axis=1) > 0, at, num_pairs), mask=s < capacity)
+    for t0 in range(0, num_tiles, BLOCK_TL):
+        tiles = t0 + tl.arange(0, BLOCK_TL)
+        first_row = tiles * block_m
+        owner = tl.sum(tl.where((ends[None, :] <= first_row[:, None]) & e_ok[None, :], 1, 0), axis=1)  # [BLOCK_TL, BLOCK_E]
+        tl.store(expert_ids_ptr + tiles, tl.where(first_row < used, owner, -1), mask=tiles < num_tiles)
+    tl.store(num_post_pad_ptr, used)
+
+
+@triton.jit
+def _align_one_program_kernel(
+    ids_ptr, sorted_ptr, expert_ids_ptr, num_post_pad_ptr, num_pairs, num_experts, capacity, num_tiles, block_m,
+    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TL: tl.constexpr,
+):
+    """The sort of a decode or verification step's few pairs in one program (`_sort_pairs`)."""
+    p = tl.arange(0, BLOCK_P)
+    p_ok = p < num_pairs
+    ids = tl.load(ids_ptr + p, mask=p_ok, other=num_experts)
+    _sort_pairs(ids, p, p_ok, sorted_ptr, expert_ids_ptr, num_post_pad_ptr, num_pairs, num_experts, capacity,
+                num_tiles, block_m, BLOCK_E, BLOCK_S, BLOCK_TL)
+
+
+@triton.jit
+def _route_and_sort_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, sorted_ptr, expert_ids_ptr, num_post_pad_ptr,
+    tokens, stride_logits, num_experts, group_size, routed_scaling_factor, capacity, num_tiles, block_m,
+    TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TL: tl.constexpr,
+):
+    """noaux_tc routing of all of a small step's tokens at once (`_router_kernel`'s choice, a token per row of
+    [tokens, groups, experts of a group] tiles), then the sort of their pairs (`_sort_pairs`) from registers: the
+    whole bookkeeping between the router's matmul and the expert GEMMs in one launch."""
+    t = tl.arange(0, BLOCK_T)
+    g = tl.arange(0, BLOCK_G)
+    j = tl.arange(0, BLOCK_J)
+    t_ok = t < tokens
+    expert = g[None, :, None] * group_size + j[None, None, :]  # [1, BLOCK_G, BLOCK_J]
+    e_ok = (g < N_GROUP)[None, :, None] & (j < group_size)[None, None, :]
+    ok = t_ok[:, None, None] & e_ok
+    logits = tl.load(logits_ptr + t.to(tl.int64)[:, None, None] * stride_logits + expert, mask=ok, other=0.0)
+    scores = tl.sigmoid(logits.to(tl.float32))
+    biased = tl.where(ok, scores + tl.load(bias_ptr + expert, mask=e_ok, other=0.0).to(tl.float32), float("-inf"))
+    # group score = sum of the two best biased scores of the group (ties: the first best is removed, the second kept)
+    best = tl.max(biased, axis=2)
+    best_j = tl.min(tl.where(biased == best[:, :, None], j[None, None, :], BLOCK_J), axis=2)
+    second = tl.max(tl.where(j[None, None, :] == best_j[:, :, None], float("-inf"), biased), axis=2)
+    group_score = tl.where((g < N_GROUP)[None, :], best + second, float("-inf"))  # [BLOCK_T, BLOCK_G]
+    kept = tl.zeros([BLOCK_T, BLOCK_G], tl.int32)
+    for _ in tl.static_range(TOPK_GROUP):
+        top = tl.max(group_score, axis=1)
+        pick = tl.min(tl.where(group_score == top[:, None], g[None, :], BLOCK_G), axis=1)
+        kept = tl.where(g[None, :] == pick[:, None], 1, kept)
+        group_score = tl.where(g[None, :] == pick[:, None], float("-inf"), group_score)
+    choice = tl.reshape(tl.where(kept[:, :, None] != 0, biased, float("-inf")), (BLOCK_T, BLOCK_G * BLOCK_J))
+    flat_scores = tl.reshape(scores, (BLOCK_T, BLOCK_G * BLOCK_J))
+    idx = tl.arange(0, BLOCK_G * BLOCK_J)  # increases with the expert id: ties go to the lower id, as in the reference
+    ks = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
+    weights = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+    for jj in tl.static_range(TOP_K):
+        top = tl.max(choice, axis=1)
+        pick = tl.min(tl.where(choice == top[:, None], idx[None, :], BLOCK_G * BLOCK_J), axis=1)
+        ids = tl.where(ks[None, :] == jj, ((pick // BLOCK_J) * group_size + pick % BLOCK_J)[:, None], ids)
+        chosen = tl.sum(tl.where(idx[None, :] == pick[:, None], flat_scores, 0.0), axis=1)
+        weights = tl.where(ks[None, :] == jj, chosen[:, None], weights)
+        choice = tl.where(idx[None, :] == pick[:, None], float("-inf"), choice)
+    if NORM:
+        weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
+    pair = t[:, None] * TOP_K + ks[None, :]
+    pair_ok = t_ok[:, None] & (ks < TOP_K)[None, :]
+    tl.store(weights_ptr + pair, weights * routed_scaling_factor, mask=pair_ok)
+    tl.store(ids_ptr + pair, ids, mask=pair_ok)
+    _sort_pairs(tl.reshape(ids, (BLOCK_T * BLOCK_K,)), tl.reshape(pair, (BLOCK_T * BLOCK_K,)),
+                tl.reshape(pair_ok, (BLOCK_T * BLOCK_K,)), sorted_ptr, expert_ids_ptr, num_post_pad_ptr,
+                tokens * TOP_K, num_experts, capacity, num_tiles, block_m, BLOCK_E, BLOCK_S, BLOCK_TL)
+
+
+_ONE_PROGRAM_CELLS = 1 << 16  # the one-program sort holds a [experts, pairs] comparison: up to this many cells
+_ONE_PROGRAM_PAIRS = 256  # and a [pairs, pairs] one
+
+
+def _sort_blocks(block_p: int, block_e: int) -> dict[str, int]:
+    """`_sort_pairs`' steps: output slots (each compared with every pair) and row tiles (with every expert) at a time,
+    about 2,048 comparisons a step (register tiles, no spills)."""
+    return {"BLOCK_S": max(16, 2048 // block_p), "BLOCK_TL": max(16, 2048 // block_e)}
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort (token, choice) pairs by expert, each expert's run padded to block_m (see `fused_moe.moe_align_block_size`
-    for the outputs). Four launches, no host sync, none serial over the pairs: per-chunk expert histograms; per
+    for the outputs). No host sync. A step with few pairs (decode, verification) takes one launch
+    (`_align_one_program_kernel`); otherwise four, none serial over the pairs: per-chunk expert histograms; per
     expert, an exclusive scan over the chunks (parallel over experts); the experts' starting rows and each tile's
     expert (parallel over tiles); a stable scatter where a pair's rank inside its chunk is the count of earlier pairs
     of the same expert."""
@@ -178,6 +334,16 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     capacity = triton.cdiv(capacity, block_m) * block_m
     num_tiles = capacity // block_m
     device = flat.device
+    block_p, block_e = pow2(pairs), pow2(num_experts + 1)
+    if pairs and block_p * block_e <= _ONE_PROGRAM_CELLS and block_p <= _ONE_PROGRAM_PAIRS:
+        sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
+        expert_ids = torch.empty(num_tiles, dtype=torch.int32, device=device)
+        num_post_pad = torch.empty(1, dtype=torch.int32, device=device)
+        _align_one_program_kernel[(1,)](
+            flat, sorted_ids, expert_ids, num_post_pad, pairs, num_experts, capacity, num_tiles, block_m,
+            BLOCK_P=block_p, BLOCK_E=block_e, **_sort_blocks(block_p, block_e), num_warps=4,
+        )
+        return sorted_ids, expert_ids, num_post_pad
     sorted_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=device)
     expert_ids = torch.empty(num_tiles, dtype=torch.int32, device=device)
     num_post_pad = torch.zeros(1, dtype=torch.int32, device=device)
@@ -464,9 +630,13 @@ def fused_moe(
     w2_bias: torch.Tensor | None = None,
     swiglu_limit: float | None = None,
     silu_limit: float | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sorted_pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Routed experts: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]). hidden [T, H] -> [T, H].
-    Two grouped GEMM launches over the expert-sorted pairs, then a sum over each token's k rows. `other_experts`:
+    `sorted_pairs`: `moe_align_block_size`'s output for these ids, already made (`noaux_tc_route_and_sort`).
+    Two grouped GEMM launches over the expert-sorted pairs, then one kernel that sums each token's k rows (and runs
+    the `shared` expert's activation and down projection and adds it, as the torch reference does). `other_experts`:
     ids may name experts of other ranks (ids >= E), whose pairs are skipped. Biases, `swiglu_limit` (gpt-oss) and
     `silu_limit` (DeepSeek-V4) as in the torch reference, applied in the GEMMs' epilogues."""
     tokens, top_k = topk_ids.shape
@@ -475,12 +645,16 @@ def fused_moe(
     pack = {"w4a16": 8, "mxfp4": 2}.get(quant.method, 1) if quant is not None else 1
     inter = w2.shape[2] * pack
     if not tokens:
-        return torch.zeros(0, hidden_size, dtype=hidden.dtype, device=hidden.device)
+        return torch.empty(0, hidden_size, dtype=hidden.dtype, device=hidden.device)
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
     pairs = tokens * top_k
     block_m = _block_m(pairs, num_experts)
-    sorted_ids, expert_ids, num_post_pad = moe_align_block_size(topk_ids, num_experts, block_m)
+    if sorted_pairs is None:
+        sorted_pairs = moe_align_block_size(topk_ids, num_experts, block_m)
+    elif sorted_pairs[1].numel() * block_m != triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m:
+        raise ValueError("sorted_pairs were not sorted for these ids' tile size")
+    sorted_ids, expert_ids, num_post_pad = sorted_pairs
     if quant is None:
         kind, scale_n, scale_k, s13, s2, up_row0 = 0, 1, 1, w13, w2, 0
     elif quant.method in ("w4a16", "mxfp4"):
@@ -504,4 +678,66 @@ def fused_moe(
         weights = weights.float()
     _launch_gemm(intermediate, w2, s2, b2, per_pair, align, weights, a_row_div=1, n_out=hidden_size, k_in=inter,
                  up_row0=0, gated=False, apply_weight=True, has_bias=w2_bias is not None, **common)
-    return per_pair.view(tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
+    return moe_combine(per_pair.view(tokens, top_k, hidden_size), hidden.dtype, shared)
+
+
+@triton.jit
+def _combine_kernel(rows_ptr, gu_ptr, wd_ptr, out_ptr, tokens, top_k, hidden, inter, stride_gu, stride_wd, stride_out,
+                    SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    MODE: tl.constexpr):
+    """BLOCK_T tokens x BLOCK_N channels: the k routed rows summed in order and rounded; then SHARED 1: plus the
+    shared expert's output read at gu_ptr; SHARED 2: plus the shared expert computed here, silu(gate) * up (rounded
+    like torch's ops) times the down weight's rows, rounded, then added."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_ok, n_ok = t < tokens, n < hidden
+    ok = t_ok[:, None] & n_ok[None, :]
+    t64 = t.to(tl.int64)
+    routed = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    for j in range(0, top_k):
+        routed += tl.load(rows_ptr + (t64 * top_k + j)[:, None] * hidden + n[None, :], mask=ok, other=0.0)
+    out = routed.to(out_ptr.dtype.element_ty)
+    if SHARED == 1:
+        added = tl.load(gu_ptr + t64[:, None] * stride_gu + n[None, :], mask=ok, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) + added).to(out_ptr.dtype.element_ty)
+    if SHARED == 2:
+        acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            a_ok = t_ok[:, None] & (k < inter)[None, :]
+            gate = tl.load(gu_ptr + t64[:, None] * stride_gu + k[None, :], mask=a_ok, other=0.0)
+            up = tl.load(gu_ptr + t64[:, None] * stride_gu + inter + k[None, :], mask=a_ok, other=0.0)
+            g = gate.to(tl.float32)
+            act = ((g * tl.sigmoid(g)).to(gate.dtype).to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+            w = tl.load(wd_ptr + n[None, :].to(tl.int64) * stride_wd + k[:, None], mask=(k < inter)[:, None] & n_ok[None, :], other=0.0)
+            acc += mma(act, w, MODE)
+        out = (out.to(tl.float32) + acc.to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t64[:, None] * stride_out + n[None, :], out, mask=ok)
+
+
+def moe_combine(per_pair: torch.Tensor, dtype: torch.dtype, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """per_pair [T, k, H] float32 (contiguous) -> sum over k, rounded to `dtype`, plus `fused_moe.shared_expert` of
+    `shared` (gate_up [T, 2I] in `dtype`, rows may be strided; down weight [H, I]): one launch."""
+    tokens, top_k, hidden_size = per_pair.shape
+    out = torch.empty(tokens, hidden_size, dtype=dtype, device=per_pair.device)
+    gate_up, w_down = shared if shared is not None else (out, out)
+    inter = w_down.shape[1] if shared is not None else 0
+    if shared is not None and (tuple(gate_up.shape) != (tokens, 2 * inter) or w_down.shape[0] != hidden_size):
+        raise ValueError(f"shared expert shapes {tuple(gate_up.shape)} and {tuple(w_down.shape)} do not fit {tokens} "
+                         f"tokens of {hidden_size} channels")
+    mode = 0 if shared is None else 2 if tokens <= _FUSED_SHARED_TOKENS else 1
+    if mode == 1:  # many tokens: the down projection as one GEMM (a weight read per 16 tokens would not pay)
+        gate_up = shared_expert(gate_up, w_down)
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    if w_down.stride(-1) != 1:
+        w_down = w_down.contiguous()
+    if tokens:
+        block_n = min(32, pow2(hidden_size, 16))
+        _combine_kernel[(triton.cdiv(tokens, 16), triton.cdiv(hidden_size, block_n))](
+            per_pair, gate_up, w_down, out, tokens, top_k, hidden_size, inter,
+            gate_up.stride(0), w_down.stride(0), out.stride(0),
+            SHARED=mode, BLOCK_T=16, BLOCK_N=block_n, BLOCK_K=min(64, pow2(inter, 16)),
+            MODE=dot_mode(dtype), num_warps=4,
+        )
+    return out

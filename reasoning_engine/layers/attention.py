@@ -104,7 +104,10 @@ class MLAttention(nn.Module):
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         qk_dim = qk_nope_head_dim + qk_rope_head_dim
-        if q_lora_rank is None:
+        if q_lora_rank is None and not bias:
+            # q_proj and kv_a_proj_with_mqa read the same input: one fused matmul (the query's rows first)
+            self.fused_q_kv_a_proj = nn.Linear(hidden_size, num_heads * qk_dim + kv_lora_rank + qk_rope_head_dim, bias=False)
+        elif q_lora_rank is None:  # a biased kv_a_proj_with_mqa beside the unbiased q_proj: two matmuls
             self.q_proj = nn.Linear(hidden_size, num_heads * qk_dim, bias=False)
             self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
         else:
@@ -143,7 +146,10 @@ class MLAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         num_tokens = x.shape[0]
         batch = batch.group(self.cache_group)
-        if self.q_lora_rank is None:
+        if self.q_lora_rank is None and hasattr(self, "fused_q_kv_a_proj"):
+            q, kv_a = self.fused_q_kv_a_proj(x).split(
+                [self.num_heads * (self.nope_dim + self.rope_dim), self.kv_lora_rank + self.rope_dim], dim=-1)
+        elif self.q_lora_rank is None:
             q = self.q_proj(x)
             kv_a = self.kv_a_proj_with_mqa(x)
         else:
@@ -151,12 +157,17 @@ class MLAttention(nn.Module):
             q_resid = self.q_a_layernorm(q_a)
             q = self.q_b_proj(q_resid)
         q = q.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
-        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)
-        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
-        self.ops.write_kv_cache(self.kv_cache, torch.cat([c_kv, k_pe.squeeze(1)], dim=-1), batch.slot_mapping)
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, latent]
+        if isinstance(self.rotary, RotaryEmbedding):  # latent norm, rotations, cache write, absorbed query: one kernel
+            query = self.rotary.mla_rope_and_cache(positions, q, kv_a, self.w_uk, self.kv_a_layernorm.weight,
+                                                   self.kv_a_layernorm.eps, self.kv_cache, batch.slot_mapping)
+        else:  # a layer without position encoding (Kimi Linear's NoPE MLA)
+            q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+            c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            c_kv = self.kv_a_layernorm(c_kv)
+            q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
+            self.ops.write_kv_cache(self.kv_cache, torch.cat([c_kv, k_pe.squeeze(1)], dim=-1), batch.slot_mapping)
+            q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, latent]
+            query = torch.cat([q_latent, q_pe], dim=-1)
         # DeepSeek Sparse Attention: this layer's indexer picks each query's tokens, or a GLM-5 "shared" layer reuses
         # the pick of the indexer it points at; None (no indexer, or no query sees more than index_topk) is dense
         source = self.indexer if self.indexer is not None else next(iter(self.shared_indexer), None)
@@ -166,11 +177,21 @@ class MLAttention(nn.Module):
         elif source is not None:
             selected = source.selected
         if selected is None:
-            out_latent = self.ops.paged_latent_attention(torch.cat([q_latent, q_pe], dim=-1), self.kv_cache,
+            out_latent = self.ops.paged_latent_attention(query, self.kv_cache,
                                                          self.kv_lora_rank, batch, batch.attn_metadata, self.scale)
         else:
-            out_latent = source.ops.sparse_latent_attention(torch.cat([q_latent, q_pe], dim=-1), self.kv_cache,
+            out_latent = source.ops.sparse_latent_attention(query, self.kv_cache,
                                                             self.kv_lora_rank, batch, batch.attn_metadata, self.scale,
                                                             selected)
-        out = torch.bmm(out_latent.transpose(0, 1), self.w_uv).transpose(0, 1)  # [T, H, v]
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self.o_proj(self._up_project_values(out_latent))
+
+    def _up_project_values(self, out_latent: torch.Tensor) -> torch.Tensor:
+        """[T, H, latent] -> [T, H * v]: each head's output times its W_UV, written straight into o_proj's input rows
+        (the product's [H, T, v] is a strided view of them), so several query rows need no copy after the bmm.
+        Under torch.compile (which takes no strided `out=`) the product is reshaped instead."""
+        num_tokens = out_latent.shape[0]
+        if torch.compiler.is_compiling():
+            return torch.bmm(out_latent.transpose(0, 1), self.w_uv).transpose(0, 1).reshape(num_tokens, -1)
+        out = torch.empty(num_tokens, self.num_heads, self.v_dim, dtype=out_latent.dtype, device=out_latent.device)
+        torch.bmm(out_latent.transpose(0, 1), self.w_uv, out=out.transpose(0, 1))
+        return out.view(num_tokens, -1)

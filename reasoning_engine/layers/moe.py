@@ -26,7 +26,7 @@ from torch import nn
 
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.kernels import kernel_module
-from reasoning_engine.kernels.fused_moe import MoEQuant, fused_moe_op
+from reasoning_engine.kernels.fused_moe import MoEQuant, fused_moe_op, shared_expert
 from reasoning_engine.layers.activation import limited_silu_and_mul, silu_and_mul
 from reasoning_engine.layers.linear import row_parallel
 from reasoning_engine.parallel import Group, Parallel
@@ -47,6 +47,12 @@ class GatedMLP(nn.Module):
         else:
             self.down_proj = nn.Linear(intermediate_size // tp.size, hidden_size, bias=bias and tp.size == 1)
 
+    @property
+    def fusable(self) -> bool:
+        """Whether its down projection is a plain linear without bias (a shared expert the MoE kernels can finish:
+        `fused_moe.shared_expert`)."""
+        return type(self.down_proj) is nn.Linear and self.down_proj.bias is None
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         """`batch`: unused; every MLP of a decoder layer takes it, the MoE reads its data-parallel token counts."""
         gate_up = self.gate_up_proj(x)
@@ -56,7 +62,11 @@ class GatedMLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Expert choice for each token; returns (weights [T, k] float32, expert ids [T, k])."""
+    """Expert choice for each token; returns (weights [T, k] float32, expert ids [T, k]). DeepSeek-V3's noaux_tc
+    (sigmoid scores with a correction bias) runs as the kernel family's `noaux_tc_router`: one Triton kernel from the
+    logits to the scaled weights."""
+
+    kernel_family = "moe"
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, scoring: str, *, norm_topk_prob: bool,
                  routed_scaling_factor: float = 1.0, n_group: int = 1, topk_group: int = 1,
@@ -71,9 +81,25 @@ class Router(nn.Module):
         self.num_experts, self.top_k, self.scoring = num_experts, top_k, scoring
         self.norm_topk_prob, self.scaling = norm_topk_prob, routed_scaling_factor
         self.n_group, self.topk_group, self.topk_method = n_group or 1, topk_group or 1, topk_method
+        self.ops = kernel_module(self.kernel_family, "torch")
+
+    def route_and_sort(self, x: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+        """`forward`, and for noaux_tc on the Triton path the (token, choice) pairs already sorted for the grouped
+        GEMMs over `num_experts` stacked experts (`fused_moe`'s `sorted_pairs`; None when not made here)."""
+        if self.scoring == "sigmoid" and self.e_score_correction_bias is not None:
+            return self.ops.noaux_tc_route_and_sort(self._logits(x), self.e_score_correction_bias, self.top_k,
+                                                    self.n_group, self.topk_group, self.norm_topk_prob, self.scaling,
+                                                    num_experts)
+        return (*self(x), None)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+        logits = self._logits(x)
+        if self.scoring == "sigmoid" and self.e_score_correction_bias is not None:
+            return self.ops.noaux_tc_router(logits, self.e_score_correction_bias, self.top_k, self.n_group,
+                                            self.topk_group, self.norm_topk_prob, self.scaling)
         if self.scoring == "sigmoid":
             return self._noaux_tc(logits.sigmoid())
         if self.scoring == "sqrtsoftplus":
@@ -93,7 +119,8 @@ class Router(nn.Module):
         return mask.repeat_interleave(self.num_experts // self.n_group, dim=1)
 
     def _noaux_tc(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        biased = scores + self.e_score_correction_bias.float() if self.e_score_correction_bias is not None else scores
+        """Sigmoid routing without a correction bias (with one: `noaux_tc_router`)."""
+        biased = scores
         if self.n_group > 1:
             group_scores = biased.view(-1, self.n_group, self.num_experts // self.n_group).topk(2, dim=-1).values.sum(-1)
             biased = biased.masked_fill(~self._group_mask(group_scores), float("-inf"))
@@ -203,23 +230,29 @@ class Experts(nn.Module):
             setattr(self, f"{name}_scale", nn.Parameter(torch.empty(scales[name], dtype=scale_dtype), requires_grad=False))
         self.fixed_dtypes = frozenset(("w13", "w2", "w13_scale", "w2_scale"))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None, sorted_pairs: tuple | None = None) -> torch.Tensor:
+        """The routed experts' sum for each token, plus the shared experts' output when `shared` gives their gate_up
+        output and down weight (`fused_moe.shared_expert`): on the Triton path one kernel sums a token's k expert
+        rows and runs the shared expert's activation and down projection beside them. `sorted_pairs`: the pairs
+        already sorted by the router's kernel (`Router.route_and_sort`)."""
         partial = len(self.expert_range) < self.num_experts
         if partial:
             ids = self.local_ids(ids)
         if torch.compiler.is_compiling():  # compiled decode runs on the torch path only (config.compile_decode)
             q = self.quant
             if q is None:
-                return fused_moe_op(x, self.w13, self.w2, weights, ids, None, None, None, 0, [0, 0])
-            return fused_moe_op(x, self.w13, self.w2, weights, ids, q.method, self.w13_scale, self.w2_scale,
-                                q.group_size, list(q.block_shape))
+                out = fused_moe_op(x, self.w13, self.w2, weights, ids, None, None, None, 0, [0, 0])
+            else:
+                out = fused_moe_op(x, self.w13, self.w2, weights, ids, q.method, self.w13_scale, self.w2_scale,
+                                   q.group_size, list(q.block_shape))
+            return out if shared is None else out + shared_expert(*shared)
         quant = None
         if self.quant is not None:
             quant = MoEQuant(self.quant.method, self.w13_scale, self.w2_scale, self.quant.group_size, self.quant.block_shape)
-        if self.silu_limit is not None:
-            return self.ops.fused_moe(x, self.w13, self.w2, weights, ids, quant, other_experts=partial,
-                                      silu_limit=self.silu_limit)
-        return self.ops.fused_moe(x, self.w13, self.w2, weights, ids, quant, other_experts=partial)
+        extra = {} if self.silu_limit is None else {"silu_limit": self.silu_limit}
+        return self.ops.fused_moe(x, self.w13, self.w2, weights, ids, quant, other_experts=partial, shared=shared,
+                                  sorted_pairs=None if partial else sorted_pairs, **extra)
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Global expert ids -> this rank's; another rank's expert becomes the local count, which the fused-MoE
@@ -238,24 +271,39 @@ class SparseMoE(nn.Module):
         self.shared_experts = shared
         self.parallel = parallel
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+    # the decoder layer hands the router its input already in float32 (`router_input`), made by the norm's kernel
+    float_router_input = True
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None,
+                router_input: torch.Tensor | None = None) -> torch.Tensor:
+        """`router_input`: x in float32 (the router computes in float32), or None to cast here."""
         own = x
         if self.parallel.gathers_tokens:
             counts = batch.dp_num_tokens
             x = self.parallel.dp.all_gather_rows(x, counts)
             rows = range(sum(counts[: self.parallel.dp.rank]), sum(counts[: self.parallel.dp.rank + 1]))
+        gate_in = x if router_input is None or self.parallel.gathers_tokens else router_input
+        whole = len(self.experts.expert_range) == self.experts.num_experts  # no expert parallelism: global ids are local
         if getattr(self.gate, "uses_token_ids", False):  # hash routing: each token's own id
             token_ids = batch.input_ids
             if self.parallel.gathers_tokens:
                 token_ids = self.parallel.dp.all_gather_rows(token_ids.unsqueeze(1), counts).squeeze(1)
-            weights, ids = self.gate(x, token_ids)
+            (weights, ids), sorted_pairs = self.gate(x, token_ids), None
+        elif whole and type(self.experts) is Experts and not torch.compiler.is_compiling():
+            weights, ids, sorted_pairs = self.gate.route_and_sort(gate_in, self.experts.num_experts)
         else:
-            weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            if self.parallel.gathers_tokens:
-                out[rows.start : rows.stop] += self.shared_experts(own)
-            else:
-                out = out + self.shared_experts(own)
+            (weights, ids), sorted_pairs = self.gate(gate_in), None
+        extra = {} if sorted_pairs is None else {"sorted_pairs": sorted_pairs}
+        shared = self.shared_experts
+        if (isinstance(shared, GatedMLP) and shared.fusable and shared.silu_limit is None
+                and not self.parallel.gathers_tokens):
+            # the shared expert's down projection and the sum with the routed experts: one kernel on the Triton path
+            out = self.experts(x, weights, ids, shared=(shared.gate_up_proj(own), shared.down_proj.weight), **extra)
+        else:
+            out = self.experts(x, weights, ids, **extra)
+            if shared is not None and self.parallel.gathers_tokens:
+                out[rows.start : rows.stop] += shared(own)
+            elif shared is not None:
+                out = out + shared(own)
         out = (self.parallel.ep or self.parallel.tp).all_reduce(out)
         return out[rows.start : rows.stop] if self.parallel.gathers_tokens else out

@@ -23,6 +23,16 @@ class RMSNorm(nn.Module):
             return self.ops.rms_norm(x, self.weight, self.eps)
         return self.ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)  # per-head q/k norm
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) for [T, H] rows: the pre-norm block's residual add and the next norm,
+        one kernel on the Triton path."""
+        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def add_and_norm_with_float(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`add_and_norm` and the normalised rows in float32 too (for a float32 router), one kernel on the Triton
+        path."""
+        return self.ops.fused_add_rms_norm_with_float(x, residual, self.weight, self.eps)
+
 
 class ShardedRMSNorm(RMSNorm):
     """RMSNorm over a feature dimension that tensor parallelism splits (MiniMax-M2's q/k norm spans all heads of a

@@ -100,3 +100,11 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, d], k [T, KVH, d] -> rotated copies."""
         return self.ops.apply_rotary(positions, q, k, self.cos, self.sin, self.interleaved)
+
+    def mla_rope_and_cache(self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor, w_uk: torch.Tensor,
+                           norm_weight: torch.Tensor, eps: float, cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> torch.Tensor:
+        """MLA's query/key side with this table (the kernels' `mla_rope_and_cache`): the latent normalised and
+        written with the rotated k_pe to the cache; returns the absorbed query [T, H, latent + rope]."""
+        return self.ops.mla_rope_and_cache(positions, q, kv_a, w_uk, norm_weight, eps, self.cos, self.sin,
+                                           self.interleaved, cache, slot_mapping)

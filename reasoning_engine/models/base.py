@@ -99,7 +99,9 @@ def expert_half(expert: int, which: str) -> Slicer:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). With `split` the residual stream is carried apart from
+    the last sublayer's output, so each residual add is done inside the next norm (`RMSNorm.add_and_norm`: one
+    kernel on the Triton path) instead of as an add of its own."""
 
     def __init__(self, attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -108,9 +110,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
         self.mlp = mlp
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x), batch)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch, residual: torch.Tensor | None = None,
+                *, split: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream after the layer; with `split`, (mlp output, residual stream before it), whose sum is
+        that stream, given `x` the previous layer's mlp output and `residual` its stream (None: `x` is the stream)."""
+        if not split:
+            x = x + self.self_attn(positions, self.input_layernorm(x), batch)
+            return x + self.mlp(self.post_attention_layernorm(x), batch)
+        if residual is None:
+            residual, normed = x, self.input_layernorm(x)
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(x, residual)
+        attn = self.self_attn(positions, normed, batch)
+        if getattr(self.mlp, "float_router_input", False):  # the router's float32 input from the norm's kernel
+            normed, residual, widened = self.post_attention_layernorm.add_and_norm_with_float(attn, residual)
+            return self.mlp(normed, batch, router_input=widened), residual
+        normed, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
+        return self.mlp(normed, batch), residual
 
 
 class CausalLM(nn.Module):
@@ -155,11 +171,18 @@ class CausalLM(nn.Module):
         else:  # placeholder ids (a video's lies past the vocabulary) are looked up as 0, then replaced
             x = self.embed_tokens(batch.input_ids.index_fill(0, batch.media_rows, 0))
             x = x.index_copy(0, batch.media_rows, batch.media_embeds.to(x.dtype))
+        if not self.layers or not all(isinstance(layer, DecoderLayer) for layer in self.layers):
+            for index, layer in enumerate(self.layers):
+                x = layer(batch.positions, x, batch)
+                if aux_hidden is not None and index in aux_hidden:
+                    aux_hidden[index] = x
+            return self.norm(x)
+        residual = None  # the stream is x + residual from the first layer on: each add rides in the next norm
         for index, layer in enumerate(self.layers):
-            x = layer(batch.positions, x, batch)
+            x, residual = layer(batch.positions, x, batch, residual, split=True)
             if aux_hidden is not None and index in aux_hidden:
-                aux_hidden[index] = x
-        return self.norm(x)
+                aux_hidden[index] = x + residual
+        return self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -104,8 +104,10 @@ def share_indexers(layers: list[DecoderLayer]) -> None:
 
 def map_layer_weight(name: str, config: ModelConfig, parallel: Parallel = Parallel()) -> WeightTarget | None:
     """`layers.N.*` tensors into our fused layouts and this rank's share: q_a_proj and kv_a_proj_with_mqa into
-    fused_qkv_a_proj (when the query is low-rank; whole on every rank), the per-head projections' rows (q_b_proj or
-    q_proj, kv_b_proj) and o_proj's columns, gate/up into gate_up_proj, routed experts into the stacked w13 / w2."""
+    fused_qkv_a_proj (when the query is low-rank; whole on every rank), or without a query LoRA (and no attention
+    bias) q_proj (this rank's heads) and kv_a_proj_with_mqa (whole) into fused_q_kv_a_proj, the per-head projections'
+    rows (q_b_proj or q_proj, kv_b_proj) and o_proj's columns, gate/up into gate_up_proj, routed experts into the
+    stacked w13 / w2."""
     q_lora_rank = config.raw.get("q_lora_rank")
     attn = re.fullmatch(r"(layers\.\d+\.self_attn)\.(\w+)\.(weight|bias)", name)
     if attn and q_lora_rank is not None and attn.group(2) in ("q_a_proj", "kv_a_proj_with_mqa"):
@@ -113,6 +115,13 @@ def map_layer_weight(name: str, config: ModelConfig, parallel: Parallel = Parall
         if attn.group(2) == "q_a_proj":
             return WeightTarget(fused, rows(0, q_lora_rank))
         return WeightTarget(fused, lambda t: t[q_lora_rank:])
+    if (attn and q_lora_rank is None and not config.raw.get("attention_bias", False)
+            and attn.group(2) in ("q_proj", "kv_a_proj_with_mqa")):
+        fused = f"{attn.group(1)}.fused_q_kv_a_proj.weight"
+        q_rows = config.num_attention_heads // parallel.tp.size * (config.raw["qk_nope_head_dim"] + config.raw["qk_rope_head_dim"])
+        if attn.group(2) == "q_proj":
+            return WeightTarget(fused, rows(0, q_rows), column_split(parallel.tp))
+        return WeightTarget(fused, lambda t: t[q_rows:])
     if attn and attn.group(2) in ("q_proj", "q_b_proj", "kv_b_proj"):
         return WeightTarget(name, source=column_split(parallel.tp))
     if attn and attn.group(2) == "o_proj" and attn.group(3) == "weight":

@@ -32,14 +32,18 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_compiles_decode_kernels_for_hopper_and_blackwell(tmp_path: Path) -> None:
-    only = "^kimi-tp8 (mla decode b1 ctx128k graph|moe w4a16 t1)$"
+    only = "^(kimi-tp8 (mla decode b1 ctx128k graph|moe w4a16 t1)|kimi-ep8 mla decode b1 ctx128k graph)$"
     proc = _run(tmp_path, "--only", only, "--json", "--jobs", "2", "--no-launch-count")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report_json = json.loads(proc.stdout.strip().splitlines()[-1])
     records = report_json["records"]
     assert report_json["summary"]["launches_per_moe_layer"] is None  # --no-launch-count
     kernels = {r["kernel"] for r in records}
-    assert {"_decode_partial_kernel", "_decode_reduce_kernel", "_moe_gemm_kernel", "_align_scan_kernel"} <= kernels
+    assert {"_moe_gemm_kernel", "_align_one_program_kernel", "_combine_kernel"} <= kernels  # few pairs: one sort launch
+    # MLA decode: 8 heads a rank (TP 8) through the decode kernel, 64 (EP 8, attention unsplit) through the latent one
+    by_model = {m: {r["kernel"] for r in records if r["shape"].startswith(f"{m} mla decode")} for m in ("kimi-tp8", "kimi-ep8")}
+    assert by_model == {"kimi-tp8": {"_decode_partial_kernel", "_decode_reduce_kernel"},
+                        "kimi-ep8": {"_latent_partial_kernel", "_latent_reduce_kernel"}}
     assert {r["target"] for r in records} == {"sm_90", "sm_100"}
     for r in records:
         assert FIELDS <= set(r), r

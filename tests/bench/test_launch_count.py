@@ -44,6 +44,20 @@ def test_counts_a_hand_written_three_kernel_step(launch_count: ModuleType) -> No
     assert summary == {"total": 3, "triton": 2, "torch": 1, "triton_kernels": {"double": 2}, "torch_ops": {"add": 1}}
 
 
+def test_counts_casts_and_copies_under_inference_mode(launch_count: ModuleType) -> None:
+    """Under inference mode `to` and `contiguous` reach the dispatch mode whole, with schemas that may alias: a cast
+    or a copy (new storage) is a launch, a no-op (the input returned) is none."""
+    log: list[tuple[str, str, str]] = []
+    with torch.inference_mode():
+        x = torch.randn(2, 4, dtype=torch.bfloat16)
+        with launch_count.counting_launches(log, lambda: "toy"):
+            y = x.float()  # a cast: one kernel
+            assert y.float() is y  # already float32: none
+            x.t().contiguous()  # a copy: one kernel
+            x.contiguous()  # already contiguous: none
+    assert [(kind, name) for _, kind, name in log] == [("torch", "to"), ("torch", "contiguous")]
+
+
 def test_tiny_deepseek_v3_decode_step_counts(launch_count: ModuleType) -> None:
     """A 3-layer (1 dense + 2 MoE) deepseek_v3 of Moonlight's structure at tiny widths: one prefill then one decode
     forward; every MoE layer launches the same kernels, Triton's MoE GEMMs (gate_up, down) and MLA decode among them;
@@ -59,3 +73,36 @@ def test_tiny_deepseek_v3_decode_step_counts(launch_count: ModuleType) -> None:
     assert any("moe" in name or "expert" in name for name in moe["triton_kernels"]), moe
     assert moe["total"] > dense["total"] > 0
     assert result["step_total"] == 2 * moe["total"] + dense["total"] + other["total"]
+
+
+# per MoE layer: the input norm (its residual add fused), MLA's fused projection, its rotary / cache / absorbed-query
+# kernel, attention (decode: the decode kernel and its merge, 4 heads; verification: the latent split kernel, and its
+# merge when a context spans several slices), W_UV, o_proj, the post-attention norm (add fused, and the router's
+# float32 input written by it: no cast), the router's matmul, its route-and-sort kernel, the shared expert's gate_up,
+# the two expert GEMMs and the combine (shared down inside)
+MOE_LAYER_KERNELS = {"_rms_norm_kernel": 2, "_mla_rope_cache_kernel": 1, "_route_and_sort_kernel": 1,
+                     "_moe_gemm_kernel": 2, "_combine_kernel": 1}
+ATTENTION_KERNELS = {"_decode_partial_kernel", "_decode_reduce_kernel", "_latent_partial_kernel", "_latent_reduce_kernel"}
+
+
+def test_moe_layer_launches_at_most_14_in_decode_and_verification(launch_count: ModuleType) -> None:
+    """Issue #58's bound is 14 per MoE layer for decode and verification steps: a Moonlight-structured MoE layer
+    launches 14 kernels in a decode step (the residual adds, routing arithmetic, sort, concatenations, casts and
+    shared-expert tail fused; only the matmuls stay torch ops) and as many in a verification step (n-gram draft), whose
+    attention is the latent split kernel (and its merge once the context spans several slices; 13 when it fits one)
+    and whose W_UV product is written straight into o_proj's layout (no copy)."""
+    gpu_check = load_script("gpu_check")
+    config = dict(gpu_check.TINY_CONFIG, num_hidden_layers=3, vocab_size=64)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for draft_tokens in (0, 3):
+        result = launch_count.count_decode_step(config, device, draft_tokens=draft_tokens)
+        moe = result["moe_layer"]
+        attention = {k: v for k, v in moe["triton_kernels"].items() if k in ATTENTION_KERNELS}
+        if draft_tokens:
+            assert attention in ({"_latent_partial_kernel": 1}, {"_latent_partial_kernel": 1, "_latent_reduce_kernel": 1}), moe
+        else:  # 4 heads: a step of decodes alone takes the decode kernel (`decodes_take_decode_kernel`)
+            assert attention == {"_decode_partial_kernel": 1, "_decode_reduce_kernel": 1}, moe
+        assert result["launches_per_moe_layer"] == 12 + sum(attention.values()) <= 14, moe
+        assert (result["query_tokens"] > 1) == (draft_tokens > 0)
+        assert {k: v for k, v in moe["triton_kernels"].items() if k in MOE_LAYER_KERNELS} == MOE_LAYER_KERNELS, moe
+        assert moe["torch_ops"] == {"linear": 4, "bmm": 1}, moe  # W_UV's product lands in o_proj's rows: no reshape copy

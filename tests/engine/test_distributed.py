@@ -75,6 +75,7 @@ CASES = [
     ("qwen3_moe", 2, True, 1),
     ("deepseek_v3", 2, False, 1),
     ("deepseek_v3", 4, False, 1),
+    ("deepseek_v2", 2, False, 1),  # no query LoRA: this rank's q_proj rows and the whole kv_a in one fused projection
     ("deepseek_v3", 2, True, 1),
     ("deepseek_v3", 4, True, 1),
     ("deepseek_v3", 1, True, 2),

@@ -244,17 +244,20 @@ def _rows(batch, rows):
 
 
 def _decode(kind, q, caches, batch):
-    meta = triton_attention.prepare_attention(batch, 16, split_tokens=16)
+    meta = triton_attention.prepare_attention(batch, 16, split_tokens=16, decode_kernel_heads=0 if kind == "mla_latent" else 16)
     if kind == "gqa":
         return triton_attention.paged_attention(q, *caches, batch, meta, 0.25)
     return triton_attention.paged_latent_attention(q, caches[0], 32, batch, meta, 0.2)
 
 
-@pytest.mark.parametrize("kind", ["gqa", "mla"])
+@pytest.mark.parametrize("kind", ["gqa", "mla", "mla_latent"])
 def test_decode_is_bitwise_batch_and_graph_invariant(device, kind):
     """A sequence's bf16 decode output is the same bits alone, in a batch with shorter and much longer sequences
-    (which change the launch's slice count), and with the CUDA-graph path's static arguments (a bound of 4096)."""
-    lens = [37, 300, 5, 2100]  # 2100 > 16 x _MAX_SPLITS: its slices are 32 tokens
+    (which change the launch's slice count), and with the CUDA-graph path's static arguments (a bound of 4096). MLA
+    at 4 heads takes the decode kernel; "mla_latent" sends it through the latent split kernel."""
+    # 2100 > 16 x _MAX_SPLITS: its decode slices are 32 tokens (the latent kernel, whose cap is the SM count, needs no
+    # such length: a shorter long sequence keeps its interpreted run short)
+    lens = [37, 150, 5, 300] if kind == "mla_latent" else [37, 300, 5, 2100]
     if kind == "gqa":
         batch, q, *caches = gqa_case(lens, [1] * 4, 16, 4, 2, 16, torch.bfloat16, device)
     else:
@@ -395,3 +398,156 @@ def test_write_kv_cache_strided_values_and_empty(device):
     triton_attention.write_kv_cache(cache, kv[..., 3:], torch.tensor([7, 0, 2], device=device))
     assert torch.equal(cache.view(-1, 2, 3)[torch.tensor([7, 0, 2], device=device)], kv[..., 3:])
     triton_attention.write_kv_cache(cache, kv[:0, :, 3:], torch.zeros(0, dtype=torch.int64, device=device))
+
+
+class _LaunchRecorder:
+    """Stands in for a Triton kernel: records each launch's grid, then launches the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
+
+
+@pytest.fixture
+def latent_launches(monkeypatch):
+    """The grids of the latent split kernel, its merge, the decode and the prefill kernel launched while the test
+    runs."""
+    recorders = {}
+    for name in ("_latent_partial_kernel", "_latent_reduce_kernel", "_decode_partial_kernel", "_prefill_kernel"):
+        recorders[name] = _LaunchRecorder(getattr(triton_attention, name))
+        monkeypatch.setattr(triton_attention, name, recorders[name])
+    return {name: r.grids for name, r in recorders.items()}
+
+
+def _latent_rows(kv_cache, latent, device):
+    def rows(slots):
+        kv = kv_cache.view(-1, kv_cache.shape[-1])[slots.to(device)].cpu().unsqueeze(1)
+        return kv, kv[..., :latent]
+    return rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_decode_groups_all_heads_of_a_sequence_in_one_program(device, latent_launches, dtype):
+    """MLA decode at 64 heads (Kimi K2.5 without TP): one program per (sequence, context slice) holds every head as
+    the rows of its tile, so each latent tile is read once for all heads; the slices merged give the torch
+    reference's and the dense computation's result."""
+    heads = 64
+    lens = ([150, 3], [1, 1])
+    batch, q, kv_cache = mla_case(*lens, 16, heads, 32, 16, dtype, device)
+    meta = triton_attention.prepare_attention(batch, 16, split_tokens=16)
+    out = triton_attention.paged_latent_attention(q, kv_cache, 32, batch, meta, 0.2)
+    ref = attention.paged_latent_attention(q, kv_cache, 32, batch, attention.prepare_attention(batch, 16), 0.2)
+    assert_close(out, ref, scale=2.0)
+    if dtype == torch.float32:
+        assert_close(out.cpu(), dense_reference(q, _latent_rows(kv_cache, 32, device), batch, 16, 0.2, 32).float())
+    assert latent_launches["_latent_partial_kernel"] == [(2, 1, 10)]  # 151 keys in slices of 16; all heads at once
+    assert latent_launches["_prefill_kernel"] == [] and latent_launches["_decode_partial_kernel"] == []
+
+
+@pytest.mark.parametrize("heads", [16, 24])
+def test_decodes_alone_with_few_heads_take_the_decode_kernel(device, latent_launches, heads):
+    """A step of MLA decodes alone with at most 16 heads (Kimi K2.5 under TP 8: 8) goes through the decode kernel,
+    one program holding every head over a cache tile; more heads, or a step that also verifies a draft, through the
+    latent split kernel. Both give the torch reference's result."""
+    assert [triton_attention.decodes_take_decode_kernel(h) for h in (1, 8, 16, 17, 64)] == [True, True, True, False, False]
+    few = heads <= 16
+    for query_lens in ([1, 1, 1], [1, 3, 1]):
+        batch, q, kv_cache = mla_case([40, 7, 20], query_lens, 4, heads, 24, 8, torch.float32, device, tree=True)
+        meta = triton_attention.prepare_attention(batch, 4, split_tokens=16)
+        out = triton_attention.paged_latent_attention(q, kv_cache, 24, batch, meta, 0.2)
+        ref = attention.paged_latent_attention(q, kv_cache, 24, batch, attention.prepare_attention(batch, 4), 0.2)
+        assert_close(out, ref)
+        decode_kernel = few and max(query_lens) == 1
+        assert len(latent_launches["_decode_partial_kernel"]) == decode_kernel
+        assert len(latent_launches["_latent_partial_kernel"]) == (not decode_kernel)
+        for grids in latent_launches.values():
+            grids.clear()
+
+
+def test_one_slice_launch_writes_the_output_without_a_merge(device, latent_launches):
+    """When every short sequence fits one slice the latent kernel writes the output itself (no merge launch), with
+    the bits the merge of that single slice gives: the same step with the CUDA-graph path's bound (many slices
+    launched, one used by each sequence) goes through the merge and gives the same bf16 output."""
+    batch, q, kv_cache = mla_case([40, 7, 0], [1, 4, 3], 4, 8, 24, 8, torch.bfloat16, device, tree=True)
+    out = triton_attention.paged_latent_attention(q, kv_cache, 24, batch,
+                                                  triton_attention.prepare_attention(batch, 4, split_tokens=64), 0.2)
+    assert latent_launches["_latent_partial_kernel"] == [(3, 1, 1)] and latent_launches["_latent_reduce_kernel"] == []
+    static = _static(batch, 1024, kv_cache.shape[0], device)
+    merged = triton_attention.paged_latent_attention(q, kv_cache, 24, static,
+                                                     triton_attention.prepare_attention(static, 4, split_tokens=64), 0.2)
+    assert latent_launches["_latent_partial_kernel"][1] == (3, 1, 16) and len(latent_launches["_latent_reduce_kernel"]) == 1
+    assert torch.equal(out, merged)
+    ref = attention.paged_latent_attention(q, kv_cache, 24, batch, attention.prepare_attention(batch, 4), 0.2)
+    assert_close(out, ref, scale=2.0)
+
+
+def test_latent_split_plan_fills_the_gpu_from_the_sequence_alone():
+    """Kimi K2.5's latent rows (512 + 64 bf16): slices of whole 64-key tiles, at least as many keys as the partial
+    output weighs (two tiles at 64 heads, one at 8), as many slices as SMs for long contexts; batch 1 at 1k context
+    runs 8 or 16 programs, not 4. A launch sized for any longer bound has at least the slices a sequence uses."""
+    wide, narrow = (triton_attention.latent_min_split(h, 512, 1152) for h in (64, 8))
+    assert (wide, narrow) == (128, 64)
+    assert triton_attention.latent_split_plan(1024, wide, 132) == (128, 8)
+    assert triton_attention.latent_split_plan(1024, narrow, 132) == (64, 16)
+    assert triton_attention.latent_split_plan(32768, wide, 132) == (256, 128)
+    assert triton_attention.latent_split_plan(131072, narrow, 132) == (1024, 128)
+    for length in (1, 37, 1024, 4097, 32768, 100_000, 131072):
+        per_split, splits = triton_attention.latent_split_plan(length, wide, 132)
+        assert per_split % wide == 0 and (splits - 1) * per_split < length <= splits * per_split and splits <= 132
+        assert splits <= min(triton_attention.latent_launch_splits(b, wide, 132) for b in (length, length + 1, 131072))
+
+
+@pytest.mark.parametrize("heads", [8, 32])
+def test_mixed_step_sends_decodes_and_drafts_to_the_latent_kernel_and_long_chunks_to_prefill(device, latent_launches, heads):
+    """One step with decodes, draft trees, a short chunk and a long chunk: the sequences of at most `short_query`
+    query tokens go through the latent split kernel (query tokens x heads as its rows, under the draft tree), the long
+    chunk alone through the prefill kernel; the whole matches the dense computation and the torch reference."""
+    lens = ([40, 7, 0, 30, 3, 9, 20], [1, 4, 1, 12, 1, 3, 1])  # short_query 6: the 12-token chunk is long
+    batch, q, kv_cache = mla_case(*lens, 4, heads, 24, 8, torch.float32, device, tree=True)
+    # 8 heads: slices of 8 keys, merged; 32 heads: the default slices (one each here, no merge: cheaper to interpret)
+    split_tokens = 8 if heads == 8 else None
+    meta = triton_attention.prepare_attention(batch, 4, split_tokens=split_tokens, short_query=6)
+    assert (meta.short_rows, meta.short_max_query_len, meta.has_long) == (11, 4, True)
+    out = triton_attention.paged_latent_attention(q, kv_cache, 24, batch, meta, 0.2)
+    assert_close(out.cpu(), dense_reference(q, _latent_rows(kv_cache, 24, device), batch, 4, 0.2, 24).float())
+    ref = attention.paged_latent_attention(q, kv_cache, 24, batch, attention.prepare_attention(batch, 4), 0.2)
+    assert_close(out, ref)
+    rows_per_program = max(64 // heads, 1)
+    (grid,) = latent_launches["_latent_partial_kernel"]
+    assert grid == (7, -(-4 // rows_per_program), 3 if split_tokens else 1)  # 4 draft tokens x heads rows; 41 keys
+    assert len(latent_launches["_prefill_kernel"]) == 1
+
+
+def test_a_verification_step_alone_goes_through_the_latent_kernel(device, latent_launches):
+    """Drafts and decodes without a long chunk: no prefill launch at all."""
+    batch, q, kv_cache = mla_case([33, 5, 0], [5, 1, 3], 4, 8, 24, 8, torch.bfloat16, device, tree=True)
+    meta = triton_attention.prepare_attention(batch, 4, split_tokens=8)
+    out = triton_attention.paged_latent_attention(q, kv_cache, 24, batch, meta, 0.2)
+    ref = attention.paged_latent_attention(q, kv_cache, 24, batch, attention.prepare_attention(batch, 4), 0.2)
+    assert_close(out, ref, scale=2.0)
+    assert latent_launches["_prefill_kernel"] == [] and len(latent_launches["_latent_partial_kernel"]) == 1
+
+
+def test_wide_latent_splits_its_value_channels_between_two_programs(device, latent_launches):
+    """A 256-channel latent (Kimi's is 512): two programs share each (row block, slice), each with half of the value
+    channels and the whole QK product; decodes and draft trees together still match the dense computation."""
+    batch, q, kv_cache = mla_case([40, 7, 0], [1, 4, 3], 4, 8, 256, 16, torch.float32, device, tree=True)
+    meta = triton_attention.prepare_attention(batch, 4, split_tokens=8)
+    out = triton_attention.paged_latent_attention(q, kv_cache, 256, batch, meta, 0.1)
+    assert_close(out.cpu(), dense_reference(q, _latent_rows(kv_cache, 256, device), batch, 4, 0.1, 256).float())
+    ref = attention.paged_latent_attention(q, kv_cache, 256, batch, attention.prepare_attention(batch, 4), 0.1)
+    assert_close(out, ref)
+    assert latent_launches["_latent_partial_kernel"] == [(3, 2, 3)]  # 4 tokens x 8 heads: one row block, two halves
+
+
+def test_tree_bits_pack_each_rows_draft_tree():
+    """The latent kernel reads a row's draft tree as int32 bits (bit j: sees step token j); `short_query` past 31
+    tokens would not fit and is refused by name."""
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1], [1, 0, 0]], dtype=torch.bool)
+    assert triton_attention.tree_bits(tree, 16).tolist() == [1, 3, 5, 1]
+    assert triton_attention.tree_bits(tree, 2).tolist() == [1, 3, 1, 1]
+    with pytest.raises(ValueError, match="short_query"):
+        triton_attention.tree_bits(tree, 32)

@@ -303,3 +303,84 @@ def test_int4_exponent_trick_is_exact(device):
                                     swiglu_limit=0.0, kind=1, scale_n=1, scale_k=32, block_m=16)
             out[k] = part[0].cpu()
         assert torch.equal(out.T, q[0].float()), dtype
+
+
+@pytest.mark.parametrize("tokens,top_k,experts", [(1, 6, 64), (4, 2, 8), (16, 8, 384)])
+def test_align_one_launch_for_few_pairs(device, tokens, top_k, experts, monkeypatch):
+    """A decode or verification step's few pairs are sorted in one launch that writes every slot itself (no filled
+    allocation), the same result as the reference, other ranks' experts (ids >= E) left out."""
+    ids = torch.rand(tokens, experts + 2).topk(top_k, dim=1).indices.clamp(max=experts)  # some on "another rank"
+    launched = []
+    original = triton_moe._align_one_program_kernel.run
+    monkeypatch.setattr(triton_moe._align_one_program_kernel, "run", lambda *a, **k: launched.append(1) or original(*a, **k))
+    for block_m in (4, 16):
+        out = triton_moe.moe_align_block_size(ids.to(device), experts, block_m)
+        ref = fused_moe.moe_align_block_size(ids, experts, block_m)
+        assert [int(out[2])] == [int(ref[2])]
+        assert torch.equal(out[0].cpu(), ref[0]) and torch.equal(out[1].cpu(), ref[1])
+    assert len(launched) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [0, 3, 70])  # 70: past the fused shared expert, its down projection a GEMM
+def test_moe_with_shared_expert_matches_reference(device, dtype, tokens):
+    """The routed sum and the shared expert (from its gate_up output and down weight) in the combine kernel, as the
+    torch reference adds them."""
+    experts, top_k, hidden, inter, shared_inter = 6, 2, 64, 32, 48
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, device=device) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, device=device) / inter**0.5).to(dtype)
+    gate_up = torch.randn(tokens, 2 * shared_inter + 8, device=device).to(dtype)[:, 8:]  # strided rows
+    w_down = (torch.randn(hidden, shared_inter, device=device) / shared_inter**0.5).to(dtype)
+    weights, ids = _route(tokens, experts, top_k, device)
+    out = triton_moe.fused_moe(x, w13, w2, weights, ids, shared=(gate_up, w_down))
+    ref = fused_moe.fused_moe(x, w13, w2, weights, ids, shared=(gate_up, w_down))
+    assert_close(out, ref, scale=3.0)
+    routed = fused_moe.fused_moe(x, w13, w2, weights, ids)
+    assert_close(ref, routed + fused_moe.shared_expert(gate_up, w_down), scale=1.0)
+
+
+def test_router_layer_runs_noaux_tc_kernel(device):
+    """DeepSeek-V3's Router (sigmoid + correction bias) takes the kernel family's noaux_tc_router: the Triton kernel
+    and the torch reference choose the same experts with the same weights."""
+    from reasoning_engine.kernels import kernel_module
+    from reasoning_engine.layers.moe import Router
+
+    router = Router(32, 16, 4, "sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5, n_group=4, topk_group=2,
+                    topk_method="noaux_tc", correction_bias=True).to(device)
+    with torch.no_grad():
+        router.weight.normal_()
+        router.e_score_correction_bias.normal_(std=0.1)
+    x = torch.randn(5, 32, device=device)
+    ref_w, ref_ids = router(x)
+    router.ops = kernel_module("moe", "triton")
+    w, ids = router(x)
+    assert torch.equal(ids.long().cpu(), ref_ids.long().cpu())
+    assert_close(w, ref_w)
+    hf_w, hf_ids = transformers_router(torch.nn.functional.linear(x, router.weight).cpu(), router.e_score_correction_bias.detach().cpu(),
+                                       4, 4, 2, True, 2.5)
+    assert torch.equal(hf_ids.sort(dim=1).values, ids.long().cpu().sort(dim=1).values)
+
+
+@pytest.mark.parametrize("case", ROUTER_CASES + [(40, 64, 6, 1, 1, True, 2.446)])  # 40 tokens: the router alone
+def test_route_and_sort_in_one_launch(device, case):
+    """noaux_tc routing of a small step's tokens at once and the sort of their pairs from registers, in one launch:
+    the reference router's experts and weights, and the reference sort of its ids (for the tile size `fused_moe`
+    picks); a step with more tokens gets the router alone and no sort."""
+    tokens, experts, top_k, n_group, topk_group, norm, scale = case
+    logits = torch.randn(tokens, experts)
+    logits[:, 1] = logits[:, 0]  # a tie: the lower expert id goes first, as in the reference
+    bias = torch.randn(experts) * 0.1
+    w, ids, sort = triton_moe.noaux_tc_route_and_sort(logits.to(device), bias.to(device), top_k, n_group, topk_group,
+                                                      norm, scale, experts)
+    ref_w, ref_ids = fused_moe.noaux_tc_router(logits, bias, top_k, n_group, topk_group, norm, scale)
+    assert torch.equal(ids.cpu(), ref_ids)
+    assert_close(w.cpu(), ref_w)
+    if tokens > 16:
+        assert sort is None
+        return
+    if not tokens:
+        return
+    ref_sort = fused_moe.moe_align_block_size(ref_ids, experts, triton_moe._block_m(tokens * top_k, experts))
+    assert int(sort[2]) == int(ref_sort[2])
+    assert torch.equal(sort[0].cpu(), ref_sort[0]) and torch.equal(sort[1].cpu(), ref_sort[1])

@@ -41,3 +41,18 @@ def test_rms_norm_matches_float64():
     expected = w * x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6)
     out = norm.rms_norm(x.float(), w.float(), 1e-6)
     assert_close(out, expected.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 3])
+def test_fused_add_rms_norm_with_float_copy(device, dtype, rows):
+    """The MoE router's float32 input comes out of the norm's own launch: exactly the normalised rows widened."""
+    x = torch.randn(rows, 48, device=device).to(dtype)
+    residual = torch.randn(rows, 48, device=device).to(dtype)
+    weight = torch.randn(48, device=device).to(dtype)
+    out, summed, widened = triton_norm.fused_add_rms_norm_with_float(x, residual, weight, 1e-6)
+    ref_out, ref_summed, ref_widened = norm.fused_add_rms_norm_with_float(x, residual, weight, 1e-6)
+    assert widened.dtype == torch.float32 and torch.equal(widened, out.float())
+    assert_close(out, ref_out)
+    assert_close(summed, ref_summed)  # the interpreter truncates float32 -> bfloat16; GPUs round to nearest
+    assert torch.equal(ref_widened, ref_out.float())

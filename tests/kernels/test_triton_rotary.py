@@ -58,3 +58,27 @@ def test_reference_matches_transformers_layouts():
         b_q, _ = rotary.apply_rotary(torch.tensor([12]), q[:1], k[:1], cos, sin, interleaved)
         _, b_k = rotary.apply_rotary(torch.tensor([8]), q[:1], k[:1], cos, sin, interleaved)
         torch.testing.assert_close((a_q[0, 0] * a_k[0, 0]).sum(), (b_q[0, 0] * b_k[0, 0]).sum(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,heads,nope,latent,rope", [(1, 3, 32, 64, 16), (5, 2, 16, 48, 8), (19, 4, 48, 160, 32)])
+def test_mla_rope_and_cache_matches_reference(device, interleaved, dtype, tokens, heads, nope, latent, rope):
+    """MLA's query/key side in one launch: the absorbed query (q_nope @ W_UK, q_pe rotated) and the cache rows (the
+    normalised latent, k_pe rotated) at each token's slot, from strided views of the projections' outputs; other
+    slots untouched."""
+    cos, sin = _tables(64, rope // 2, device)
+    positions = torch.randint(0, 64, (tokens,), device=device)
+    q = torch.randn(tokens, heads * (nope + rope) + 4, device=device).to(dtype)[:, 4:].view(tokens, heads, nope + rope)
+    kv_a = torch.randn(tokens, latent + rope + 8, device=device).to(dtype)[:, : latent + rope]
+    w_uk = (torch.randn(heads, nope, latent, device=device) / nope**0.5).to(dtype)
+    norm_weight = (1 + 0.1 * torch.randn(latent, device=device)).to(dtype)
+    slots = torch.randperm(4 * 8, device=device)[:tokens]
+    caches = [torch.full((4, 8, latent + rope), 7.0, device=device, dtype=dtype) for _ in range(2)]
+    out = triton_rotary.mla_rope_and_cache(positions, q, kv_a, w_uk, norm_weight, 1e-6, cos, sin, interleaved, caches[0], slots)
+    ref = rotary.mla_rope_and_cache(positions, q, kv_a, w_uk, norm_weight, 1e-6, cos, sin, interleaved, caches[1], slots)
+    assert_close(out, ref, scale=2.0)
+    assert_close(caches[0], caches[1])
+    untouched = torch.ones(4 * 8, dtype=torch.bool, device=device)
+    untouched[slots] = False
+    assert (caches[0].view(32, -1)[untouched] == 7.0).all()

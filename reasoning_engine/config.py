@@ -351,7 +351,7 @@ class EngineConfig:
     device: torch.device
     max_model_len: int
     block_size: int = 16
-    kv_cache_blocks: int | None = None
+    kv_cache_blocks: int | None = None  # of block pool 0 (a model's other pools, DeepSeek-V4's window, are sized apart)
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
     max_num_seqs: int = 64

@@ -61,7 +61,7 @@ def test_sliding_group_gives_back_blocks_behind_the_compressors(v4) -> None:
         engine.step()
         for request in engine.scheduler.running:
             if request.num_computed_tokens > len(prompt) + 1:  # decoding (the prefill step holds its chunk's blocks)
-                most = max(most, sum(b != engine.block_manager.null_block for b in request.block_tables[1]))
+                most = max(most, sum(b != engine.block_manager.null_of(1) for b in request.block_tables[1]))
     assert 0 < most <= 16 // 8 + 2  # the window's blocks, the one it starts in, the step's
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 

@@ -8,7 +8,9 @@ DeepSeek-V3.2's latent + index-key cache.
 
 The config is transformers 5.25's DeepseekV4Config defaults, which its docs give as deepseek-ai/DeepSeek-V4-Flash-Base
 (43 layers, hidden 4096, 64 heads of 512, 256 routed experts of 2048, 6 per token, one shared, window 128, rates 4 and
-128). Routed experts are counted in `--dtype` (the release ships them in FP4, which the engine does not load yet).
+128), with the release's quantization (block FP8, FP4 routed experts): the engine keeps the routed experts in FP4
+(codes and a scale per 32) and holds every other weight in `--dtype` (dequantized at load); `--dense-experts` counts
+the routed experts in `--dtype` too.
 """
 
 from __future__ import annotations
@@ -21,10 +23,17 @@ from pathlib import Path
 import torch
 
 
-def flash_config() -> dict:
+RELEASE_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+                        "weight_block_size": [128, 128]}
+
+
+def flash_config(released: bool = True) -> dict:
     from transformers import DeepseekV4Config
 
-    return DeepseekV4Config().to_dict()
+    config = DeepseekV4Config().to_dict()
+    if released:
+        config.update(quantization_config=RELEASE_QUANTIZATION, expert_dtype="fp4")
+    return config
 
 
 def context_bytes_per_token(groups, block_bytes: list[int], block_size: int, context: int) -> float:
@@ -38,7 +47,8 @@ def context_bytes_per_token(groups, block_bytes: list[int], block_size: int, con
     return sum(n * b for n, b in zip(held, block_bytes)) / context
 
 
-def report(tp: int, dtype: torch.dtype, block_size: int, contexts: tuple[int, ...] = (32768, 131072)) -> dict:
+def report(tp: int, dtype: torch.dtype, block_size: int, contexts: tuple[int, ...] = (32768, 131072),
+           released: bool = True) -> dict:
     from reasoning_engine.cache_groups import group_names
     from reasoning_engine.config import load_model_config
     from reasoning_engine.engine.worker import pool_bytes_per_block
@@ -46,14 +56,15 @@ def report(tp: int, dtype: torch.dtype, block_size: int, contexts: tuple[int, ..
     from reasoning_engine.parallel import Group, Parallel
 
     with tempfile.TemporaryDirectory() as folder:
-        (Path(folder) / "config.json").write_text(json.dumps(flash_config()))
+        (Path(folder) / "config.json").write_text(json.dumps(flash_config(released)))
         config = load_model_config(folder)
     size = torch.tensor([], dtype=dtype).element_size()
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(config, 16, Parallel(tp=Group(0, tp)))
     params = {id(p): p for p in model.parameters()}.values()
     weights = sum(p.numel() * (p.element_size() if not p.is_floating_point() else size) for p in params)
-    experts = sum(p.numel() * size for name, p in model.named_parameters() if ".experts." in name)
+    experts = sum(p.numel() * (p.element_size() if not p.is_floating_point() else size)
+                  for name, p in model.named_parameters() if ".experts." in name)
     layers = model.attention_layers()
     groups = model.cache_groups()
     block_bytes = pool_bytes_per_block(layers, groups, dtype, block_size)
@@ -68,7 +79,7 @@ def report(tp: int, dtype: torch.dtype, block_size: int, contexts: tuple[int, ..
     v32 = v32_layers * v32_width * size
     per_context = {str(n): round(context_bytes_per_token(groups, block_bytes, block_size, n)) for n in contexts}
     return {
-        "tp": tp, "dtype": str(dtype), "weight_bytes_rank0": weights, "routed_expert_bytes_rank0": experts,
+        "tp": tp, "dtype": str(dtype), "routed_experts": "fp4" if released else str(dtype), "weight_bytes_rank0": weights, "routed_expert_bytes_rank0": experts,
         "block_size": block_size, "kv_groups": per_group,
         "kv_bytes_per_token_of_context": per_context,
         "deepseek_v32_kv_bytes_per_token": v32,
@@ -82,10 +93,12 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--dense-experts", action="store_true", help="routed experts in --dtype, not the release's FP4")
     args = parser.parse_args()
     from reasoning_engine.config import parse_dtype
 
-    print(json.dumps(report(args.tp, parse_dtype(args.dtype), args.block_size), indent=2))
+    print(json.dumps(report(args.tp, parse_dtype(args.dtype), args.block_size, released=not args.dense_experts),
+                     indent=2))
 
 
 if __name__ == "__main__":

@@ -23,8 +23,12 @@ group holds.
   so a block of the prefix cache carries exactly the rows its tokens closed, and a block holds max(1, block_size /
   rate) rows of each compressed layer (a block costs block_size / rate rows, not block_size tokens of every layer:
   the context's bytes per token are those of the rows alone).
+Weights as released (models/quantization.py): block FP8 linears (e8m0 scales under `X.scale`) dequantized at load,
+FP4 routed experts kept packed as MXFP4 codes and scales, the compressors' and indexer's bf16 projections as stored,
+the int32 tid2eid table widened to int64.
+
 Limits: draft trees are cut to their first path (positions address the windows and rows, and a tree's nodes share
-positions); FP8 / FP4 checkpoints and the MTP layer are not loaded yet.
+positions); the MTP layer is not loaded yet.
 
 Checkpoint names: the official ones (`layers.N.attn.wq_a`, `ffn.experts.E.w1`, `hc_attn_fn`, `embed`, `head`, ...,
 which transformers' save_pretrained also writes) and transformers' module names are both read.

@@ -24,3 +24,7 @@ def test_v4_flash_kv_bytes_per_token_of_context_against_v32() -> None:
     assert out["kv_bytes_per_token_of_context"]["131072"] == round((2049 * 64 * 6768 + 3 * 64 * 193536) / 131072)
     assert out["deepseek_v32_kv_bytes_per_token"] == 85888
     assert out["ratio_to_deepseek_v32"]["131072"] < 0.085 and out["ratio_to_deepseek_v32"]["32768"] < 0.1
+    # the release's FP4 experts, kept packed: per rank 256 experts x 43 layers x 3 projections of 2048 / 8 x 4096
+    # values, half a byte each and a one-byte scale per 32
+    assert out["routed_experts"] == "fp4"
+    assert out["routed_expert_bytes_rank0"] == 256 * 43 * 3 * (2048 // 8) * 4096 * (1 / 2 + 1 / 32)

@@ -108,6 +108,20 @@ def test_tensor_and_data_parallel_equal_one_process(path: str, plain, parallel: 
         llm.shutdown()
 
 
+def test_released_fp4_experts_under_tensor_parallel_equal_one_process(tiny_checkpoint) -> None:
+    """The release's format (block FP8, FP4 experts kept packed) under TP 2: each rank reads its half of every
+    expert's 64 intermediate channels (one whole scale group of 32) and its share of the FP8 blocks; the tokens of
+    one process."""
+    path = str(tiny_checkpoint("deepseek_v4_fp4").path)
+    prompts = _prompts(7, (9, 40, 70))
+    want = _generate(LLM(path, **V4), prompts)
+    llm = LLM(path, tensor_parallel_size=2, **V4)
+    try:
+        assert _generate(llm, prompts) == want
+    finally:
+        llm.shutdown()
+
+
 def test_compressed_rows_cost_their_own_bytes_per_block(path: str, plain) -> None:
     """The compressed rows and the per-token window live in block pools of their own: a row block costs the rows it
     holds (block_size / rate rows per compressed layer), not a window block's block_size tokens of every layer, so a

@@ -3,13 +3,16 @@ manager idea: vLLM's, written anew here).
 
 A "full" group's layers read every earlier position, so a request keeps all its blocks. A "sliding" group's layers read
 only the last `window` positions up to each query, so the blocks wholly before the window of the step's first query
-are given back as the sequence advances. DeepSeek-V4 uses both: its compressed rows in a full group, its per-token rows
-in a sliding group (models/deepseek_v4.py).
+are given back as the sequence advances.
 
-Every group draws its blocks from one pool. Layer caches are shared between groups by position: the j-th layer of
-every group uses cache tensor j, so a block id, allocated to one group, holds that group's layers and a block costs
-the memory of max(layers per group) layers. Sits beside batch.py, below the layers: models say which group each of
-their attention layers is in, the engine keeps the tables.
+Groups draw their blocks from pools (`pool`: usually every group pool 0). Layer caches are shared between the groups
+of one pool by position: the j-th layer of every group in the pool uses cache tensor j, so a block id, allocated to
+one group, holds that group's layers and a block costs the memory of max(layers per group) layers (gpt-oss: its full
+and sliding layers are alike, and one budget serves both). A group whose per-block footprint differs from the others'
+gets its own pool, with its own block ids, block count and block bytes: DeepSeek-V4's compressed rows (a few rows per
+block) and its per-token window (every layer's rows and compressor inputs per token), models/deepseek_v4.py. Sits
+beside batch.py, below the layers: models say which group each of their attention layers is in, the engine keeps the
+tables.
 """
 
 from __future__ import annotations
@@ -24,12 +27,15 @@ class CacheGroup:
     kind: str  # "full" or "sliding"
     layers: tuple[int, ...]  # indices into the model's attention_layers()
     window: int | None = None  # sliding: a query at position p reads the keys at positions above p - window
+    pool: int = 0  # the block pool it draws from (pools are numbered from 0 without gaps)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"cache group kind: must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if (self.kind == "sliding") != (self.window is not None and self.window > 0):
             raise ValueError(f"cache group window: a sliding group needs a positive window, a {self.kind} group none")
+        if self.pool < 0:
+            raise ValueError(f"cache group pool: must be >= 0, got {self.pool}")
 
     def first_needed_block(self, position: int, block_size: int) -> int:
         """The first block any query at `position` or later reads: the blocks before it can be given back. Counted
@@ -59,3 +65,11 @@ def group_names(groups: list[CacheGroup]) -> list[str]:
     """A label per group for metrics: its kind, with its index where two groups share a kind."""
     kinds = [g.kind for g in groups]
     return [g.kind if kinds.count(g.kind) == 1 else f"{g.kind}{i}" for i, g in enumerate(groups)]
+
+
+def num_pools(groups: list[CacheGroup]) -> int:
+    """How many block pools the groups draw from (checked to be numbered 0, 1, ... without gaps)."""
+    pools = {g.pool for g in groups}
+    if pools != set(range(len(pools))):
+        raise ValueError(f"cache group pools must be numbered 0 to {len(pools) - 1}, got {sorted(pools)}")
+    return len(pools)

@@ -331,8 +331,8 @@ class ParallelConfig:
         unit = 1  # packed experts split in whole INT4 scale groups (of whole int32 words) or FP8 blocks
         if quant is not None and quant.method != "fp8-channel":  # per-channel FP8: any split keeps whole scales
             unit = math.lcm(8, quant.group_size) if quant.method == "compressed-tensors" else math.lcm(*quant.block)
-            if quant.method == "mxfp4":  # whole groups of 32 (gpt-oss)
-                unit = quant.group_size
+            if quant.method == "mxfp4" or quant.expert_dtype == "fp4":  # whole groups of 32 (gpt-oss, DeepSeek-V4)
+                unit = 32
         # the experts' width: MiniMax-M2 names it intermediate_size (it has no dense MLP)
         field = "moe_intermediate_size" if raw.get("moe_intermediate_size") else "intermediate_size"
         inter = raw[field]
@@ -351,7 +351,7 @@ class EngineConfig:
     device: torch.device
     max_model_len: int
     block_size: int = 16
-    kv_cache_blocks: int | None = None
+    kv_cache_blocks: int | None = None  # of block pool 0 (a model's other pools, DeepSeek-V4's window, are sized apart)
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
     max_num_seqs: int = 64

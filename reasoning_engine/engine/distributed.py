@@ -94,10 +94,11 @@ def _threads_for(local_ranks: int) -> int:
     return max(1, (os.cpu_count() or 1) // local_ranks)
 
 
-def _smallest(value: int, group: dist.ProcessGroup) -> int:
-    tensor = torch.tensor([value], dtype=torch.int64)
+def _smallest(values: list[int], group: dist.ProcessGroup) -> list[int]:
+    """Each entry's smallest value over the ranks (blocks per pool: what every rank can hold)."""
+    tensor = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
-    return int(tensor.item())
+    return tensor.tolist()
 
 
 def _start_worker(config: EngineConfig, rank: int, control: dist.ProcessGroup, parallel: Parallel) -> ModelWorker:

@@ -94,7 +94,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, start_executor(config), self._replica_of)
         # one scheduler and KV cache per data-parallel replica (one without data parallelism)
         self.schedulers = [
-            Scheduler(BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+            Scheduler(BlockManager(self.runner.pool_blocks, config.block_size, config.enable_prefix_caching,
                                    self.runner.worker.cache_groups),
                       config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
                       self._state_cache(config))

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from reasoning_engine.cache_groups import CacheGroup, single_group
+from reasoning_engine.cache_groups import CacheGroup, num_pools, single_group
 from reasoning_engine.engine.request import Request
 from reasoning_engine.multimodal.inputs import MediaItem, media_keys
 
@@ -45,32 +45,76 @@ class Protection:
     origin: str  # the finished turn it keeps (a session key, or the turn's own id)
 
 
-class BlockManager:
-    """One data-parallel replica's block pool, shared by every KV cache group (cache_groups.py). Each request has a
-    block table per group (`Request.block_tables`); a sliding group's entries before its window are `null_block`.
-    Prefix-cache keys name the same prefix in every group; each group keeps its own key -> block map."""
+class BlockPool:
+    """One space of block ids: their reference counts, prefix keys and free queues. The caches of the pool's groups
+    hold num_blocks + 2 blocks: past the pool, the worker's padding block (num_blocks) and the null block."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 groups: list[CacheGroup] | None = None) -> None:
+    def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.groups = groups if groups else single_group(1)
-        # past the pool and the worker's padding block (num_blocks): table entries of blocks a sliding group gave
-        # back point here; nothing writes it and the attention kernels' window masks never read it
+        # table entries of blocks a sliding group gave back point here; nothing writes it and the attention
+        # kernels' window masks never read it
         self.null_block = num_blocks + 1
         self.ref_counts = [0] * num_blocks
         self.block_keys: list[bytes | None] = [None] * num_blocks
         self.block_group = [0] * num_blocks  # the group a block was last allocated to (whose map holds its key)
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.protected_free: OrderedDict[int, None] = OrderedDict()  # unreferenced protected blocks, oldest first
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue) + len(self.protected_free)
+
+
+class BlockManager:
+    """One data-parallel replica's block pools (one per `CacheGroup.pool`; usually one, shared by every group). Each
+    request has a block table per group (`Request.block_tables`) of ids in that group's pool; a sliding group's
+    entries before its window are its pool's `null_block`. Prefix-cache keys name the same prefix in every group;
+    each group keeps its own key -> block map. `ref_counts`, `block_keys`, `free_queue`, `protected_free` and
+    `null_block` are pool 0's (the only pool's, for most models)."""
+
+    def __init__(self, num_blocks: int | Sequence[int], block_size: int, enable_prefix_caching: bool = True,
+                 groups: list[CacheGroup] | None = None) -> None:
+        """`num_blocks`: the blocks of each pool (an int: one pool)."""
+        counts = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
+        self.groups = groups if groups else single_group(1)
+        if len(counts) != num_pools(self.groups):
+            raise ValueError(f"num_blocks: one count per cache pool ({num_pools(self.groups)}), got {counts}")
+        self.pools = [BlockPool(n) for n in counts]
+        self.num_blocks = sum(counts)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.group_pool = [self.pools[g.pool] for g in self.groups]
         self.group_cached: list[dict[bytes, int]] = [{} for _ in self.groups]
         self.group_used = [0] * len(self.groups)  # referenced blocks per group
-        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.protected: dict[bytes, Protection] = {}  # key -> protection
-        self.protected_free: OrderedDict[int, None] = OrderedDict()  # unreferenced protected blocks, oldest first
         self._next_deadline = float("inf")
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
         self.retention_hits = 0  # of those, tokens found in protected blocks
+
+    @property
+    def null_block(self) -> int:
+        return self.pools[0].null_block
+
+    @property
+    def ref_counts(self) -> list[int]:
+        return self.pools[0].ref_counts
+
+    @property
+    def block_keys(self) -> list[bytes | None]:
+        return self.pools[0].block_keys
+
+    @property
+    def free_queue(self) -> OrderedDict[int, None]:
+        return self.pools[0].free_queue
+
+    @property
+    def protected_free(self) -> OrderedDict[int, None]:
+        return self.pools[0].protected_free
+
+    def null_of(self, group: int) -> int:
+        """The null block of group `group`'s pool."""
+        return self.group_pool[group].null_block
 
     @property
     def cached(self) -> dict[bytes, int]:
@@ -79,28 +123,36 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue) + len(self.protected_free)
+        return sum(pool.num_free for pool in self.pools)
 
     @property
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        """The fullest pool's share in use (the one that runs out first)."""
+        return max(1.0 - pool.num_free / pool.num_blocks for pool in self.pools)
 
     def group_usage(self) -> list[float]:
-        """Per group, the fraction of the pool its requests reference."""
-        return [used / self.num_blocks for used in self.group_used]
+        """Per group, the fraction of its pool its requests reference."""
+        return [used / pool.num_blocks for used, pool in zip(self.group_used, self.group_pool)]
 
     def held_blocks(self, request: Request) -> int:
         """Blocks in the request's tables (null entries left out)."""
-        return sum(1 for table in request.block_tables for block in table if block != self.null_block)
+        return sum(1 for g, table in enumerate(request.block_tables) for block in table if block != self.null_of(g))
+
+    def _new_blocks(self, request: Request, num_tokens: int) -> list[int]:
+        """Per pool, the new blocks num_computed_tokens + num_tokens tokens take."""
+        total = (request.num_computed_tokens + num_tokens + self.block_size - 1) // self.block_size
+        tables = request.block_tables
+        needed = [0] * len(self.pools)
+        for g, group in enumerate(self.groups):
+            needed[group.pool] += max(0, total - (len(tables[g]) if g < len(tables) else 0))
+        return needed
 
     def blocks_needed(self, request: Request, num_tokens: int) -> int:
         """New blocks over all groups for num_computed_tokens + num_tokens tokens."""
-        total = (request.num_computed_tokens + num_tokens + self.block_size - 1) // self.block_size
-        tables = request.block_tables
-        return sum(max(0, total - (len(tables[g]) if g < len(tables) else 0)) for g in range(len(self.groups)))
+        return sum(self._new_blocks(request, num_tokens))
 
     def can_allocate(self, request: Request, num_tokens: int) -> bool:
-        return self.blocks_needed(request, num_tokens) <= self.num_free_blocks
+        return all(n <= pool.num_free for n, pool in zip(self._new_blocks(request, num_tokens), self.pools))
 
     def reads_prefix_cache(self, request: Request) -> bool:
         """Prompt logprobs need every prompt position's logits, so those requests compute their whole prompt."""
@@ -124,10 +176,10 @@ class BlockManager:
         tables = []
         for g, group in enumerate(self.groups):
             first = group.first_needed_block(hits * bs, bs)
-            table = [self.null_block] * first
+            table = [self.null_of(g)] * first
             for i in range(first, hits):
                 block = self.group_cached[g][self._block_hash(request, i, tokens)]
-                self._take(block)
+                self._take(g, block)
                 table.append(block)
             tables.append(table)
         request.block_tables = tables
@@ -155,8 +207,9 @@ class BlockManager:
         self.prefix_queries += request.num_prompt_tokens
         self.prefix_hits += request.num_cached_tokens
         origins: dict[str, None] = {}
+        pool = self.group_pool[0]
         for block in request.block_table[: request.num_cached_tokens // self.block_size]:
-            protection = self.protected.get(self.block_keys[block]) if block != self.null_block else None
+            protection = self.protected.get(pool.block_keys[block]) if block != pool.null_block else None
             if protection is not None:
                 self.retention_hits += self.block_size
                 origins[protection.origin] = None
@@ -169,17 +222,17 @@ class BlockManager:
         while len(request.block_tables) < len(self.groups):
             request.block_tables.append([])
         for g, table in enumerate(request.block_tables):
+            pool = self.group_pool[g]
             for _ in range(total - len(table)):
-                queue = self.free_queue if self.free_queue else self.protected_free
-                block, _ = queue.popitem(last=False)
-                key = self.block_keys[block]
+                block, _ = (pool.free_queue if pool.free_queue else pool.protected_free).popitem(last=False)
+                key = pool.block_keys[block]
                 if key is not None:  # evict: the block is reused for other tokens
-                    del self.group_cached[self.block_group[block]][key]
-                    self.block_keys[block] = None
+                    del self.group_cached[pool.block_group[block]][key]
+                    pool.block_keys[block] = None
                     if not any(key in cached for cached in self.group_cached):
                         self.protected.pop(key, None)
-                self.ref_counts[block] = 1
-                self.block_group[block] = g
+                pool.ref_counts[block] = 1
+                pool.block_group[block] = g
                 self.group_used[g] += 1
                 table.append(block)
 
@@ -190,59 +243,60 @@ class BlockManager:
         for g, group in enumerate(self.groups):
             if group.kind == "full" or g >= len(request.block_tables):
                 continue
-            table = request.block_tables[g]
+            table, null = request.block_tables[g], self.null_of(g)
             stop = min(group.first_needed_block(request.num_computed_tokens, self.block_size), len(table))
             first = stop
-            while first > 0 and table[first - 1] != self.null_block:
+            while first > 0 and table[first - 1] != null:
                 first -= 1
             for i in range(first, stop):  # oldest first: under pressure the oldest cached window goes first
-                self._release(table[i])
-                table[i] = self.null_block
+                self._release(g, table[i])
+                table[i] = null
             cleared += stop - first
         return cleared
 
     def free(self, request: Request) -> None:
         """Release all of a request's blocks; the tail is freed first so shared prefixes are evicted last."""
-        for table in request.block_tables:
+        for g, table in enumerate(request.block_tables):
             for block in reversed(table):
-                if block != self.null_block:
-                    self._release(block)
+                if block != self.null_of(g):
+                    self._release(g, block)
         request.block_tables = [[] for _ in self.groups]
         request.num_computed_tokens = 0
 
     def truncate(self, request: Request, num_tokens: int) -> None:
         """Keep only the blocks holding the first num_tokens tokens (drops rejected draft tokens' blocks)."""
         keep = (num_tokens + self.block_size - 1) // self.block_size
-        for table in request.block_tables:
+        for g, table in enumerate(request.block_tables):
             for block in reversed(table[keep:]):
-                if block != self.null_block:
-                    self._release(block)
+                if block != self.null_of(g):
+                    self._release(g, block)
             del table[keep:]
 
-    def _release(self, block: int) -> None:
-        self.ref_counts[block] -= 1
-        if self.ref_counts[block] == 0:
-            self.group_used[self.block_group[block]] -= 1
-            key = self.block_keys[block]
+    def _release(self, group: int, block: int) -> None:
+        pool = self.group_pool[group]
+        pool.ref_counts[block] -= 1
+        if pool.ref_counts[block] == 0:
+            self.group_used[pool.block_group[block]] -= 1
+            key = pool.block_keys[block]
             if key is None:  # nothing to hit: reuse it before evicting any cached prefix
-                self.free_queue[block] = None
-                self.free_queue.move_to_end(block, last=False)
+                pool.free_queue[block] = None
+                pool.free_queue.move_to_end(block, last=False)
             else:
-                (self.protected_free if key in self.protected else self.free_queue)[block] = None
+                (pool.protected_free if key in self.protected else pool.free_queue)[block] = None
 
     def protect(self, keys: list[bytes], until: float, origin: str) -> int:
         """Keep these cached prefix keys (a finished turn's full blocks) out of eviction until `until`, unless
         blocks run out; returns how many keys are now protected for it (in any group)."""
         count = 0
         for key in reversed(keys):  # tail first: under pressure a prefix loses its end before its start
-            blocks = [cached[key] for cached in self.group_cached if key in cached]
+            blocks = [(pool, cached[key]) for pool, cached in zip(self.group_pool, self.group_cached) if key in cached]
             if not blocks:
                 continue
             self.protected[key] = Protection(until, origin)
-            for block in blocks:
-                if block in self.free_queue:
-                    del self.free_queue[block]
-                    self.protected_free[block] = None
+            for pool, block in blocks:
+                if block in pool.free_queue:
+                    del pool.free_queue[block]
+                    pool.protected_free[block] = None
             count += 1
         self._next_deadline = min(self._next_deadline, until)
         return count
@@ -257,11 +311,11 @@ class BlockManager:
                 self._next_deadline = min(self._next_deadline, protection.until)
                 continue
             del self.protected[key]
-            for cached in self.group_cached:
+            for pool, cached in zip(self.group_pool, self.group_cached):
                 block = cached.get(key)
-                if block is not None and block in self.protected_free:
-                    del self.protected_free[block]
-                    self.free_queue[block] = None
+                if block is not None and block in pool.protected_free:
+                    del pool.protected_free[block]
+                    pool.free_queue[block] = None
 
     def cache_full_blocks(self, request: Request, start_block: int = 0) -> None:
         """Register blocks from start_block that are now full of computed tokens, so later requests can share them."""
@@ -273,10 +327,10 @@ class BlockManager:
         tokens = request.all_token_ids
         for i in range(start_block, full):
             key = self._block_hash(request, i, tokens)
-            for table, cached in zip(request.block_tables, self.group_cached):
+            for table, cached, pool in zip(request.block_tables, self.group_cached, self.group_pool):
                 block = table[i]
-                if block != self.null_block and self.block_keys[block] is None and key not in cached:
-                    self.block_keys[block] = key
+                if block != pool.null_block and pool.block_keys[block] is None and key not in cached:
+                    pool.block_keys[block] = key
                     cached[key] = block
 
     @staticmethod
@@ -300,24 +354,26 @@ class BlockManager:
         return count
 
     def reset_prefix_cache(self) -> None:
-        for block, key in enumerate(self.block_keys):
-            if key is not None and self.ref_counts[block] == 0:
-                del self.group_cached[self.block_group[block]][key]
-                self.block_keys[block] = None
-                if block in self.protected_free:
-                    del self.protected_free[block]
-                    self.free_queue[block] = None
+        for pool in self.pools:
+            for block, key in enumerate(pool.block_keys):
+                if key is not None and pool.ref_counts[block] == 0:
+                    del self.group_cached[pool.block_group[block]][key]
+                    pool.block_keys[block] = None
+                    if block in pool.protected_free:
+                        del pool.protected_free[block]
+                        pool.free_queue[block] = None
         self.protected = {key: p for key, p in self.protected.items()
                           if any(key in cached for cached in self.group_cached)}
 
-    def _take(self, block: int) -> None:
-        if self.ref_counts[block] == 0:
-            if block in self.free_queue:
-                del self.free_queue[block]
+    def _take(self, group: int, block: int) -> None:
+        pool = self.group_pool[group]
+        if pool.ref_counts[block] == 0:
+            if block in pool.free_queue:
+                del pool.free_queue[block]
             else:
-                del self.protected_free[block]
-            self.group_used[self.block_group[block]] += 1
-        self.ref_counts[block] += 1
+                del pool.protected_free[block]
+            self.group_used[pool.block_group[block]] += 1
+        pool.ref_counts[block] += 1
 
 
 def check_cache_salt(value: object) -> str | None:

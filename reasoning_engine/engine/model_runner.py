@@ -113,7 +113,8 @@ class ModelRunner:
         self.config = config
         self.executor = executor
         self.block_size = config.block_size
-        self.num_blocks = executor.num_blocks
+        self.num_blocks = executor.num_blocks  # pool 0's: its padding block is idle steps'
+        self.pool_blocks = list(executor.local.pool_blocks)  # per block pool (cache_groups.py)
         self.replicas = config.parallel.data_parallel_size
         self.num_groups = len(executor.local.cache_groups)  # KV cache groups (cache_groups.py)
         self.sampler = Sampler(config.seed)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from reasoning_engine.batch import ForwardBatch
-from reasoning_engine.cache_groups import CacheGroup, single_group
+from reasoning_engine.cache_groups import CacheGroup, num_pools, single_group
 from reasoning_engine.config import EngineConfig
 from reasoning_engine.engine.compiled_decode import CompiledDecode
 from reasoning_engine.engine.cuda_graph import CudaGraphRunner, cuda_graphs_enabled
@@ -65,7 +65,8 @@ class StepInput:
     logits_rows: list[int]
     tree_parts: list[torch.Tensor] | None = None  # per sequence, which of its query tokens each may see (drafts)
     # hybrid models: per KV cache group past the first, its slots and block tables (slots and block_tables are group
-    # 0's); empty: every group uses group 0's (placeholder steps in the padding block)
+    # 0's); empty: every group uses group 0's, a group in another block pool that pool's padding block (placeholder
+    # steps in the padding block)
     group_slots: list[list[int]] = field(default_factory=list)
     group_block_tables: list[list[list[int]]] = field(default_factory=list)
     # multimodal prompts (engine/encoder_cache.py): items to encode first, encoder outputs to drop, and which output
@@ -138,12 +139,14 @@ def cache_bytes_per_token(layers: Sequence[torch.nn.Module], dtype: torch.dtype)
     return sum(torch.Size(shape).numel() * size for attn in layers for shape in attn.cache_shape(1, 1))
 
 
-def shared_cache_layers(layers: Sequence[torch.nn.Module], groups: Sequence[CacheGroup]) -> list[list[torch.nn.Module]]:
-    """Per cache tensor j, the layers that share it: the j-th layer of every group (cache_groups.py). Layers of
-    unequal cache shapes (DeepSeek-V4's per-token and per-row caches) share one block-major buffer instead
-    (`allocate_caches`)."""
+def shared_cache_layers(layers: Sequence[torch.nn.Module], groups: Sequence[CacheGroup],
+                        pool: int = 0) -> list[list[torch.nn.Module]]:
+    """Per cache tensor j of block pool `pool`, the layers that share it: the j-th layer of every group in the pool
+    (cache_groups.py)."""
     shared: list[list[torch.nn.Module]] = []
     for group in groups:
+        if group.pool != pool:
+            continue
         for j, index in enumerate(group.layers):
             if j == len(shared):
                 shared.append([])
@@ -155,6 +158,20 @@ def cache_bytes_per_block(members: Sequence[torch.nn.Module], dtype: torch.dtype
     """Bytes one block takes in a cache position shared by `members`: the largest member's."""
     size = torch.tensor([], dtype=dtype).element_size()
     return max(sum(torch.Size(shape).numel() for shape in m.cache_shape(1, block_size)) for m in members) * size
+
+
+def pool_bytes_per_block(layers: Sequence[torch.nn.Module], groups: Sequence[CacheGroup], dtype: torch.dtype,
+                         block_size: int) -> list[int]:
+    """Bytes one block of each pool takes in the caches of these attention layers."""
+    return [sum(cache_bytes_per_block(members, dtype, block_size)
+                for members in shared_cache_layers(layers, groups, pool)) for pool in range(num_pools(list(groups)))]
+
+
+def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_step_tokens: int) -> int:
+    """The most blocks sliding groups of `window` in their own pool hold at once: every sequence its window's
+    blocks, the one the window starts in and the one its step's last token straddles into, plus the blocks of the
+    step's tokens (at most `max_step_tokens` over all sequences)."""
+    return max_num_seqs * (-(-window // block_size) + 2) + -(-max_step_tokens // block_size)
 
 
 class ModelWorker:
@@ -184,9 +201,11 @@ class ModelWorker:
         self.checkpoint_bytes_read = BYTES_READ.bytes - read_before
         self.aux_layers = sorted({i for m in self.draft_models.values() for i in m.aux_layers})
         self.cache_groups = self.model.cache_groups()
-        self.num_blocks = 0
+        self.pool_blocks: list[int] = []  # blocks per pool (cache_groups.py); each pool's padding block is its count
+        self.num_blocks = 0  # pool 0's (group 0's, which draft models mirror)
         self.padding_block = 0
-        self.kv_caches: list[list[torch.Tensor]] = []
+        self.kv_caches: list[list[torch.Tensor]] = []  # per pool, per shared position, its tensors (flattened)
+        self.pool_caches: list[list[list[torch.Tensor]]] = []
         self.state_caches: list[list[torch.Tensor]] = []
         self.linear_layers = self.model.linear_layers()
         self.num_state_slots, self.state_scratch_per_seq = self.state_slot_counts()
@@ -279,37 +298,80 @@ class ModelWorker:
                 tensor[dst] = tensor[src]
 
     # ---- KV cache ----
-    def available_blocks(self) -> int:
-        """How many KV blocks this rank can hold: the configured count, or what fits in its share of free memory."""
+    # a pool of sliding groups alone keeps this many times what its running windows need: the rest holds the
+    # windows of finished requests, which prefix hits at their ends need
+    WINDOW_POOL_CACHE_FACTOR = 2
+
+    def pool_bytes_per_block(self) -> list[int]:
+        """Bytes one block of each pool costs on this rank: its cache tensors' rows, and in pool 0 the draft
+        models' caches, which mirror its block ids."""
         c = self.config
-        shared = shared_cache_layers(self.model.attention_layers(), self.cache_groups)
-        per_block = sum(cache_bytes_per_block(members, c.dtype, c.block_size) for members in shared)
-        per_block += c.block_size * sum(cache_bytes_per_token(m.attention_layers(), c.dtype)
-                                        for m in self.draft_models.values())
+        per_block = pool_bytes_per_block(self.model.attention_layers(), self.cache_groups, c.dtype, c.block_size)
+        per_block[0] += c.block_size * sum(cache_bytes_per_token(m.attention_layers(), c.dtype)
+                                           for m in self.draft_models.values())
+        return per_block
+
+    def available_blocks(self) -> list[int]:
+        """How many KV blocks of each pool this rank can hold. Pool 0: the configured count, or what fits in its
+        share of free memory beside the other pools. Another pool (sliding groups alone: DeepSeek-V4's windows):
+        WINDOW_POOL_CACHE_FACTOR times what its windows need (`window_pool_blocks`), at most pool 0's count and
+        together at most half the memory budget."""
+        c = self.config
+        per_block = self.pool_bytes_per_block()
+        context_blocks = -(-c.max_model_len // c.block_size)
+        wanted = c.max_num_seqs * context_blocks + 1  # enough for every sequence at full length
+        windows = self._pool_windows()
+        side = [min(wanted, self.WINDOW_POOL_CACHE_FACTOR * window_pool_blocks(
+            w, c.block_size, c.max_num_seqs, c.max_num_batched_tokens)) for w in windows]
         if c.kv_cache_blocks is not None:
             blocks = c.kv_cache_blocks
-        elif c.kv_cache_memory is not None:  # one budget: a hybrid model's state slots come out of it first
-            blocks = max(0, c.kv_cache_memory - self.state_bytes()) // per_block
+            side = [min(n, blocks) for n in side]
         else:
-            # enough for every sequence at full length, within a share of the free memory
-            wanted = c.max_num_seqs * ((c.max_model_len + c.block_size - 1) // c.block_size) + 1
-            share = 0.85 if self.device.type == "cuda" else 0.3 / self.local_ranks
-            blocks = min(wanted, max(0, int(available_memory(self.device) * share) - self.state_bytes()) // per_block)
-        min_blocks = (c.max_model_len + c.block_size - 1) // c.block_size
-        if blocks < min_blocks:
+            if c.kv_cache_memory is not None:  # one budget: a hybrid model's state slots come out of it first
+                budget = max(0, c.kv_cache_memory - self.state_bytes())
+            else:
+                share = 0.85 if self.device.type == "cuda" else 0.3 / self.local_ranks
+                budget = max(0, int(available_memory(self.device) * share) - self.state_bytes())
+            side_bytes = sum(n * b for n, b in zip(side, per_block[1:]))
+            if side_bytes > budget // 2:  # scaled down alike to half the budget
+                side = [n * (budget // 2) // side_bytes for n in side]
+            blocks = (budget - sum(n * b for n, b in zip(side, per_block[1:]))) // per_block[0]
+            if c.kv_cache_memory is None:
+                blocks = min(wanted, blocks)
+        if blocks < context_blocks:
             raise ValueError(
                 f"kv_cache_blocks={blocks} holds {blocks * c.block_size} tokens, fewer than max_model_len={c.max_model_len}; "
                 f"give more KV cache memory or a smaller max_model_len")
-        return blocks
+        for n, window in zip(side, windows):
+            least = min(context_blocks, window_pool_blocks(window, c.block_size, 1, c.max_num_batched_tokens))
+            if n < least:
+                raise ValueError(
+                    f"the KV cache's sliding-window pool holds {n} blocks, fewer than one sequence's window and step "
+                    f"need ({least}); give more KV cache memory or a smaller max_num_batched_tokens")
+        return [blocks, *side]
 
-    def init_cache(self, num_blocks: int) -> None:
-        """Allocate the caches, then capture or compile the decode graphs (every rank at once: they run the model)."""
-        self.num_blocks = num_blocks
-        # two blocks past those the BlockManager hands out: padding rows of CUDA-graph decode batches write to the
-        # first, and so do the steps that compile the decode graphs (compile_decode); the second is the null block
-        # of sliding groups' tables (kv_cache.py), never written
-        self.padding_block = num_blocks
-        self.kv_caches = self.allocate_caches(self.model.attention_layers(), num_blocks + 2, self.cache_groups)
+    def _pool_windows(self) -> list[int]:
+        """The widest window of each pool past pool 0 (those pools hold sliding groups only)."""
+        windows = []
+        for pool in range(1, num_pools(self.cache_groups)):
+            groups = [g for g in self.cache_groups if g.pool == pool]
+            if any(g.kind != "sliding" for g in groups):
+                raise ValueError(f"cache pool {pool}: only pool 0 may hold groups that keep every block")
+            windows.append(max(g.window for g in groups))
+        return windows
+
+    def init_cache(self, pool_blocks: int | Sequence[int]) -> None:
+        """Allocate the caches (`pool_blocks`: the blocks of each pool, an int for one), then capture or compile
+        the decode graphs (every rank at once: they run the model)."""
+        self.pool_blocks = [pool_blocks] if isinstance(pool_blocks, int) else list(pool_blocks)
+        self.num_blocks = self.pool_blocks[0]
+        # two blocks past those the BlockManager hands out in each pool: padding rows of CUDA-graph decode batches
+        # write to the first, and so do the steps that compile the decode graphs (compile_decode); the second is the
+        # null block of sliding groups' tables (kv_cache.py), never written
+        self.padding_block = self.num_blocks
+        self.pool_caches = self.allocate_caches(self.model.attention_layers(), [n + 2 for n in self.pool_blocks],
+                                                self.cache_groups)
+        self.kv_caches = [caches for pool in self.pool_caches for caches in pool]
         if self.linear_layers:
             self.allocate_states()
         self.drafters = {method: DraftRunner(method, m, self, self.max_draft_tokens)
@@ -327,39 +389,31 @@ class ModelWorker:
             self.compiled_decode = CompiledDecode(self.model)
             self._compile_decode_graphs()
 
-    def allocate_caches(self, layers: Sequence[torch.nn.Module], num_blocks: int,
-                        groups: Sequence[CacheGroup] | None = None) -> list[list[torch.Tensor]]:
+    def allocate_caches(self, layers: Sequence[torch.nn.Module], pool_blocks: Sequence[int],
+                        groups: Sequence[CacheGroup] | None = None) -> list[list[list[torch.Tensor]]]:
         """Allocate and bind the paged caches of these attention layers (the target's, or a draft model's, which has
-        one group): one set of tensors per position in a group, shared by that position's layer of every group."""
-        shared = shared_cache_layers(layers, groups or single_group(len(layers)))
-        for g, group in enumerate(groups or ()):
+        one group): per pool (`pool_blocks[p]` blocks), one set of tensors per position in a group, shared by that
+        position's layer of every group in the pool. Returns the sets of each pool."""
+        groups = list(groups or single_group(len(layers)))
+        for g, group in enumerate(groups):
             for index in group.layers:
                 layers[index].cache_group = g
-        kv_caches: list[list[torch.Tensor]] = []
-        for members in shared:
-            shapes = [m.cache_shape(num_blocks, self.block_size) for m in members]
-            if all(shape == shapes[0] for shape in shapes):
+        per_pool: list[list[list[torch.Tensor]]] = []
+        for pool, num_blocks in enumerate(pool_blocks):
+            per_pool.append([])
+            for members in shared_cache_layers(layers, groups, pool):
+                shapes = [m.cache_shape(num_blocks, self.block_size) for m in members]
+                if any(shape != shapes[0] for shape in shapes):
+                    raise ValueError(f"cache pool {pool}: layers sharing a cache position need equal cache shapes, "
+                                     f"got {shapes}; give groups of unequal footprints their own pools")
                 caches = [torch.zeros(shape, dtype=self.config.dtype, device=self.device) for shape in shapes[0]]
                 for attn in members:
                     attn.bind_cache(caches)
-                kv_caches.append(caches)
-                continue
-            # unequal shapes: one buffer [blocks, largest member's elements per block]; each member views its tensors
-            # in every block's row (strided over blocks), so a block id given to one group holds that group's layers
-            width = max(sum(torch.Size(s[1:]).numel() for s in member) for member in shapes)
-            buffer = torch.zeros(num_blocks, width, dtype=self.config.dtype, device=self.device)
-            for attn, member in zip(members, shapes):
-                views, start = [], 0
-                for shape in member:
-                    size = torch.Size(shape[1:]).numel()
-                    views.append(buffer[:, start : start + size].view(num_blocks, *shape[1:]))
-                    start += size
-                attn.bind_cache(views)
-            kv_caches.append([buffer])
-        total = sum(t.numel() * t.element_size() for caches in kv_caches for t in caches)
-        logger.info("KV cache: %d blocks of %d tokens for %d layers in %d cache groups (%.1f MiB)", num_blocks,
-                    self.block_size, len(layers), len(groups or [0]), total / 2**20)
-        return kv_caches
+                per_pool[-1].append(caches)
+        total = sum(t.numel() * t.element_size() for pool in per_pool for caches in pool for t in caches)
+        logger.info("KV cache: %s blocks of %d tokens for %d layers in %d cache groups (%.1f MiB)",
+                    " + ".join(map(str, pool_blocks)), self.block_size, len(layers), len(groups), total / 2**20)
+        return per_pool
 
     @torch.inference_mode()
     def _compile_decode_graphs(self) -> None:
@@ -406,7 +460,7 @@ class ModelWorker:
         for group, block_table in zip(self.cache_groups, block_tables):
             src = torch.tensor([block_table[a // bs] * bs + a % bs for a, _ in moves], device=self.device)
             dst = torch.tensor([block_table[b // bs] * bs + b % bs for _, b in moves], device=self.device)
-            for caches in self.kv_caches[: len(group.layers)]:
+            for caches in self.pool_caches[group.pool][: len(group.layers)]:
                 for cache in caches:
                     flat = cache.view(-1, *cache.shape[2:])
                     flat[dst] = flat[src]
@@ -420,7 +474,8 @@ class ModelWorker:
         """A ForwardBatch over the paged caches, its attention metadata built once for all layers (unless
         `with_attention` is False: a step that replays a CUDA graph builds its own inside the graph). `tree_parts`: per
         sequence, which of its query tokens each may see (draft trees); None for causal order. `group_slots` and
-        `group_block_tables`: those of the model's other cache groups (absent: group 0's)."""
+        `group_block_tables`: those of the model's other cache groups (absent: group 0's, or in another block pool
+        its padding block: only steps in pool 0's padding block come without them)."""
         dev = self.device
         tables = _padded_tables(block_tables)
         query_start = [0]
@@ -447,11 +502,17 @@ class ModelWorker:
             tree_mask=tree_mask,
         )
         for g in range(1, len(self.cache_groups)):
-            own = group_slots is not None and len(group_slots) >= g
-            batch.groups.append(dataclasses.replace(
-                batch, groups=[],
-                slot_mapping=torch.tensor(group_slots[g - 1], dtype=torch.long, device=dev) if own else batch.slot_mapping,
-                block_tables=_padded_tables(group_block_tables[g - 1]).to(dev) if own else batch.block_tables))
+            if group_slots is not None and len(group_slots) >= g:
+                slot_mapping = torch.tensor(group_slots[g - 1], dtype=torch.long, device=dev)
+                group_tables = _padded_tables(group_block_tables[g - 1]).to(dev)
+            elif self.cache_groups[g].pool == self.cache_groups[0].pool:
+                slot_mapping, group_tables = batch.slot_mapping, batch.block_tables
+            else:  # a padding step (its slots are in pool 0's padding block): this pool's padding block instead
+                pad = self.pool_blocks[self.cache_groups[g].pool]
+                slot_mapping = pad * self.block_size + batch.slot_mapping % self.block_size
+                group_tables = torch.full_like(batch.block_tables, pad)
+            batch.groups.append(dataclasses.replace(batch, groups=[], slot_mapping=slot_mapping,
+                                                    block_tables=group_tables))
         if with_attention:
             self.prepare_attention(batch)
         return batch
@@ -622,7 +683,7 @@ class DraftRunner:
         self.scratch_per_seq = -(-max(max_draft_tokens - 1, 0) // bs)
         self.scratch_start = worker.num_blocks + 2  # past the padding and null blocks, as in the target's cache
         num_blocks = self.scratch_start + worker.config.max_num_seqs * self.scratch_per_seq
-        self.kv_caches = worker.allocate_caches(model.attention_layers(), num_blocks)
+        self.kv_caches = worker.allocate_caches(model.attention_layers(), [num_blocks])[0]
         self.states: dict[str, DraftState] = {}
 
     def observe(self, batch: ForwardBatch, hidden: torch.Tensor, aux_hidden: Mapping[int, torch.Tensor],

@@ -14,8 +14,7 @@ Caches (shapes as `DeepseekV4Attention.cache_shapes` declares them):
 - per compressed row, in the full group's blocks: row w (tokens w * rate .. (w + 1) * rate - 1) sits in the block of
   its last token, at offset (last % block_size) // rate, so a block holds max(1, block_size // rate) rows and a
   prefix-cached block carries the rows its tokens closed.
-Caches may be strided views (layers of two groups share one block-major buffer), so they are read and written by
-(block, offset) indexing only.
+Caches are read and written by (block, offset) indexing only; each group's block ids are those of its own pool.
 """
 
 from __future__ import annotations

@@ -142,10 +142,18 @@ class HashRouter(nn.Module):
                  routed_scaling_factor: float = 1.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
-        # a parameter, so loading checks it is filled; int64 as stored, never cast (`fixed_dtypes`)
+        # a parameter, so loading checks it is filled; int64 (an integer parameter keeps its dtype through
+        # `models.base.materialize`), filled from the release's int32 or transformers' int64 exactly
         self.tid2eid = nn.Parameter(torch.zeros(vocab_size, top_k, dtype=torch.long), requires_grad=False)
-        self.fixed_dtypes = frozenset(("tid2eid",))
+        self.num_experts = num_experts
         self.scaling = routed_scaling_factor
+
+    def process_weights_after_loading(self) -> None:
+        """A table naming an expert the layer does not have would index past the experts: refused at load."""
+        table = self.tid2eid
+        if table.numel() and not (table.min() >= 0 and table.max() < self.num_experts):
+            raise ValueError(f"tid2eid: expert ids must lie in [0, {self.num_experts}), got {int(table.min())} to "
+                             f"{int(table.max())}")
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()

@@ -295,13 +295,14 @@ def packed_targets(module: nn.Module, map_weight: Callable[[str], WeightTarget |
 def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """Real, uninitialised storage in `dtype` on `device` for a module built on the meta device (every parameter is
     then loaded, so random init would be wasted work). Parameters a module lists in `fixed_dtypes` (packed quantized
-    experts and their scales) keep the dtype they were built with; routers stay float32, as the published models
+    experts and their scales) and integer ones (index tables) keep the dtype they were built with; routers stay float32, as the published models
     compute routing; rotary tables (plain tensors, not cast with the weights) move to the device."""
     for sub in module.modules():
         fixed = getattr(sub, "fixed_dtypes", frozenset())
         for name, param in list(sub.named_parameters(recurse=False)):
             # plain torch.empty per parameter: nn.Module.to_empty pulls in sympy (~500 modules, ~140 MiB) via meta shapes
-            storage = torch.empty(param.shape, dtype=param.dtype if name in fixed else dtype, device=device)
+            keep = name in fixed or not param.is_floating_point()
+            storage = torch.empty(param.shape, dtype=param.dtype if keep else dtype, device=device)
             setattr(sub, name, nn.Parameter(storage, requires_grad=False))
         for name, buffer in list(sub.named_buffers(recurse=False)):
             sub.register_buffer(name, torch.empty(buffer.shape, dtype=buffer.dtype, device=device))

@@ -11,18 +11,24 @@
   batch, draft tokens included), `moe` layers by sqrtsoftplus scores with a correction bias; routed and shared
   experts use the clamped SwiGLU (`swiglu_limit`).
 
-Cache layout, and why: two KV cache groups over the one block pool (cache_groups.py).
-- The sliding group (window max(sliding_window, 2 x CSA rate, HCA rate)) holds per token each layer's latent row
-  and its compressors' kv and gate projections. A compressed row is made from its tokens' projections when its last
-  token is computed, so the tail of an unfinished window is never separate state: it is in the cache like any token,
-  and chunked prefill, prefix hits (at any block boundary: the group keeps what the next rows read), preemption and
-  draft chains need nothing beyond what the engine does for every sliding group.
-- The full group holds the compressed rows (and the indexer's keys): row w in the block of its last token, so a
-  block of the prefix cache carries exactly the rows its tokens closed, and a block holds max(1, block_size / rate)
-  rows instead of block_size tokens.
-Per position in a group the worker shares one block-major buffer between the two groups' layers (worker.py).
+Cache layout, and why: two KV cache groups, each in its own block pool (cache_groups.py), so a block costs what its
+group holds.
+- The sliding group (window max(sliding_window, 2 x CSA rate, HCA rate); pool 1) holds per token each layer's latent
+  row and its compressors' kv and gate projections. A compressed row is made from its tokens' projections when its
+  last token is computed, so the tail of an unfinished window is never separate state: it is in the cache like any
+  token, and chunked prefill, prefix hits (at any block boundary: the group keeps what the next rows read),
+  preemption and draft chains need nothing beyond what the engine does for every sliding group. Its pool is sized
+  for the running sequences' windows (worker.py), whatever the context length.
+- The full group (pool 0) holds the compressed rows (and the indexer's keys): row w in the block of its last token,
+  so a block of the prefix cache carries exactly the rows its tokens closed, and a block holds max(1, block_size /
+  rate) rows of each compressed layer (a block costs block_size / rate rows, not block_size tokens of every layer:
+  the context's bytes per token are those of the rows alone).
+Weights as released (models/quantization.py): block FP8 linears (e8m0 scales under `X.scale`) dequantized at load,
+FP4 routed experts kept packed as MXFP4 codes and scales, the compressors' and indexer's bf16 projections as stored,
+the int32 tid2eid table widened to int64.
+
 Limits: draft trees are cut to their first path (positions address the windows and rows, and a tree's nodes share
-positions); FP8 / FP4 checkpoints and the MTP layer are not loaded yet.
+positions); the MTP layer is not loaded yet.
 
 Checkpoint names: the official ones (`layers.N.attn.wq_a`, `ffn.experts.E.w1`, `hc_attn_fn`, `embed`, `head`, ...,
 which transformers' save_pretrained also writes) and transformers' module names are both read.
@@ -174,8 +180,10 @@ class DeepseekV4ForCausalLM(CausalLM):
     def cache_groups(self) -> list[CacheGroup]:
         n = len(self.layers)
         compressed = sum(layer.self_attn.rows is not None for layer in self.layers)
-        sliding = CacheGroup("sliding", tuple(range(n)), sliding_group_window(self.config))
-        return ([CacheGroup("full", tuple(range(n, n + compressed)))] if compressed else []) + [sliding]
+        if not compressed:
+            return [CacheGroup("sliding", tuple(range(n)), sliding_group_window(self.config))]
+        return [CacheGroup("full", tuple(range(n, n + compressed))),
+                CacheGroup("sliding", tuple(range(n)), sliding_group_window(self.config), pool=1)]
 
     def forward(self, batch: ForwardBatch, aux_hidden: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)

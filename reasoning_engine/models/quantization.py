@@ -12,6 +12,11 @@ Three published formats are read:
   its block, edge blocks partial. Qwen3-Next / Qwen3.5 / Qwen3.6 FP8 store the scales in bf16 (widened exactly to
   float32) and name every module they leave unconverted in ``modules_to_not_convert`` (``linear_attn.in_proj_ba`` or
   ``in_proj_a`` / ``in_proj_b``, the router and shared-expert gate, norms, ``conv1d``, the vision tower), stored as is.
+  DeepSeek-V4 (``scale_fmt: ue8m0``) stores each scale as a power of two, float8_e8m0fnu (widened exactly to
+  float32), under ``X.scale`` in the release (``X.weight_scale_inv`` as transformers saves it); its routed experts
+  (``expert_dtype: fp4``, top level in V4, inside quantization_config in V4.1) are FP4: ``X.weight`` int8
+  ``[out, in / 2]``, two e2m1 codes per byte (low nibble first), and an e8m0 scale per 32 inputs ``[out, in / 32]``:
+  MXFP4's codes and scales, kept packed as such. Its compressor and indexer projections are stored in bf16.
 - compressed-tensors ``float-quantized`` FP8 (GLM-4.5 / 4.6 / 4.7 FP8): ``weight`` float8_e4m3fn ``[out, in]`` and
   ``weight_scale`` ``[out, 1]`` (per channel) or ``[1]`` (per tensor); dense weight = ``fp8 * scale``. Activation
   quantization (dynamic per token, or a static ``input_scale``) is not applied: activations stay in the compute dtype.
@@ -59,6 +64,7 @@ class QuantConfig:
     block: tuple[int, int] = (128, 128)
     targets: tuple[str, ...] = ("Linear",)
     ignore: tuple[str, ...] = ()
+    expert_dtype: str = "fp8"  # block FP8: the routed experts' format, "fp8" or DeepSeek-V4's "fp4" (MXFP4 layout)
 
     def is_quantized(self, module_name: str) -> bool:
         """Whether the linear layer ``module_name`` (e.g. ``model.layers.3.mlp.experts.7.up_proj``) is stored
@@ -95,7 +101,7 @@ def parse_quant_config(hf_config: dict[str, Any]) -> QuantConfig | None:
     if method == "compressed-tensors":
         return _parse_compressed_tensors(raw)
     if method == "fp8":
-        return _parse_fp8(raw)
+        return _parse_fp8({"expert_dtype": hf_config.get("expert_dtype"), **raw})
     if method == "mxfp4":  # gpt-oss: its experts' `*_blocks` / `*_scales`, read as stored and kept packed
         return QuantConfig(method="mxfp4", group_size=32, ignore=tuple(raw.get("modules_to_not_convert") or ()))
     raise ValueError(
@@ -159,6 +165,7 @@ def _parse_compressed_fp8(raw: dict[str, Any], groups: dict[str, Any]) -> QuantC
 
 
 def _parse_fp8(raw: dict[str, Any]) -> QuantConfig:
+    """Block FP8 (`expert_dtype` in `raw`, or None: V4 keeps it beside quantization_config)."""
     fmt = raw.get("fmt", "e4m3")
     if fmt not in ("e4m3", "float8_e4m3fn"):  # MiniMax-M2 spells it out
         raise ValueError(f"unsupported fp8 format {fmt!r}; supported: 'e4m3' (float8_e4m3fn)")
@@ -167,8 +174,13 @@ def _parse_fp8(raw: dict[str, Any]) -> QuantConfig:
     block = raw.get("weight_block_size")
     if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise ValueError(f"fp8 quantization_config needs weight_block_size [rows, cols] (block FP8), got {block!r}")
+    if raw.get("scale_fmt", "float") not in ("float", "ue8m0"):
+        raise ValueError(f"unsupported fp8 scale_fmt {raw.get('scale_fmt')!r}; supported: 'float', 'ue8m0'")
+    experts = raw.get("expert_dtype") or "fp8"
+    if experts not in ("fp8", "fp4"):
+        raise ValueError(f"unsupported expert_dtype {experts!r}; supported: 'fp8', 'fp4'")
     ignore = tuple(raw.get("modules_to_not_convert") or raw.get("ignored_layers") or ())
-    return QuantConfig(method="fp8", block=(block[0], block[1]), ignore=ignore)
+    return QuantConfig(method="fp8", block=(block[0], block[1]), ignore=ignore, expert_dtype=experts)
 
 
 def expert_quant(quant: QuantConfig | None, layer: int, hidden_size: int = 0,
@@ -183,6 +195,8 @@ def expert_quant(quant: QuantConfig | None, layer: int, hidden_size: int = 0,
         return None
     if quant.method == "fp8-channel":  # a block as wide as any input, in whole 128s so the Triton tiles divide it
         return ExpertQuant("fp8_block", block_shape=(1, -(-max(hidden_size, intermediate_size) // 128) * 128))
+    if quant.method == "fp8" and quant.expert_dtype == "fp4":  # DeepSeek-V4: e2m1 codes and e8m0 scales per 32
+        return ExpertQuant("mxfp4", group_size=32)
     if quant.method == "fp8":
         return ExpertQuant("fp8_block", block_shape=quant.block)
     if quant.method == "mxfp4":
@@ -239,6 +253,22 @@ def dequantize_fp8_channel(weight: torch.Tensor, scale: torch.Tensor, dtype: tor
                          f"{tuple(scale.shape)}")
     dense = weight.to(torch.float32) * scale.to(torch.float32).reshape(-1, 1)
     return dense.to(dtype).contiguous()
+
+
+def e8m0_exponents(scale: torch.Tensor) -> torch.Tensor:
+    """Power-of-two scales as e8m0 bytes (2^(byte - 127), MXFP4's scale format): float8_e8m0fnu and uint8 as stored;
+    float scales (``scale_fmt: float``) converted exactly, or ValueError where one is not a power of two e8m0 holds."""
+    if scale.dtype == torch.uint8:
+        return scale
+    if scale.dtype == torch.float8_e8m0fnu:
+        return scale.view(torch.uint8)
+    if not scale.is_floating_point():
+        raise ValueError(f"power-of-two scales must be float8_e8m0fnu, uint8 or a float type, got {scale.dtype}")
+    mantissa, exponent = torch.frexp(scale.float())  # scale = mantissa * 2^exponent, mantissa in [0.5, 1)
+    byte = exponent.long() + 126
+    if not bool(((mantissa == 0.5) & (byte >= 0) & (byte <= 254)).all()):
+        raise ValueError("FP4 scales must be powers of two from 2^-127 to 2^127 (e8m0)")
+    return byte.to(torch.uint8)
 
 
 def dequantize_fp8_block(

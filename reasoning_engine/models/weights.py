@@ -36,6 +36,7 @@ from reasoning_engine.models.quantization import (
     dequantize_fp8_block,
     dequantize_fp8_channel,
     dequantize_int4_pack,
+    e8m0_exponents,
 )
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,9 @@ class CheckpointTensor:
     """One logical tensor: its name as the model sees it, and the stored tensors it is read from."""
 
     name: str
-    kind: str  # "plain", "int4" (pack-quantized), "fp8" (block FP8), "fp8_channel" (compressed-tensors FP8) or "mxfp4"
+    # "plain", "int4" (pack-quantized), "fp8" (block FP8), "fp4" (DeepSeek-V4's experts: e2m1 pairs and e8m0 scales
+    # per 32, read with block FP8), "fp8_channel" (compressed-tensors FP8) or "mxfp4" (gpt-oss's stacked experts)
+    kind: str
     parts: tuple[str, ...]  # stored tensor names: the tensor itself, or the quantized parts in _INT4_PARTS / weight order
 
 
@@ -113,8 +116,10 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
 
 
 def plan_checkpoint(locations: dict[str, Path], quant: QuantConfig | None) -> list[CheckpointTensor]:
-    """Group stored tensors into logical ones: quantized parts become one ``X.weight``; order follows the files."""
+    """Group stored tensors into logical ones: quantized parts become one ``X.weight``; order follows the files.
+    Block FP8 scales are ``X.weight_scale_inv``, or under a block FP8 config ``X.scale`` (DeepSeek-V4's release)."""
     names = set(locations)
+    short_scales = quant is not None and quant.method == "fp8"  # DeepSeek-V4 names a weight's scale X.scale
     consumed: set[str] = set()
     plan: list[CheckpointTensor] = []
     for stored in sorted(names, key=lambda n: (str(locations[n]), n)):
@@ -131,8 +136,9 @@ def plan_checkpoint(locations: dict[str, Path], quant: QuantConfig | None) -> li
                 raise ValueError(f"{base!r} has a weight_zero_point: asymmetric INT4 is not supported")
             plan.append(CheckpointTensor(f"{base}.weight", "int4", parts))
             consumed.update(parts)
-        elif stored.endswith(".weight_scale_inv"):
-            base = stored[: -len(".weight_scale_inv")]
+        elif stored.endswith(".weight_scale_inv") or (short_scales and stored.endswith(".scale")
+                                                       and f"{stored[: -len('.scale')]}.weight" in names):
+            base = stored[: -len(".weight_scale_inv")] if stored.endswith(".weight_scale_inv") else stored[: -len(".scale")]
             if f"{base}.weight" not in names:
                 raise ValueError(f"{stored!r} has no {base + '.weight'!r} to scale in the checkpoint")
             _require_quant(quant, "fp8", stored)
@@ -150,7 +156,9 @@ def plan_checkpoint(locations: dict[str, Path], quant: QuantConfig | None) -> li
             _require_quant(quant, "mxfp4", stored)
             plan.append(CheckpointTensor(base, "mxfp4", (stored, f"{base}_scales")))
             consumed.update((stored, f"{base}_scales"))
-        elif (not (stored.endswith(".weight") and f"{stored}_scale_inv" in names) and not _is_int4_part(stored, names)
+        elif (not (stored.endswith(".weight") and (f"{stored}_scale_inv" in names
+                                                    or (short_scales and f"{stored[: -len('weight')]}scale" in names)))
+              and not _is_int4_part(stored, names)
               and not _is_fp8_channel_part(stored, names)
               and not (stored.endswith("_scales") and f"{stored[: -len('_scales')]}_blocks" in names)):
             plan.append(CheckpointTensor(stored, "plain", (stored,)))
@@ -208,6 +216,13 @@ class _MappedFiles:
         try:
             return list(self._handle(path).get_slice(name).get_shape())
         except Exception as exc:  # safetensors raises its own error type for a name the file lacks
+            raise ValueError(f"tensor {name!r} is listed for {path.name} but cannot be read from it: {exc}") from exc
+
+    def stored_dtype(self, path: Path, name: str) -> str:
+        """A stored tensor's safetensors dtype ("F8_E4M3", "I8", ...), from the file's header."""
+        try:
+            return self._handle(path).get_slice(name).get_dtype()
+        except Exception as exc:
             raise ValueError(f"tensor {name!r} is listed for {path.name} but cannot be read from it: {exc}") from exc
 
     def get(self, path: Path, name: str, index: Index | None = None) -> torch.Tensor:
@@ -269,6 +284,7 @@ def iter_checkpoint_tensors(
         plan = [t for t in plan if t.name.startswith(prefix_strip)]
     total = sum(p.stat().st_size for p in set(locations.values()))
     files = _MappedFiles(max(MIN_RESIDENT_BYTES, min(MAX_RESIDENT_BYTES, total // 20)))
+    plan = [_fp4_if_packed(entry, locations, files) for entry in plan]
     for entry in tqdm(plan, desc="Loading weights", unit="tensor", disable=not progress):
         name = entry.name[len(prefix_strip):] if prefix_strip else entry.name
         if entry.kind != "plain" and keep_packed is not None and keep_packed(name):
@@ -277,6 +293,13 @@ def iter_checkpoint_tensors(
             parts = [(name, _LogicalTensor(entry, locations, files, quant, dtype))]
         yield from parts
         files.release_full()
+
+
+def _fp4_if_packed(entry: CheckpointTensor, locations: dict[str, Path], files: _MappedFiles) -> CheckpointTensor:
+    """A block-FP8 entry whose weight is stored as bytes holds FP4 pairs with per-32 scales (DeepSeek-V4's experts)."""
+    if entry.kind == "fp8" and files.stored_dtype(locations[entry.parts[0]], entry.parts[0]) in ("I8", "U8"):
+        return CheckpointTensor(entry.name, "fp4", entry.parts)
+    return entry
 
 
 class LazyTensor(Protocol):
@@ -304,7 +327,10 @@ class _LogicalTensor:
         if entry.kind == "mxfp4":  # blocks [E, out, in/32, 16] stand for transformers' [E, in, out]
             experts, out, groups, _ = self.files.shape(self.locations[entry.parts[0]], entry.parts[0])
             return [experts, groups * 32, out]
-        return self.files.shape(self.locations[entry.parts[0]], entry.parts[0])
+        shape = self.files.shape(self.locations[entry.parts[0]], entry.parts[0])
+        if entry.kind == "fp4":  # two codes per byte
+            return [*shape[:-1], 2 * shape[-1]]
+        return shape
 
     def _part(self, i: int, index: Index | None = None) -> torch.Tensor:
         stored = self.entry.parts[i]
@@ -320,6 +346,10 @@ class _LogicalTensor:
         assert self.quant is not None
         if entry.kind == "mxfp4":  # read whole (only unpacked experts come here), then cut
             dense = dequantize_mxfp4(self._part(0).flatten(-2), self._part(1)).transpose(1, 2)
+            return (dense[index] if index is not None else dense).to(self.dtype).contiguous()
+        if entry.kind == "fp4":  # likewise
+            codes, scales = _fp4_parts(entry, self._part(0), self._part(1))
+            dense = dequantize_mxfp4(codes, scales)
             return (dense[index] if index is not None else dense).to(self.dtype).contiguous()
         rows, cols = _bounds(index, self.shape)
         if entry.kind == "int4":
@@ -368,20 +398,40 @@ def _bounds(index: Index | None, shape: Sequence[int]) -> tuple[slice, slice]:
     return bounds[0], bounds[1]
 
 
+def _check_fp4(entry: CheckpointTensor, codes: Sequence[int], scales: Sequence[int]) -> None:
+    """FP4 codes (two per byte) need one scale per 32 values."""
+    if list(scales) != [*codes[:-1], codes[-1] * 2 // 32] or (codes[-1] * 2) % 32:
+        raise ValueError(f"{entry.name!r}: FP4 codes {list(codes)} need one scale per 32 values, got scales "
+                         f"{list(scales)}")
+
+
+def _fp4_parts(entry: CheckpointTensor, codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP4 weight's codes as bytes and its scales as e8m0 bytes, checked to fit."""
+    _check_fp4(entry, codes.shape, scales.shape)
+    try:
+        return codes.view(torch.uint8), e8m0_exponents(scales)
+    except ValueError as exc:
+        raise ValueError(f"cannot read {entry.name!r}: {exc}") from exc
+
+
+def _float32_scale(part: torch.Tensor) -> torch.Tensor:
+    """A block-FP8 scale widened to the float32 the packed experts keep (exact from bf16, fp16 and e8m0)."""
+    return part.to(torch.float32) if part.dtype in (torch.bfloat16, torch.float16, torch.float8_e8m0fnu) else part
+
+
 class _StoredPart:
-    """One stored part of a layer kept quantized, read as stored (no dtype cast), or widened to `widen` where the
-    packed parameter keeps a wider float (Qwen's bf16 block-FP8 scales into float32: exact)."""
+    """One stored part of a layer kept quantized, read as stored (no dtype cast), or through `convert` into the form
+    the packed parameter keeps (exactly: Qwen's bf16 block-FP8 scales into float32, FP4 codes and scales as bytes)."""
 
     def __init__(self, stored: str, locations: dict[str, Path], files: _MappedFiles,
-                 widen: torch.dtype | None = None) -> None:
-        self.stored, self.locations, self.files, self.widen = stored, locations, files, widen
+                 convert: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.stored, self.locations, self.files, self.convert = stored, locations, files, convert
         self.shape = files.shape(locations[stored], stored)
 
     def read(self, index: Index | None = None) -> torch.Tensor:
         part = self.files.get(self.locations[self.stored], self.stored, index)
-        if self.widen is not None and part.dtype in (torch.bfloat16, torch.float16):
-            return part.to(self.widen)
-        return part.clone()
+        converted = self.convert(part) if self.convert is not None else part
+        return converted.clone() if converted.data_ptr() == part.data_ptr() else converted
 
 
 class _ChannelScale:
@@ -429,6 +479,12 @@ def _packed_parts(
         rows = files.shape(locations[weight], weight)[0]
         return [(f"{base}.weight", _StoredPart(weight, locations, files)),
                 (f"{base}.weight_scale", _ChannelScale(scale, rows, locations, files))]
-    weight, scale_inv = entry.parts  # float32 scales (DeepSeek, MiniMax) or bf16 (Qwen), kept as float32
+    if entry.kind == "fp4":  # codes and e8m0 scales as the MXFP4 experts keep them (uint8)
+        weight, scale = entry.parts
+        _check_fp4(entry, files.shape(locations[weight], weight), files.shape(locations[scale], scale))
+        return [(f"{base}.weight", _StoredPart(weight, locations, files, lambda t: t.view(torch.uint8))),
+                (f"{base}.weight_scale_inv", _StoredPart(scale, locations, files, e8m0_exponents))]
+    # float32 scales (DeepSeek-V3, MiniMax), bf16 (Qwen) or e8m0 (DeepSeek-V4), kept as float32
+    weight, scale_inv = entry.parts
     return [(f"{base}.weight", _StoredPart(weight, locations, files)),
-            (f"{base}.weight_scale_inv", _StoredPart(scale_inv, locations, files, widen=torch.float32))]
+            (f"{base}.weight_scale_inv", _StoredPart(scale_inv, locations, files, _float32_scale))]

@@ -91,6 +91,40 @@ def test_admission_counts_every_group() -> None:
     assert bm.can_allocate(request, 8)
 
 
+def test_groups_in_their_own_pools_count_and_free_blocks_per_pool() -> None:
+    """DeepSeek-V4's layout: the full group in pool 0, the sliding group in pool 1, each with its own block ids and
+    count. Admission needs room in every pool (free blocks of the other pool do not count), a hit takes each group's
+    blocks from its own pool, and freeing gives each pool back its own."""
+    groups = [CacheGroup("full", (0,)), CacheGroup("sliding", (1,), window=8, pool=1)]
+    bm = BlockManager([12, 4], block_size=4, groups=groups)
+    assert [p.num_blocks for p in bm.pools] == [12, 4] and bm.num_blocks == 16
+    assert bm.null_of(0) == 13 and bm.null_of(1) == 5
+    first = _request("a", list(range(2, 22)))  # 20 tokens: 5 blocks in each group
+    assert bm.blocks_needed(first, 20) == 10 and not bm.can_allocate(first, 20)  # 10 <= 16 free, but pool 1 has 4
+    assert bm.can_allocate(first, 16)
+    bm.allocate(first, 16)
+    assert first.block_tables == [[0, 1, 2, 3], [0, 1, 2, 3]]  # the same ids, in different pools
+    first.num_computed_tokens = 16
+    bm.cache_full_blocks(first)
+    assert [p.num_free for p in bm.pools] == [8, 0]
+    assert bm.slide(first) == 2  # the next query at 16 reads positions above 8: blocks 0 and 1 of the window go
+    assert first.block_tables[1] == [5, 5, 2, 3] and bm.held_blocks(first) == 6
+    assert bm.can_allocate(first, 4)
+    bm.allocate(first, 4)
+    assert first.block_tables[1][4] in (0, 1)
+    assert bm.group_usage() == [5 / 12, 3 / 4] and bm.usage == 3 / 4
+    second = _request("b", list(range(2, 18)) + [40])  # shares 16 tokens: a hit of 4 blocks needs window blocks 2, 3
+    bm.match_prefix(second)
+    assert second.num_computed_tokens == 16
+    assert second.block_tables == [[0, 1, 2, 3], [5, 5, 2, 3]]
+    assert bm.pools[0].ref_counts[:4] == [2] * 4 and bm.pools[1].ref_counts[2:4] == [2, 2]
+    bm.free(second)
+    bm.free(first)
+    assert [p.num_free for p in bm.pools] == [12, 4] and bm.group_used == [0, 0]
+    with pytest.raises(ValueError, match="num_blocks: one count per cache pool"):
+        BlockManager(16, block_size=4, groups=groups)
+
+
 def _long_prompts(vocab: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(5)
     return [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in (37, 23, 9)]

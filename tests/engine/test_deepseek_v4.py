@@ -106,3 +106,54 @@ def test_tensor_and_data_parallel_equal_one_process(path: str, plain, parallel: 
         assert _generate(llm, prompts) == [plain(p) for p in prompts]
     finally:
         llm.shutdown()
+
+
+def test_released_fp4_experts_under_tensor_parallel_equal_one_process(tiny_checkpoint) -> None:
+    """The release's format (block FP8, FP4 experts kept packed) under TP 2: each rank reads its half of every
+    expert's 64 intermediate channels (one whole scale group of 32) and its share of the FP8 blocks; the tokens of
+    one process."""
+    path = str(tiny_checkpoint("deepseek_v4_fp4").path)
+    prompts = _prompts(7, (9, 40, 70))
+    want = _generate(LLM(path, **V4), prompts)
+    llm = LLM(path, tensor_parallel_size=2, **V4)
+    try:
+        assert _generate(llm, prompts) == want
+    finally:
+        llm.shutdown()
+
+
+def test_compressed_rows_cost_their_own_bytes_per_block(path: str, plain) -> None:
+    """The compressed rows and the per-token window live in block pools of their own: a row block costs the rows it
+    holds (block_size / rate rows per compressed layer), not a window block's block_size tokens of every layer, so a
+    2 MiB cache holds over 10x the context a pool priced at the window's block would. A long sequence holds one row
+    block per 8 tokens of context and only its window's blocks of the other pool, and gives the plain tokens."""
+    llm = LLM(path, kv_cache_memory=2 * 2**20, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, **V4)
+    worker, bm = llm.engine.runner.worker, llm.engine.block_manager
+    # float32, blocks of 8 tokens; CSA layers 1 and 3: 2 rows of a 32-wide row and a 16-wide index key; HCA layer 2:
+    # max(1, 8 // 16) = 1 row of 32; window: per token every layer's 32-wide row, CSA's projections (2 x 2 x 32 and
+    # 2 x 2 x 16 wide), HCA's (2 x 32)
+    row_block, window_block = 4 * (2 * 48 + 32 + 2 * 48), 4 * 8 * (32 + 2 * (32 + 128 + 64) + (32 + 64))
+    assert worker.pool_bytes_per_block() == [row_block, window_block] == [896, 18432]
+    assert [g.pool for g in bm.groups] == [0, 1] and [p.num_blocks for p in bm.pools] == worker.pool_blocks
+    kv_bytes = worker.memory_report()["kv_cache_bytes"]
+    assert kv_bytes == sum((n + 2) * b for n, b in zip(worker.pool_blocks, [row_block, window_block]))
+    assert kv_bytes <= 2 * 2**20 + 2 * (row_block + window_block)  # the budget, and each pool's padding and null blocks
+    context = worker.pool_blocks[0] * 8
+    assert context > 10 * (2 * 2**20 // window_block) * 8
+    # the window pool: twice what 4 sequences' 16-token windows and a 64-token step need
+    assert worker.pool_blocks[1] == 2 * (4 * (16 // 8 + 2) + 64 // 8)
+    prompt = _prompts(6, (70,))[0]
+    engine = llm.engine
+    request_id = engine.add_request(None, {"prompt_token_ids": prompt}, GREEDY)
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = list(out.outputs[0].token_ids)
+        for request in engine.scheduler.running:
+            rows, window = request.block_tables
+            assert len(rows) == -(-request.num_computed_tokens // 8)
+            if not request.is_prefilling:
+                assert sum(b != bm.null_of(1) for b in window) <= 16 // 8 + 2
+                assert bm.null_of(0) not in rows
+    assert request_id is not None and tokens == plain(prompt)
+    _assert_no_leak(llm)

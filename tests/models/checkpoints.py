@@ -130,7 +130,7 @@ class Variant:
     # "qwen3_5" (Qwen3.5's image-text wrapper: text_config, model.language_model. prefix, a vision tower beside)
     mtp: bool = False  # add the family's MTP layer: DeepSeek's at index num_hidden_layers, Qwen3-Next's under mtp.
     shards: int = 1
-    quant: str | None = None  # "int4" (routed experts, compressed-tensors), "fp8" (block FP8) or "fp8_channel"
+    quant: str | None = None  # "int4" (routed experts, compressed-tensors), "fp8" (block FP8), "fp8_channel" or "v4"
 
 
 VARIANTS: dict[str, Variant] = {
@@ -219,6 +219,9 @@ VARIANTS: dict[str, Variant] = {
     "qwen3_5_moe_fp8": Variant("qwen3_5_moe_text", _QWEN_FP8, published=False, layout="qwen3_5", quant="fp8"),
     # DeepSeek-V4 as transformers' save_pretrained writes it (the official tensor names)
     "deepseek_v4": Variant("deepseek_v4", published=False),
+    # and as released: block FP8 with e8m0 scales, FP4 routed experts (64 intermediate channels: whole groups of 32
+    # per rank under TP 2), int32 tid2eid
+    "deepseek_v4_fp4": Variant("deepseek_v4", dict(moe_intermediate_size=64), published=False, quant="v4"),
 }
 
 

@@ -13,6 +13,12 @@
   embeddings and LM head: float8_e4m3fn ``weight`` and bf16 ``weight_scale`` ``[out, 1]`` (row amax / 448), dynamic
   per-token input activations (no input_scale).
 
+- DeepSeek-V4 as released (``scale_fmt: ue8m0``, ``expert_dtype: fp4``): every linear but the router, embeddings,
+  LM head and the compressors' and indexer's bf16 projections in block FP8, quantized by transformers' own
+  ``Fp8Quantize`` (power-of-two float8_e8m0fnu scales), stored under the release's ``X.scale``; routed experts in
+  FP4, ``X.weight`` int8 ``[out, in/2]`` (two e2m1 codes per byte, low nibble first) and ``X.scale`` e8m0
+  ``[out, in/32]`` (transformers has no FP4 writer: the MXFP4 rounding below); ``tid2eid`` int32.
+
 - MXFP4 as gpt-oss ships its experts: each layer's stacked ``gate_up_proj`` / ``down_proj`` ([E, in, out] in
   transformers) as ``*_blocks`` uint8 ``[E, out, in/32, 16]`` (e2m1 codes, low nibble first) and ``*_scales`` uint8
   ``[E, out, in/32]`` (e8m0, 2^(s - 127), the smallest power of two that brings the group's amax within 6).
@@ -191,6 +197,38 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     return blocks, (exponent + 127).to(torch.uint8), dense.flatten(-2).transpose(1, 2).contiguous()
 
 
+V4_ROUTED_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+V4_NOT_FP8 = re.compile(r"(embed|^head\.|norm|\.ffn\.gate\.|\.compressor\.(wkv|wgate)\.|\.indexer\.weights_proj\.)")
+V4_BLOCK = (16, 16)  # tiny shapes: blocks that divide every linear, as 128 x 128 divide the released model's
+V4_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+                          "weight_block_size": list(V4_BLOCK)}
+
+
+def quantize_fp8_ue8m0(weight: torch.Tensor, block: tuple[int, int] = V4_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block FP8 with power-of-two e8m0 scales, by transformers' own quantizer (the ops its FP8 save runs)."""
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    config = FineGrainedFP8Config(weight_block_size=block, scale_fmt="ue8m0", expert_dtype="fp4")
+    out = Fp8Quantize(FineGrainedFP8HfQuantizer(config))._quantize_one("x.weight", weight)
+    return out["x.weight"], out["x.weight_scale_inv"]
+
+
+def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[out, in] -> FP4 codes int8 [out, in/2], e8m0 scales [out, in/32] and the dense weight they stand for."""
+    blocks, scales, dense = quantize_mxfp4(weight.t().unsqueeze(0))
+    return (blocks[0].flatten(-2).view(torch.int8), scales[0].view(torch.float8_e8m0fnu),
+            dense[0].t().contiguous())
+
+
+def dequantize_v4(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """transformers' own dequantization of a released DeepSeek-V4 tensor (block FP8 or FP4), in float32."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    return Fp8Dequantize(None)._dequantize_one(weight, scale, output_dtype=torch.float32)
+
+
 def quantize_checkpoint(folder: Path, scheme: str, shards: int = 1) -> dict[str, torch.Tensor]:
     """Rewrite the checkpoint in `folder` in place: routed experts to INT4 (`scheme="int4"`) or every linear weight
     but router / embeddings / LM head to block FP8 (`scheme="fp8"`) or per-channel FP8 (`"fp8_channel"`), with the matching quantization_config (inside
@@ -202,7 +240,17 @@ def quantize_checkpoint(folder: Path, scheme: str, shards: int = 1) -> dict[str,
     not_converted: list[str] = []
     for name, tensor in read_tensors(folder).items():
         base = name[: -len(".weight")]
-        if scheme == "mxfp4" and GPT_OSS_EXPERTS.search(name):
+        if scheme == "v4" and V4_ROUTED_EXPERT.search(name):
+            codes, scale, _ = quantize_fp4(tensor)
+            stored.update({name: codes, f"{base}.scale": scale})
+            dense[name] = dequantize_v4(codes, scale)
+        elif scheme == "v4" and name.endswith(".weight") and tensor.dim() == 2 and not V4_NOT_FP8.search(name):
+            fp8, scale = quantize_fp8_ue8m0(tensor)
+            stored.update({name: fp8, f"{base}.scale": scale})
+            dense[name] = dequantize_v4(fp8, scale)
+        elif scheme == "v4" and name.endswith(".tid2eid"):
+            stored[name], dense[name] = tensor.to(torch.int32), tensor
+        elif scheme == "mxfp4" and GPT_OSS_EXPERTS.search(name):
             blocks, scales, dense[name] = quantize_mxfp4(tensor)
             stored.update({f"{name}_blocks": blocks, f"{name}_scales": scales})
         elif scheme == "int4" and ROUTED_EXPERT.search(name):
@@ -225,7 +273,10 @@ def quantize_checkpoint(folder: Path, scheme: str, shards: int = 1) -> dict[str,
             stored[name] = dense[name] = tensor
             module = name.rsplit(".", 1)[0] if name.endswith((".weight", ".bias")) else name
             not_converted += [] if module in not_converted else [module]
-    if scheme == "mxfp4":
+    if scheme == "v4":  # expert_dtype beside quantization_config, as V4 (not V4.1) publishes it
+        qc = dict(V4_QUANTIZATION_CONFIG)
+        config["expert_dtype"] = "fp4"
+    elif scheme == "mxfp4":
         qc = dict(MXFP4_QUANTIZATION_CONFIG)
     elif scheme == "int4":
         wrapper = "text_config" in config

@@ -20,6 +20,7 @@ from torch import nn
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.cache_groups import CacheGroup, single_group
 from reasoning_engine.config import ModelConfig
+from reasoning_engine.layers.hyper_connection import HyperConnection
 from reasoning_engine.layers.linear import lm_head, vocab_embedding
 from reasoning_engine.layers.moe import Experts, HashRouter, Router
 from reasoning_engine.layers.norm import RMSNorm
@@ -113,6 +114,29 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x), batch)
 
 
+class HyperDecoderLayer(nn.Module):
+    """DecoderLayer's two pre-norm blocks between the mixings of `hc_mult` residual streams [T, n, D]
+    (layers/hyper_connection.py: manifold-constrained hyper-connections) instead of one residual (DeepSeek-V4,
+    GLM-5.3-Flash). `attn_args`: what the attention takes after (positions, x, batch)."""
+
+    def __init__(self, attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, hc_mult: int,
+                 sinkhorn_iters: int, hc_eps: float) -> None:
+        super().__init__()
+        self.self_attn = attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.attn_hc = HyperConnection(hidden_size, hc_mult, sinkhorn_iters, hc_eps, eps)
+        self.ffn_hc = HyperConnection(hidden_size, hc_mult, sinkhorn_iters, hc_eps, eps)
+
+    def forward(self, positions: torch.Tensor, streams: torch.Tensor, batch: ForwardBatch, *attn_args) -> torch.Tensor:
+        post, comb, x = self.attn_hc(streams)
+        out = self.self_attn(positions, self.input_layernorm(x), batch, *attn_args)
+        streams = HyperConnection.merge(post, comb, out, streams)
+        post, comb, x = self.ffn_hc(streams)
+        return HyperConnection.merge(post, comb, self.mlp(self.post_attention_layernorm(x), batch), streams)
+
+
 class CausalLM(nn.Module):
     """Embedding -> decoder layers -> norm -> LM head. Families subclass to build layers and map tensor names."""
 
@@ -150,16 +174,20 @@ class CausalLM(nn.Module):
         for each layer index that is a key of it, the residual stream that layer outputs is stored under that key.
         Without it (the usual case) nothing is kept.
         """
-        if batch.media_rows is None:
-            x = self.embed_tokens(batch.input_ids)
-        else:  # placeholder ids (a video's lies past the vocabulary) are looked up as 0, then replaced
-            x = self.embed_tokens(batch.input_ids.index_fill(0, batch.media_rows, 0))
-            x = x.index_copy(0, batch.media_rows, batch.media_embeds.to(x.dtype))
+        x = self.embed(batch)
         for index, layer in enumerate(self.layers):
             x = layer(batch.positions, x, batch)
             if aux_hidden is not None and index in aux_hidden:
                 aux_hidden[index] = x
         return self.norm(x)
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """The step's input embeddings [T, hidden], the vision encoder's rows at media placeholders."""
+        if batch.media_rows is None:
+            return self.embed_tokens(batch.input_ids)
+        # placeholder ids (a video's lies past the vocabulary) are looked up as 0, then replaced
+        x = self.embed_tokens(batch.input_ids.index_fill(0, batch.media_rows, 0))
+        return x.index_copy(0, batch.media_rows, batch.media_embeds.to(x.dtype))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,10 +1,12 @@
 """GLM-5.3-Flash (issue #59) through what the engine does: prefix hits at block boundaries inside unfinished index
 pools (blocks of 2 tokens, pools of 4) with the KDA state restored from a snapshot, preemption and recompute in a
-cache too small for the batch, n > 1, lossless speculative decoding (chains), tensor and data parallelism. Every run
-is checked against the same model run plainly (one request at a time, no prefix cache, no drafts), which
+cache too small for the batch, n > 1, lossless speculative decoding (chains), aborts, tensor and data parallelism.
+Every run is checked against the same model run plainly (one request at a time, no prefix cache, no drafts), which
 tests/models/test_glm5_next.py checks against transformers."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -96,8 +98,50 @@ def test_speculative_decoding_is_lossless(path: str, plain, method: str) -> None
     _assert_no_leak(llm)
 
 
-@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(data_parallel_size=2, enable_expert_parallel=True)],
-                         ids=["tp2", "dp2_ep"])
+def test_random_stress_with_aborts_preemption_hits_and_drafts(path: str, plain) -> None:
+    """Random lengths, prompts extending earlier ones (prefix hits), arrivals between steps, aborts, a small cache and
+    suffix drafts: every finished request has the plain tokens and nothing leaks. The prompts never repeat a stretch
+    of text: pools of equal text score within rounding of each other, and which one wins then follows the batch's
+    rounding (as for any top-k sparse attention), so such prompts are not batch-invariant."""
+    rng = random.Random(1)
+    llm = LLM(path, kv_cache_blocks=100, max_model_len=160, max_num_batched_tokens=30, adaptive=False,
+              speculative_config={"method": "suffix", "num_speculative_tokens": 3}, **GLM)
+    engine = llm.engine
+    wanted: dict[str, list[int]] = {}
+    aborted: set[str] = set()
+    done: dict[str, list[int]] = {}
+    earlier: list[list[int]] = []
+
+    def step() -> None:
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+
+    for i in range(16):
+        if earlier and rng.random() < 0.4:
+            base = rng.choice(earlier)
+            prompt = base[: rng.randint(1, len(base))] + _prompts(200 + i, (rng.randint(1, 10),))[0]
+        else:
+            prompt = _prompts(100 + i, (rng.randint(3, 70),))[0]
+        earlier.append(prompt)
+        params = SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 30), ignore_eos=True)
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+        wanted[f"r{i}"] = plain(prompt, params)
+        for _ in range(rng.randint(0, 3)):
+            step()
+        if rng.random() < 0.2:
+            engine.abort_request(f"r{i}")
+            aborted.add(f"r{i}")
+    while engine.has_unfinished_requests():
+        step()
+    assert {rid: tokens for rid, tokens in done.items() if rid not in aborted} == {
+        rid: tokens for rid, tokens in wanted.items() if rid not in aborted}
+    assert engine.num_preemptions > 0 and engine.block_manager.prefix_hits > 0
+    _assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),
+                                      dict(data_parallel_size=2, enable_expert_parallel=True)], ids=["tp2", "dp2_ep"])
 def test_tensor_and_data_parallel_equal_one_process(path: str, plain, parallel: dict) -> None:
     """TP 2 (each rank half the KDA heads with their state, half the MLA heads; the latent, the indexer and the
     hyper-connections whole) and DP 2 with expert parallelism."""

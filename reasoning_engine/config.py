@@ -19,7 +19,7 @@ import torch
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v2", "qwen3", "qwen3_moe", "llama", "glm4_moe",
                          "minimax_m2", "deepseek_v32", "glm_moe_dsa", "gpt_oss", "glm4_moe_lite",
                          "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear",
-                         "deepseek_v4")
+                         "deepseek_v4", "glm5_next")
 # Qwen3.5's checkpoints wrap the text model (with a vision tower beside it); the text config class reads its fields
 _TEXT_CONFIG_CLASS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
@@ -149,12 +149,20 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
         raw.setdefault("quantization_config", outer.get("quantization_config"))
     elif model_type in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
         skipped = ("mtp.",)  # the multi-token-prediction layer: a draft model, not the text model
+    elif model_type == "glm5_next":  # the image-text wrapper (text_config, model.language_model.*), or flat text
+        skipped = ("model.visual.",)
+        if "text_config" in outer:
+            raw = dict(outer["text_config"])
+            renames = (("model.language_model.", "model."), ("lm_head.", "lm_head."))
+            raw.setdefault("tie_word_embeddings", outer.get("tie_word_embeddings"))
+            raw.setdefault("torch_dtype", outer.get("torch_dtype") or outer.get("dtype"))
+            raw.setdefault("quantization_config", outer.get("quantization_config"))
     # GLM-4.7-Flash (glm4_moe_lite) is DeepSeek-V3's MLA and MoE; its own config class reads its fields
     # (`mlp_layer_types`, GLM's defaults)
     family = {"kimi_k2": "deepseek_v3", "kimi_k25": "deepseek_v3",
               "glm4_moe_lite": "deepseek_v3", "qwen3_5": "qwen3_next", "qwen3_5_moe": "qwen3_next",
               "qwen3_5_text": "qwen3_next", "qwen3_5_moe_text": "qwen3_next"}.get(model_type, model_type)
-    config_class = {"glm4_moe_lite": "glm4_moe_lite", **_TEXT_CONFIG_CLASS}.get(
+    config_class = {"glm4_moe_lite": "glm4_moe_lite", "glm5_next": "glm5_next_text", **_TEXT_CONFIG_CLASS}.get(
         model_type, model_type if family == "qwen3_next" else family)
     raw = normalise_config(config_class, raw, config_file)
     if model_type == "kimi_linear":  # its class reads `linear_attn_config`, `first_k_dense_replace` and its MoE

@@ -73,29 +73,41 @@ def prepare_compressed(batch: ForwardBatch, window_group: int, row_group: int | 
     meta = CompressedMetadata(_blocks(win_tables, seq, win_pos, block_size), win_pos % block_size, win_valid)
     if row_group is None:
         return meta
-    row_tables = batch.group(row_group).block_tables
     for rate, overlap in rates:
-        closing = ((positions + 1) % rate == 0).nonzero().squeeze(1)
-        last = positions[closing]
-        span = torch.arange(-(overlap + 1) * rate + 1, 1, device=positions.device)
-        src = last.unsqueeze(1) + span
-        src_valid = src >= 0
-        src = src.clamp(min=0)
-        count = (positions + 1) // rate  # rows each query may see
-        width = max(int(count.max()) if count.numel() else 0, 1)
-        rows = torch.arange(width, device=positions.device)
-        row_last = ((rows + 1) * rate - 1).unsqueeze(0).expand(positions.shape[0], -1)
-        visible = rows.unsqueeze(0) < count.unsqueeze(1)
-        row_last = torch.where(visible, row_last, 0)
-        meta.rates[(rate, overlap)] = RowAddressing(
-            rate=rate, overlap=overlap, closing=closing,
-            source_block=_blocks(win_tables, seq[closing], src, block_size), source_offset=src % block_size,
-            source_valid=src_valid,
-            row_block=_blocks(row_tables, seq[closing], last, block_size), row_offset=(last % block_size) // rate,
-            row_position=last + 1 - rate,
-            visible_block=_blocks(row_tables, seq, row_last, block_size), visible_offset=(row_last % block_size) // rate,
-            visible=visible)
+        meta.rates[(rate, overlap)] = row_addressing(batch, window_group, row_group, rate, overlap, block_size,
+                                                     positions, seq)
     return meta
+
+
+def row_addressing(batch: ForwardBatch, source_group: int, row_group: int, rate: int, overlap: int, block_size: int,
+                   positions: torch.Tensor | None = None, seq: torch.Tensor | None = None) -> RowAddressing:
+    """One rate's rows for the step: the windows its tokens close (their tokens read through group `source_group`'s
+    tables, the new rows written through `row_group`'s) and the finished rows each query may see. Draft nodes must
+    form chains."""
+    positions = batch.positions.long() if positions is None else positions
+    seq = token_sequences(batch, positions.shape[0]) if seq is None else seq
+    src_tables = batch.group(source_group).block_tables
+    row_tables = batch.group(row_group).block_tables
+    closing = ((positions + 1) % rate == 0).nonzero().squeeze(1)
+    last = positions[closing]
+    span = torch.arange(-(overlap + 1) * rate + 1, 1, device=positions.device)
+    src = last.unsqueeze(1) + span
+    src_valid = src >= 0
+    src = src.clamp(min=0)
+    count = (positions + 1) // rate  # rows each query may see
+    width = max(int(count.max()) if count.numel() else 0, 1)
+    rows = torch.arange(width, device=positions.device)
+    row_last = ((rows + 1) * rate - 1).unsqueeze(0).expand(positions.shape[0], -1)
+    visible = rows.unsqueeze(0) < count.unsqueeze(1)
+    row_last = torch.where(visible, row_last, 0)
+    return RowAddressing(
+        rate=rate, overlap=overlap, closing=closing,
+        source_block=_blocks(src_tables, seq[closing], src, block_size), source_offset=src % block_size,
+        source_valid=src_valid,
+        row_block=_blocks(row_tables, seq[closing], last, block_size), row_offset=(last % block_size) // rate,
+        row_position=last + 1 - rate,
+        visible_block=_blocks(row_tables, seq, row_last, block_size), visible_offset=(row_last % block_size) // rate,
+        visible=visible)
 
 
 def write_rows(cache: torch.Tensor, block: torch.Tensor, offset: torch.Tensor, values: torch.Tensor) -> None:

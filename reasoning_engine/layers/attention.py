@@ -16,7 +16,7 @@ from torch import nn
 
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.kernels import kernel_module
-from reasoning_engine.layers.indexer import Indexer
+from reasoning_engine.layers.indexer import Indexer, PooledIndexer
 from reasoning_engine.layers.linear import row_parallel
 from reasoning_engine.layers.norm import RMSNorm, ShardedRMSNorm
 from reasoning_engine.layers.rotary import RotaryEmbedding
@@ -94,10 +94,10 @@ class MLAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rotary: RotaryEmbedding,
                  eps: float, softmax_scale: float, bias: bool = False, tp: Group = Group(),
-                 indexer: Indexer | None = None) -> None:
+                 indexer: Indexer | PooledIndexer | None = None) -> None:
         """`num_heads` is the model's; this rank keeps 1 / tp.size of them (the latent projections are whole).
         `indexer`: DeepSeek Sparse Attention's lightning indexer (layers/indexer.py; whole on every rank), whose
-        top-k selection restricts each query's attention; its key cache is this layer's second cache."""
+        top-k selection restricts each query's attention; its caches follow this layer's latent cache."""
         super().__init__()
         num_heads //= tp.size
         self.num_heads = num_heads
@@ -126,16 +126,16 @@ class MLAttention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
         self.indexer = indexer
         # GLM-5's "shared" layers attend to the tokens an earlier layer's indexer chose (a tuple: not a submodule)
-        self.shared_indexer: tuple[Indexer, ...] = ()
+        self.shared_indexer: tuple[Indexer | PooledIndexer, ...] = ()
 
     def cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
         latent = (num_blocks, block_size, self.kv_lora_rank + self.rope_dim)
-        return [latent] if self.indexer is None else [latent, self.indexer.cache_shape(num_blocks, block_size)]
+        return [latent] if self.indexer is None else [latent, *self.indexer.cache_shapes(num_blocks, block_size)]
 
     def bind_cache(self, caches: list[torch.Tensor]) -> None:
         self.kv_cache = caches[0]
         if self.indexer is not None:
-            self.indexer.k_cache = caches[1]
+            self.indexer.bind_cache(caches[1:])
 
     def process_weights_after_loading(self) -> None:
         """Split kv_b_proj into the per-head up-projections the absorbed form multiplies by."""

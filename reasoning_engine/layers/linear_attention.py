@@ -347,17 +347,19 @@ class GatedDeltaNet(LinearAttention):
 
 class KimiDeltaAttention(LinearAttention):
     """Kimi Linear's linear-attention layer (KDA): q, k, v (as many key as value heads) through the short conv,
-    L2-normalised q and k, a decay per key channel g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias) (low-rank, no
-    lower bound), beta = sigmoid(b_proj(x)), the gated delta rule, an RMSNorm per head times sigmoid(g_b(g_a(x))),
-    the output projection. q/k/v are one fused projection here (the checkpoints keep them and their convs apart)."""
+    L2-normalised q and k, a decay per key channel g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias) (low-rank), or
+    with a `gate_lower_bound` b (GLM-5.3-Flash's "safe gate") g = b * sigmoid(exp(A_log) * (f_b(f_a(x)) + dt_bias)),
+    beta = sigmoid(b_proj(x)), the gated delta rule, an RMSNorm per head times sigmoid(g_b(g_a(x))), the output
+    projection. q/k/v are one fused projection here (the checkpoints keep them and their convs apart)."""
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_kernel: int, eps: float,
-                 tp: Group = Group()) -> None:
+                 tp: Group = Group(), gate_lower_bound: float | None = None) -> None:
         """`num_heads` is the model's; this rank keeps 1 / tp.size of them, with their channels of every projection
         that has one per head (the low-rank f_a / g_a and the norm weight are whole on every rank)."""
         num_heads //= tp.size
         width = num_heads * head_dim
         super().__init__(3 * width, conv_kernel, num_heads, num_heads, head_dim, head_dim)
+        self.gate_lower_bound = gate_lower_bound
         self.qkv_proj = nn.Linear(hidden_size, 3 * width, bias=False)
         self.f_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
         self.f_b_proj = nn.Linear(head_dim, width, bias=False)
@@ -372,8 +374,11 @@ class KimiDeltaAttention(LinearAttention):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t, h, d = x.shape[0], self.num_k_heads, self.k_dim
         q, k, v = self.conv(self.qkv_proj(x), batch).view(t, 3, h, d).unbind(1)
-        decay = F.softplus(self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(t, h, d)
-        g = -self.A_log.float().exp()[:, None] * decay
+        logits = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(t, h, d)
+        if self.gate_lower_bound is None:
+            g = -self.A_log.float().exp()[:, None] * F.softplus(logits)
+        else:
+            g = self.gate_lower_bound * torch.sigmoid(self.A_log.float().exp()[:, None] * logits)
         beta = self.b_proj(x).sigmoid()
         o = self.delta_rule(q, k, v, g, beta, batch)
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d)

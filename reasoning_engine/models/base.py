@@ -20,6 +20,7 @@ from torch import nn
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.cache_groups import CacheGroup, single_group
 from reasoning_engine.config import ModelConfig
+from reasoning_engine.layers.hyper_connection import HyperConnection
 from reasoning_engine.layers.linear import lm_head, vocab_embedding
 from reasoning_engine.layers.moe import Experts, HashRouter, Router
 from reasoning_engine.layers.norm import RMSNorm
@@ -129,6 +130,29 @@ class DecoderLayer(nn.Module):
         return self.mlp(normed, batch), residual
 
 
+class HyperDecoderLayer(nn.Module):
+    """DecoderLayer's two pre-norm blocks between the mixings of `hc_mult` residual streams [T, n, D]
+    (layers/hyper_connection.py: manifold-constrained hyper-connections) instead of one residual (DeepSeek-V4,
+    GLM-5.3-Flash). `attn_args`: what the attention takes after (positions, x, batch)."""
+
+    def __init__(self, attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, hc_mult: int,
+                 sinkhorn_iters: int, hc_eps: float) -> None:
+        super().__init__()
+        self.self_attn = attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.attn_hc = HyperConnection(hidden_size, hc_mult, sinkhorn_iters, hc_eps, eps)
+        self.ffn_hc = HyperConnection(hidden_size, hc_mult, sinkhorn_iters, hc_eps, eps)
+
+    def forward(self, positions: torch.Tensor, streams: torch.Tensor, batch: ForwardBatch, *attn_args) -> torch.Tensor:
+        post, comb, x = self.attn_hc(streams)
+        out = self.self_attn(positions, self.input_layernorm(x), batch, *attn_args)
+        streams = HyperConnection.merge(post, comb, out, streams)
+        post, comb, x = self.ffn_hc(streams)
+        return HyperConnection.merge(post, comb, self.mlp(self.post_attention_layernorm(x), batch), streams)
+
+
 class CausalLM(nn.Module):
     """Embedding -> decoder layers -> norm -> LM head. Families subclass to build layers and map tensor names."""
 
@@ -166,11 +190,7 @@ class CausalLM(nn.Module):
         for each layer index that is a key of it, the residual stream that layer outputs is stored under that key.
         Without it (the usual case) nothing is kept.
         """
-        if batch.media_rows is None:
-            x = self.embed_tokens(batch.input_ids)
-        else:  # placeholder ids (a video's lies past the vocabulary) are looked up as 0, then replaced
-            x = self.embed_tokens(batch.input_ids.index_fill(0, batch.media_rows, 0))
-            x = x.index_copy(0, batch.media_rows, batch.media_embeds.to(x.dtype))
+        x = self.embed(batch)
         if not self.layers or not all(isinstance(layer, DecoderLayer) for layer in self.layers):
             for index, layer in enumerate(self.layers):
                 x = layer(batch.positions, x, batch)
@@ -183,6 +203,14 @@ class CausalLM(nn.Module):
             if aux_hidden is not None and index in aux_hidden:
                 aux_hidden[index] = x + residual
         return self.norm.add_and_norm(x, residual)[0]
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """The step's input embeddings [T, hidden], the vision encoder's rows at media placeholders."""
+        if batch.media_rows is None:
+            return self.embed_tokens(batch.input_ids)
+        # placeholder ids (a video's lies past the vocabulary) are looked up as 0, then replaced
+        x = self.embed_tokens(batch.input_ids.index_fill(0, batch.media_rows, 0))
+        return x.index_copy(0, batch.media_rows, batch.media_embeds.to(x.dtype))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

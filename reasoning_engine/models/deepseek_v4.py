@@ -46,11 +46,18 @@ from reasoning_engine.cache_groups import CacheGroup
 from reasoning_engine.config import ModelConfig
 from reasoning_engine.kernels.compressed_attention import prepare_compressed
 from reasoning_engine.layers.compressed_attention import CSA, HCA, SLIDING, DeepseekV4Attention
-from reasoning_engine.layers.hyper_connection import HyperConnection, HyperHead
+from reasoning_engine.layers.hyper_connection import HyperHead
 from reasoning_engine.layers.moe import Experts, GatedMLP, HashRouter, Router, SparseMoE
-from reasoning_engine.layers.norm import RMSNorm
 from reasoning_engine.layers.rotary import RotaryEmbedding
-from reasoning_engine.models.base import CausalLM, Split, WeightTarget, column_split, mlp_target, row_split
+from reasoning_engine.models.base import (
+    CausalLM,
+    HyperDecoderLayer,
+    Split,
+    WeightTarget,
+    column_split,
+    mlp_target,
+    row_split,
+)
 from reasoning_engine.models.quantization import expert_quant, parse_quant_config
 from reasoning_engine.parallel import Parallel
 
@@ -130,31 +137,20 @@ def _mlp(config: ModelConfig, index: int, parallel: Parallel) -> SparseMoE:
     return SparseMoE(router, experts, shared, parallel)
 
 
-class DeepseekV4Layer(nn.Module):
-    """attention then MoE, each between the hyper-connection mixings of the residual streams."""
+class DeepseekV4Layer(HyperDecoderLayer):
+    """attention then MoE, each between the hyper-connection mixings of the residual streams; the attention also
+    takes the step's compressed-row addressing."""
 
     def __init__(self, config: ModelConfig, index: int, tables: dict[str, RotaryEmbedding], parallel: Parallel) -> None:
-        super().__init__()
         raw, eps, hidden = config.raw, config.rms_norm_eps, config.hidden_size
         kind = raw["layer_types"][index]
         rate = raw["compress_rates"].get(kind) if kind != SLIDING else None
         index_shape = (raw["index_n_heads"], raw["index_head_dim"], raw["index_topk"]) if kind == CSA else None
-        self.self_attn = DeepseekV4Attention(
+        attn = DeepseekV4Attention(
             kind, hidden, config.num_attention_heads, config.head_dim, raw["q_lora_rank"], raw["o_groups"],
             raw["o_lora_rank"], tables["main" if kind == SLIDING else "compress"], eps, rate, index_shape, parallel.tp)
-        self.mlp = _mlp(config, index, parallel)
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
-        hc = (hidden, raw["hc_mult"], raw["hc_sinkhorn_iters"], raw["hc_eps"], eps)
-        self.attn_hc = HyperConnection(*hc)
-        self.ffn_hc = HyperConnection(*hc)
-
-    def forward(self, positions: torch.Tensor, streams: torch.Tensor, batch: ForwardBatch, meta) -> torch.Tensor:
-        post, comb, x = self.attn_hc(streams)
-        out = self.self_attn(positions, self.input_layernorm(x), batch, meta)
-        streams = HyperConnection.merge(post, comb, out, streams)
-        post, comb, x = self.ffn_hc(streams)
-        return HyperConnection.merge(post, comb, self.mlp(self.post_attention_layernorm(x), batch), streams)
+        super().__init__(attn, _mlp(config, index, parallel), hidden, eps, raw["hc_mult"], raw["hc_sinkhorn_iters"],
+                         raw["hc_eps"])
 
 
 class DeepseekV4ForCausalLM(CausalLM):

@@ -23,7 +23,7 @@ from reasoning_engine.layers.attention import MLAttention
 from reasoning_engine.layers.linear_attention import KimiDeltaAttention
 from reasoning_engine.models.base import CausalLM, DecoderLayer, Split, WeightTarget, column_split, row_split, rows
 from reasoning_engine.models.deepseek_v3 import map_layer_weight, mlp_block
-from reasoning_engine.parallel import Parallel
+from reasoning_engine.parallel import Group, Parallel
 
 
 _EXPERT_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
@@ -67,23 +67,28 @@ class KimiLinearForCausalLM(CausalLM):
         name = re.sub(r"\.experts\.(\d+)\.(w[123])\.", lambda m: f".experts.{m.group(1)}.{_EXPERT_PROJ[m.group(2)]}.", name)
         match = re.fullmatch(r"(layers\.(\d+)\.self_attn)\.(\w+?)(\.weight)?", name)
         if match and self.config.raw["layer_types"][int(match.group(2))] == "linear_attention":
-            return self._kda_target(match.group(1), match.group(3), name)
+            return kda_target(match.group(1), match.group(3), name, self.config, self.parallel.tp)
         return map_layer_weight(name, self.config, self.parallel)
 
-    def _kda_target(self, prefix: str, part: str, name: str) -> WeightTarget:
-        """q/k/v projections and convs into the fused qkv_proj / conv1d rows; A_log's [1, 1, H, 1] into [H]. Under
-        tensor parallelism each rank reads its heads' rows of everything per head, and o_proj's columns."""
-        tp = self.parallel.tp
-        width = self.config.raw["linear_num_heads"] * self.config.raw["linear_head_dim"] // tp.size
-        fused = re.fullmatch(r"([qkv])_(proj|conv1d)", part)
-        if fused:
-            start = "qkv".index(fused.group(1)) * width
-            param = "qkv_proj" if fused.group(2) == "proj" else "conv1d"
-            return WeightTarget(f"{prefix}.{param}.weight", rows(start, start + width), column_split(tp))
-        if part == "A_log":
-            return WeightTarget(name, lambda t: t.view(1, 1, -1, 1), Split(2, tp) if tp.size > 1 else None)
-        if part in ("f_b_proj", "g_b_proj", "b_proj", "dt_bias"):
-            return WeightTarget(name, source=column_split(tp))
-        if part == "o_proj":
-            return WeightTarget(name, source=row_split(tp))
-        return WeightTarget(name)  # f_a_proj, g_a_proj, o_norm: whole on every rank
+
+def kda_target(prefix: str, part: str, name: str, config: ModelConfig, tp: Group,
+               a_log_4d: bool = True) -> WeightTarget:
+    """A KDA layer's tensor (`part` of the layer at `prefix`): q/k/v projections and convs into the fused qkv_proj /
+    conv1d rows; A_log (stored [1, 1, H, 1] by Kimi Linear, [H] with `a_log_4d` False) into [H]. Under tensor
+    parallelism each rank reads its heads' rows of everything per head, and o_proj's columns. Also GLM-5.3-Flash's."""
+    width = config.raw["linear_num_heads"] * config.raw["linear_head_dim"] // tp.size
+    fused = re.fullmatch(r"([qkv])_(proj|conv1d)", part)
+    if fused:
+        start = "qkv".index(fused.group(1)) * width
+        param = "qkv_proj" if fused.group(2) == "proj" else "conv1d"
+        return WeightTarget(f"{prefix}.{param}.weight", rows(start, start + width), column_split(tp))
+    if part == "conv1d":  # one conv over q, k and v (transformers' module layout): each rank's heads of each
+        return WeightTarget(f"{prefix}.conv1d.weight", source=Split(0, tp, blocks=(width * tp.size,) * 3)
+                            if tp.size > 1 else None)
+    if part == "A_log" and a_log_4d:
+        return WeightTarget(name, lambda t: t.view(1, 1, -1, 1), Split(2, tp) if tp.size > 1 else None)
+    if part in ("f_b_proj", "g_b_proj", "b_proj", "dt_bias", "A_log"):
+        return WeightTarget(name, source=column_split(tp))
+    if part == "o_proj":
+        return WeightTarget(name, source=row_split(tp))
+    return WeightTarget(name)  # f_a_proj, g_a_proj, o_norm: whole on every rank

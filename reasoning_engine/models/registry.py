@@ -13,6 +13,7 @@ from reasoning_engine.models.base import CausalLM, materialize
 from reasoning_engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from reasoning_engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from reasoning_engine.models.glm4_moe import Glm4MoeForCausalLM
+from reasoning_engine.models.glm5_next import Glm5NextForCausalLM
 from reasoning_engine.models.gpt_oss import GptOssForCausalLM
 from reasoning_engine.models.kimi_linear import KimiLinearForCausalLM
 from reasoning_engine.models.llama import LlamaForCausalLM
@@ -37,6 +38,7 @@ FAMILIES: dict[str, type[CausalLM]] = {
     "glm4_moe": Glm4MoeForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
     "kimi_linear": KimiLinearForCausalLM,
+    "glm5_next": Glm5NextForCausalLM,
 }
 
 

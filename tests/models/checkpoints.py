@@ -106,6 +106,19 @@ _BASES: dict[str, dict[str, Any]] = {
         swiglu_limit=0.5, max_position_embeddings=512, initializer_range=0.2, bos_token_id=0, eos_token_id=1,
         rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128, beta_fast=32,
                              beta_slow=1)),
+    # GLM-5.3-Flash: KDA layers (lower-bounded forget gate) around two NoPE DSA layers, the second sharing the first's
+    # choice ("shared"); the indexer scores pools of 4 tokens and keeps 2 (plus the query's unfinished pool), so
+    # prompts past 11 tokens attend sparsely; 16 index heads make an exact-zero index score (a tie) rare; 4
+    # hyper-connection streams; group-limited routing; a low swiglu_limit so the clamp bites
+    "glm5_next": dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=0,
+        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4,
+        topk_group=2, layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+        mlp_layer_types=["dense"] + ["sparse"] * 3, indexer_types=["full", "full", "shared", "full"], index_topk=8,
+        index_kpool=4, index_n_heads=16, index_head_dim=16, linear_head_dim=16, linear_num_heads=4, hc_mult=4,
+        swiglu_limit=0.5, max_position_embeddings=512, pad_token_id=None, bos_token_id=0, eos_token_id=1,
+        initializer_range=0.2),
 }
 _BASES["qwen3_5_text"] = {k: v for k, v in _BASES["qwen3_next"].items()
                           if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -126,8 +139,9 @@ class Variant:
     family: str
     overrides: dict[str, Any] = field(default_factory=dict)
     published: bool = True  # config.json as the published checkpoints write it, else as transformers 5 writes it
-    layout: str = "plain"  # "plain", "kimi_k2" (model_type kimi_k2), "kimi_k25" (wrapper, language_model. prefix) or
-    # "qwen3_5" (Qwen3.5's image-text wrapper: text_config, model.language_model. prefix, a vision tower beside)
+    layout: str = "plain"  # "plain", "kimi_k2" (model_type kimi_k2), "kimi_k25" (wrapper, language_model. prefix),
+    # "qwen3_5" (Qwen3.5's image-text wrapper: text_config, model.language_model. prefix, a vision tower beside) or
+    # "glm5_next" (GLM-5.3-Flash's, likewise)
     mtp: bool = False  # add the family's MTP layer: DeepSeek's at index num_hidden_layers, Qwen3-Next's under mtp.
     shards: int = 1
     quant: str | None = None  # "int4" (routed experts, compressed-tensors), "fp8" (block FP8), "fp8_channel" or "v4"
@@ -222,6 +236,8 @@ VARIANTS: dict[str, Variant] = {
     # and as released: block FP8 with e8m0 scales, FP4 routed experts (64 intermediate channels: whole groups of 32
     # per rank under TP 2), int32 tid2eid
     "deepseek_v4_fp4": Variant("deepseek_v4", dict(moe_intermediate_size=64), published=False, quant="v4"),
+    # GLM-5.3-Flash's image-text checkpoint as save_pretrained writes it (official names, a one-block vision tower)
+    "glm5_next": Variant("glm5_next", published=False, layout="glm5_next"),
 }
 
 
@@ -241,6 +257,11 @@ class TinyCheckpoint:
 
         if self.layout == "plain":
             model, info = AutoModelForCausalLM.from_pretrained(self.reference_path, dtype=torch.float32, output_loading_info=True)
+        elif self.layout == "glm5_next":
+            from transformers import Glm5NextForConditionalGeneration
+
+            model, info = Glm5NextForConditionalGeneration.from_pretrained(self.reference_path, dtype=torch.float32,
+                                                                           output_loading_info=True)
         elif self.layout == "qwen3_5":
             import transformers
 
@@ -328,6 +349,7 @@ def _random_model(variant: Variant, seed: int) -> torch.nn.Module:
         "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
         "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
         "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
+        "glm5_next": ("Glm5NextTextConfig", "Glm5NextForConditionalGeneration"),
     }[variant.family]
     kwargs = {**_BASES[variant.family], **variant.overrides}
     torch.manual_seed(seed)
@@ -337,6 +359,10 @@ def _random_model(variant: Variant, seed: int) -> torch.nn.Module:
         config = getattr(transformers, f"{wrapper}Config")(text_config=config.to_dict(), vision_config=dict(
             depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=config.hidden_size))
         model_cls = f"{wrapper}ForConditionalGeneration"
+    elif variant.layout == "glm5_next":  # a one-block vision tower beside the text model
+        config = transformers.Glm5NextConfig(text_config=config.to_dict(), vision_config=dict(
+            depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=config.hidden_size,
+            projection_intermediate_size=32, patch_size=2))
     model = getattr(transformers, model_cls)(config).float().eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -347,7 +373,9 @@ def _random_model(variant: Variant, seed: int) -> torch.nn.Module:
                 param.copy_(0.2 * torch.randn(param.shape, generator=gen))
             elif name.endswith(("self_attn.sinks", "mlp.router.bias", "experts.gate_up_proj_bias",
                                 "experts.down_proj_bias",  # gpt-oss
-                                "position_bias", "_hc.base", "hc_head.hc_base")):  # DeepSeek-V4
+                                "position_bias", "_hc.base", "hc_head.hc_base",  # DeepSeek-V4
+                                "index_kpool_compress_ape", "index_kpool_compress_gate", "k_norm.bias",  # GLM-5.3
+                                "forget_gate.A_log", "forget_gate.dt_bias")):
                 param.copy_(0.5 * torch.randn(param.shape, generator=gen))
             elif name.endswith(("_hc.scale", "hc_head.hc_scale")):  # DeepSeek-V4's hyper-connections
                 param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=gen))

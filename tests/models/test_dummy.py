@@ -33,7 +33,7 @@ def _dummy(path: Path, dtype: str = "bfloat16", backend: str = "torch"):
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_moe", "deepseek_v3", "kimi_k25_int4", "deepseek_v3_fp8", "gpt_oss_mxfp4",
                                   "minimax_m2_fp8", "glm4_moe_fp8", "glm4_moe_lite_as_saved",
-                                  "deepseek_v4"])
+                                  "deepseek_v4", "glm5_next"])
 def test_config_json_alone_gives_finite_logits_and_tokens(tiny_checkpoint: Builder, tmp_path: Path, name: str) -> None:
     from reasoning_engine import SamplingParams
 

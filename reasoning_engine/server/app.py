@@ -42,9 +42,14 @@ from reasoning_engine.server.chat_template import (
     with_chat_template,
 )
 from reasoning_engine.server.errors import APIError, bad_request, from_error_detail
+from reasoning_engine.server.formats.registry import (
+    REASONING_PARSER_CHOICES,
+    TOOL_PARSER_CHOICES,
+    resolve_reasoning_parser,
+    resolve_tool_parser,
+)
 from reasoning_engine.server.metrics import ServerMetrics
 from reasoning_engine.server.openapi import errors, install_openapi
-from reasoning_engine.server.parsing import resolve_reasoning_parser, resolve_tool_parser
 from reasoning_engine.server.playground import PUBLIC_PATHS as PLAYGROUND_PUBLIC_PATHS
 from reasoning_engine.server.playground import mount_playground
 from reasoning_engine.server.protocol import (
@@ -53,7 +58,6 @@ from reasoning_engine.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from reasoning_engine.server.reasoning_parsers import REASONING_PARSER_CHOICES
 from reasoning_engine.server.responses import (
     DEFAULT_MAX_STORED_RESPONSES,
     DEFAULT_STORED_RESPONSE_TTL_S,
@@ -72,7 +76,6 @@ from reasoning_engine.server.serving import (
     shielded,
     unless_disconnected,
 )
-from reasoning_engine.server.tool_parsers import TOOL_PARSER_CHOICES
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024

@@ -38,6 +38,7 @@ from reasoning_engine.server.chat_template import (
     thinking_switch,
 )
 from reasoning_engine.server.errors import APIError, bad_request, error_body
+from reasoning_engine.server.formats.registry import CALL_SYNTAXES, REASONING_FORMATS, TOOL_PARSERS
 from reasoning_engine.server.metrics import RequestTimer, ServerMetrics
 from reasoning_engine.server.parsing import (
     ChatOutputParser,
@@ -54,17 +55,9 @@ from reasoning_engine.server.protocol import (
     ResponseFormat,
     VideoPart,
 )
-from reasoning_engine.server.reasoning_parsers import REASONING_FORMATS, initial_mode
+from reasoning_engine.server.reasoning_parsers import initial_mode
 from reasoning_engine.server.token_bytes import TokenBytes
-from reasoning_engine.server.tool_grammar import (
-    CALL_SYNTAXES,
-    INLINE_THINKING,
-    ToolSchemaError,
-    answer_tag,
-    bad_tool_schema,
-    tool_call_tag,
-)
-from reasoning_engine.server.tool_parsers import TOOL_PARSERS
+from reasoning_engine.server.tool_grammar import ToolSchemaError, answer_tag, bad_tool_schema, tool_call_tag
 from reasoning_engine.structured.params import StructuredOutputsParams
 
 T = TypeVar("T")
@@ -464,7 +457,7 @@ class OpenAIServing:
         "auto", strict tools or an answer format: free text or that answer, with each call held to its tool's
         schema. None when the tools need no grammar. A model that thinks inside the constrained output (gpt-oss:
         no `</think>` for the engine to wait for) may think before the calls or the answer."""
-        thinking = INLINE_THINKING.get(self.reasoning_parser or "")
+        thinking = REASONING_FORMATS[self.reasoning_parser].inline_thinking if self.reasoning_parser else None
         if not tools_active or not req.tools:
             if answer is None or thinking is None:
                 return answer

@@ -41,6 +41,7 @@ from reasoning_engine.server.chat_template import (
     render_chat,
     with_chat_template,
 )
+from reasoning_engine.server.engine_client import EngineClient, ServedModelConfig
 from reasoning_engine.server.errors import APIError, bad_request, from_error_detail
 from reasoning_engine.server.formats.registry import (
     REASONING_PARSER_CHOICES,
@@ -211,7 +212,7 @@ def _allowed_methods(app: FastAPI, request: Request) -> str:
 BUNDLED_MODEL_NAME = "tiny-reasoner"
 
 
-def default_model_name(model_config: Any) -> str:
+def default_model_name(model_config: ServedModelConfig) -> str:
     """The checkpoint folder's name; the bundled model's folder is a generic `assets`, so it gets its own name."""
     from reasoning_engine.tiny import BUNDLED_MODEL_DIR
 
@@ -221,7 +222,7 @@ def default_model_name(model_config: Any) -> str:
     return model_config.name
 
 
-def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
+def build_app(engine: EngineClient, config: ServerConfig | None = None) -> FastAPI:
     """An app serving `engine`; several apps may share one engine (set `shutdown_engine=False` on all but one)."""
     config = config or ServerConfig()
     if config.reasoning_parser not in REASONING_PARSER_CHOICES:

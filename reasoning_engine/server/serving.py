@@ -37,6 +37,7 @@ from reasoning_engine.server.chat_template import (
     template_messages,
     thinking_switch,
 )
+from reasoning_engine.server.engine_client import EngineClient
 from reasoning_engine.server.errors import APIError, bad_request, error_body
 from reasoning_engine.server.formats.registry import CALL_SYNTAXES, REASONING_FORMATS, TOOL_PARSERS
 from reasoning_engine.server.metrics import RequestTimer, ServerMetrics
@@ -136,7 +137,7 @@ class EngineRequests:
     """The engine requests behind one HTTP request (one per prompt), merged into one output stream; `close`
     aborts whichever did not finish, which frees their KV blocks."""
 
-    def __init__(self, engine: Any, prompts: Sequence[PromptType], params: SamplingParams, base_id: str,
+    def __init__(self, engine: EngineClient, prompts: Sequence[PromptType], params: SamplingParams, base_id: str,
                  session: str | None = None, workload: str = "default",
                  error_param: Callable[[str], str | None] = _param_of) -> None:
         """`session` and `workload`: for the adaptive engine (KV retention, acceptance by class); `error_param`:
@@ -339,9 +340,9 @@ class ChoiceUpdate:
 class OpenAIServing:
     """Request handling shared by the HTTP routes; holds what is resolved once per server (parsers, limits)."""
 
-    def __init__(self, engine: Any, metrics: ServerMetrics, *, model_names: list[str], reasoning_parser: str | None,
-                 tool_parser: str | None, max_thinking_tokens: int | None, media_loader: MediaLoader,
-                 media_timeout: float, tokenizer: Any) -> None:
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics, *, model_names: list[str],
+                 reasoning_parser: str | None, tool_parser: str | None, max_thinking_tokens: int | None,
+                 media_loader: MediaLoader, media_timeout: float, tokenizer: Any) -> None:
         self.engine = engine
         self.metrics = metrics
         self.model_names = model_names

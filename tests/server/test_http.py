@@ -713,3 +713,16 @@ def test_chat_template_flag_replaces_the_models_template(fake_server: Any, kimi_
         read_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(ValueError, match="chat_template"):
         build_app(FakeEngine(kimi_tokenizer, lambda *_: ""), ServerConfig(chat_template="no-such-file"))
+
+
+def test_the_fake_engine_has_every_member_the_server_calls(kimi_tokenizer: Any) -> None:
+    """The double the HTTP tests serve implements the server's whole view of the engine (AsyncLLM's side:
+    test_real_server.py)."""
+    from reasoning_engine.server.engine_client import EngineClient
+
+    from .fake_engine import FakeEngine
+
+    engine = FakeEngine(kimi_tokenizer, lambda *_: "")
+    members = [name for name in vars(EngineClient) if not name.startswith("_")]
+    assert {"generate", "abort", "is_running", "stats", "model_config"} <= set(members)
+    assert [name for name in members if not hasattr(engine, name)] == []

@@ -334,6 +334,13 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def test_the_engine_has_every_member_the_server_calls(engine: Any) -> None:
+    from reasoning_engine.server.engine_client import EngineClient
+
+    members = [name for name in vars(EngineClient) if not name.startswith("_")]
+    assert [name for name in members if not hasattr(engine, name)] == [] and engine.is_running
+
+
 def test_bundled_model_answers_with_thinking(client: openai.OpenAI, model_name: str) -> None:
     assert model_name == "tiny-reasoner"
     result = client.chat.completions.create(model=model_name, messages=MSG, temperature=0)

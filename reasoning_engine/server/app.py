@@ -290,8 +290,12 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None) -> FastA
         logger.exception("unhandled error")
         return _error_response(request.url.path, APIError(500, f"Internal server error: {type(exc).__name__}"))
 
-    @app.get("/health")
+    @app.get("/health", responses=errors(503, words={503: "The engine loop has stopped (it died, or shut down)."}))
     async def health() -> Response:
+        """200 while the engine loop runs; 503 once it has stopped, so a load balancer or supervisor stops sending
+        requests that could only fail and restarts the server."""
+        if not engine.is_running:
+            raise APIError(503, "the engine is not running", code="engine_unavailable")
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")

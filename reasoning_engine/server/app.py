@@ -41,10 +41,16 @@ from reasoning_engine.server.chat_template import (
     render_chat,
     with_chat_template,
 )
+from reasoning_engine.server.engine_client import EngineClient, ServedModelConfig
 from reasoning_engine.server.errors import APIError, bad_request, from_error_detail
+from reasoning_engine.server.formats.registry import (
+    REASONING_PARSER_CHOICES,
+    TOOL_PARSER_CHOICES,
+    resolve_reasoning_parser,
+    resolve_tool_parser,
+)
 from reasoning_engine.server.metrics import ServerMetrics
 from reasoning_engine.server.openapi import errors, install_openapi
-from reasoning_engine.server.parsing import resolve_reasoning_parser, resolve_tool_parser
 from reasoning_engine.server.playground import PUBLIC_PATHS as PLAYGROUND_PUBLIC_PATHS
 from reasoning_engine.server.playground import mount_playground
 from reasoning_engine.server.protocol import (
@@ -53,7 +59,6 @@ from reasoning_engine.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from reasoning_engine.server.reasoning_parsers import REASONING_PARSER_CHOICES
 from reasoning_engine.server.responses import (
     DEFAULT_MAX_STORED_RESPONSES,
     DEFAULT_STORED_RESPONSE_TTL_S,
@@ -72,7 +77,6 @@ from reasoning_engine.server.serving import (
     shielded,
     unless_disconnected,
 )
-from reasoning_engine.server.tool_parsers import TOOL_PARSER_CHOICES
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -208,7 +212,7 @@ def _allowed_methods(app: FastAPI, request: Request) -> str:
 BUNDLED_MODEL_NAME = "tiny-reasoner"
 
 
-def default_model_name(model_config: Any) -> str:
+def default_model_name(model_config: ServedModelConfig) -> str:
     """The checkpoint folder's name; the bundled model's folder is a generic `assets`, so it gets its own name."""
     from reasoning_engine.tiny import BUNDLED_MODEL_DIR
 
@@ -218,7 +222,7 @@ def default_model_name(model_config: Any) -> str:
     return model_config.name
 
 
-def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
+def build_app(engine: EngineClient, config: ServerConfig | None = None) -> FastAPI:
     """An app serving `engine`; several apps may share one engine (set `shutdown_engine=False` on all but one)."""
     config = config or ServerConfig()
     if config.reasoning_parser not in REASONING_PARSER_CHOICES:
@@ -286,8 +290,12 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         logger.exception("unhandled error")
         return _error_response(request.url.path, APIError(500, f"Internal server error: {type(exc).__name__}"))
 
-    @app.get("/health")
+    @app.get("/health", responses=errors(503, words={503: "The engine loop has stopped (it died, or shut down)."}))
     async def health() -> Response:
+        """200 while the engine loop runs; 503 once it has stopped, so a load balancer or supervisor stops sending
+        requests that could only fail and restarts the server."""
+        if not engine.is_running:
+            raise APIError(503, "the engine is not running", code="engine_unavailable")
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")

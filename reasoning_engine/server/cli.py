@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from reasoning_engine.server.reasoning_parsers import REASONING_PARSER_CHOICES
-from reasoning_engine.server.tool_parsers import TOOL_PARSER_CHOICES
+from reasoning_engine.server.formats.registry import REASONING_PARSER_CHOICES, TOOL_PARSER_CHOICES
 
 API_KEY_ENV = "REASONING_ENGINE_API_KEY"
 MEDIA_MAX_BYTES = 20 * 1024 * 1024

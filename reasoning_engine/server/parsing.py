@@ -1,28 +1,16 @@
-"""The per-choice output pipeline: reasoning splitter, then tool-call extraction on the answer part; and the
-`auto` choice of parsers from the model.
+"""The per-choice output pipeline: reasoning splitter, then tool-call extraction on the answer part.
 
 Text flows: engine text delta -> ReasoningParser -> (thinking, answer text) -> ToolParser -> (answer, call deltas).
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from reasoning_engine.server.reasoning_parsers import (
-    REASONING_FORMATS,
-    HarmonyReasoningParser,
-    ReasoningParser,
-    initial_mode,
-)
-from reasoning_engine.server.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallDelta, ToolParser
-
-_KIMI_VOCAB_MARKERS = ("<|tool_calls_section_begin|>", "<|im_middle|>")
-# Qwen3-Next, Qwen3.5 / 3.6: `<think>` reasoning (their templates open it in the prompt when thinking)
-_QWEN_THINKING_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
-# Qwen3.5 / 3.6 write Qwen3-Coder's XML calls; Qwen3-Next (and Qwen3) say which format in their template
-_QWEN_XML_CALL_TYPES = ("qwen3_5", "qwen3_5_moe")
-_QWEN_XML_TEMPLATE_TAGS = ("<function=", "<parameter=")
+from reasoning_engine.server.formats.registry import REASONING_FORMATS, TOOL_PARSERS
+from reasoning_engine.server.reasoning_parsers import ReasoningParser, initial_mode
+from reasoning_engine.server.tool_parsers import ToolCall, ToolCallDelta, ToolParser
 
 
 @dataclass
@@ -30,58 +18,6 @@ class ParsedDelta:
     reasoning: str = ""
     content: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
-
-
-def resolve_reasoning_parser(name: str, model_type: str, vocab: Container[str]) -> str | None:
-    """`auto`: Kimi's chat tokens mean kimi_k2 (Kimi Linear included); Qwen3-Next and Qwen3.5 / 3.6 the Qwen3 one;
-    otherwise any model with `</think>` in its vocabulary gets the DeepSeek-R1 parser for DeepSeek families and the
-    Qwen3 one (which detects an opening `<think>`) for the rest."""
-    if name != "auto":
-        return None if name == "none" else name
-    if model_type.startswith("kimi") or any(m in vocab for m in _KIMI_VOCAB_MARKERS):
-        return "kimi_k2"
-    if model_type == "gpt_oss":  # harmony: no `</think>`, the thinking is the analysis channel
-        return "gpt_oss"
-    if model_type in _QWEN_THINKING_TYPES:
-        return "qwen3"
-    if "</think>" not in vocab:
-        return None
-    if model_type.startswith("glm"):
-        return "glm45"
-    if model_type.startswith("minimax"):
-        return "minimax_m2"
-    if model_type == "deepseek_v32":
-        return "deepseek_v3"
-    return "deepseek_r1" if model_type.startswith("deepseek") else "qwen3"
-
-
-def resolve_tool_parser(name: str, model_type: str, vocab: Container[str], chat_template: str | None) -> str | None:
-    """`auto`: Kimi's call tokens mean kimi_k2 (Kimi Linear included), GLM's `<arg_key>` glm45, Qwen3.5 / 3.6 or a
-    template that writes `<function=` and `<parameter=` (Qwen3-Coder, Qwen3-Coder-Next) qwen3_coder, a `<tool_call>` token or template
-    mention hermes (Qwen3, Qwen3-Next, whose templates write JSON calls)."""
-    if name != "auto":
-        return None if name == "none" else name
-    if model_type.startswith("kimi") or "<|tool_call_begin|>" in vocab:
-        return "kimi_k2"
-    if model_type == "gpt_oss":
-        return "gpt_oss"
-    if model_type.startswith("glm") or "<arg_key>" in vocab:
-        return "glm45"
-    if model_type.startswith("minimax") or "<minimax:tool_call>" in vocab:
-        return "minimax_m2"
-    if model_type.startswith("deepseek"):
-        # V3.1's template (kept by V3.2-Exp) writes NAME<｜tool▁sep｜>{json}; V3-0324's and R1-0528's
-        # `function<｜tool▁sep｜>NAME` and a json fence; V3.2 itself ships no template and writes DSML
-        template = chat_template or ""
-        if "<｜tool▁call▁begin｜>" in template:
-            return "deepseek_v3" if "```json" in template else "deepseek_v31"
-        if model_type == "deepseek_v32":
-            return "deepseek_v32"
-    if model_type in _QWEN_XML_CALL_TYPES or all(tag in (chat_template or "") for tag in _QWEN_XML_TEMPLATE_TAGS):
-        return "qwen3_coder"
-    if "<tool_call>" in vocab or "<tool_call>" in (chat_template or ""):
-        return "hermes"
-    return None
 
 
 class ChatOutputParser:
@@ -181,12 +117,9 @@ def build_output_parser(reasoning_name: str | None, tool_name: str | None, *, pr
     reasoning = None
     if fmt is not None:
         mode = initial_mode(fmt, prompt_tail, thinking_requested)
-        if fmt.name == "gpt_oss":  # its constraints hold the thinking too (tool_grammar.InlineThinking)
-            reasoning = HarmonyReasoningParser(fmt, mode, extra_ends=tool_cls.start_markers if tools_active else (),
-                                               drop=(*drop, *tool_cls.markers))
-        elif constrained:
+        if constrained and fmt.inline_thinking is None:
             reasoning = ReasoningParser(fmt, mode, drop=(*drop, *tool_cls.markers, *fmt.implicit_ends), implicit=False)
-        else:
-            reasoning = ReasoningParser(fmt, mode, extra_ends=tool_cls.start_markers if tools_active else (),
-                                        drop=(*drop, *tool_cls.markers))
+        else:  # an inline-thinking format's constraints hold the thinking too: it ends where the format says
+            reasoning = (fmt.parser or ReasoningParser)(fmt, mode, drop=(*drop, *tool_cls.markers),
+                                                        extra_ends=tool_cls.start_markers if tools_active else ())
     return ChatOutputParser(reasoning, tools, emit_tool_calls=tools_active and tool_name is not None)

@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.responses import FileResponse, JSONResponse, Response
 
+from reasoning_engine.server.engine_client import EngineClient
 from reasoning_engine.server.errors import APIError
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -35,7 +36,8 @@ _SECURITY_HEADERS = {
 }
 
 
-def _speculative_setting(engine: Any) -> dict[str, Any] | None:
+def _speculative_setting(engine: EngineClient) -> dict[str, Any] | None:
+    """The engine's speculative setting, where it has one (an LLMEngine behind it, as AsyncLLM has)."""
     config = getattr(getattr(getattr(engine, "engine", None), "config", None), "speculative_config", None)
     if not config:
         return None

@@ -5,20 +5,38 @@ The starting state comes from the rendered prompt, not from the format's habits:
 end the prompt with an open `<think>` (the output then begins inside the thinking and carries no opening tag),
 Qwen3's model writes `<think>` itself, and a template that rendered `<think></think>` (thinking off) means everything
 generated is answer. Streaming and non-streaming share this code: the full text is simply fed in one piece.
+
+Each family's formats are declared with the rest of its chat format in `formats/`; a format whose thinking the
+generic splitter cannot read (gpt-oss's harmony channels) names its own parser class.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from reasoning_engine.server.markers import MarkerSet
 
 Mode = Literal["reasoning", "detect", "content"]
 
-KIMI_TOOL_SECTION_BEGINS = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
+
+@dataclass(frozen=True)
+class InlineThinking:
+    """A reasoning format whose end the engine cannot see (no `</think>` token), so a constraint holds the output
+    from its first token and must let the thinking through itself: any number of `message`s (a thinking message and
+    what opens the next one) come first, and `answer_begin` opens an answer format's answer."""
+
+    message: dict[str, Any]
+    answer_begin: str
+
+    def then(self, fmt: dict[str, Any]) -> dict[str, Any]:
+        """`fmt` after the thinking."""
+        return {"type": "sequence", "elements": [{"type": "star", "content": self.message}, fmt]}
+
+    def answer(self, fmt: dict[str, Any]) -> dict[str, Any]:
+        """An answer format's answer in its own message."""
+        return {"type": "sequence", "elements": [{"type": "const_string", "value": self.answer_begin}, fmt]}
 
 
 @dataclass(frozen=True)
@@ -35,26 +53,11 @@ class ReasoningFormat:
     # The thinking stays in the answer text, between its markers, instead of `reasoning_content` (vLLM's
     # `minimax_m2_append_think`): for clients that send the content back as the history, as MiniMax-M2 expects.
     thinking_in_content: bool = False
-
-
-REASONING_FORMATS: dict[str, ReasoningFormat] = {
-    "kimi_k2": ReasoningFormat("kimi_k2", implicit_ends=KIMI_TOOL_SECTION_BEGINS),
-    "deepseek_r1": ReasoningFormat("deepseek_r1", starts_in_reasoning=True),
-    "qwen3": ReasoningFormat("qwen3"),
-    # GLM-4.5 / 4.6 write `<think>` themselves (detected), GLM-4.7's prompt opens it; thinking off renders
-    # `<think></think>`: Qwen3's markers, under the name vLLM and SGLang give it
-    "glm45": ReasoningFormat("glm45"),
-    # MiniMax-M2's prompt opens `<think>`: the output starts inside the thinking
-    "minimax_m2": ReasoningFormat("minimax_m2"),
-    "minimax_m2_append_think": ReasoningFormat("minimax_m2_append_think", thinking_in_content=True),
-    # DeepSeek-V3.1 / V3.2: the prompt opens `<think>` (thinking, `thinking: true` in chat_template_kwargs) or ends
-    # with `</think>` (thinking off, their default); unlike R1 the output is never assumed to start thinking
-    "deepseek_v3": ReasoningFormat("deepseek_v3"),
-    # gpt-oss's harmony format: the thinking is every message on the analysis channel (`HarmonyReasoningParser`)
-    "gpt_oss": ReasoningFormat("gpt_oss", start="<|channel|>analysis<|message|>", end="<|end|>"),
-}
-
-REASONING_PARSER_CHOICES = (*REASONING_FORMATS, "auto", "none")
+    # The parser that reads this format's thinking (None: `ReasoningParser`, the generic splitter).
+    parser: type[ReasoningParser] | None = None
+    # The engine cannot see where the thinking ends (no `</think>` token): a constraint holds the output from its
+    # first token and lets the thinking through itself.
+    inline_thinking: InlineThinking | None = None
 
 
 def initial_mode(fmt: ReasoningFormat, prompt_tail: str, thinking_requested: bool | None) -> Mode:
@@ -129,81 +132,4 @@ class ReasoningParser:
         rest, self._buf = self._buf, ""
         if self.mode == "reasoning":
             return rest, ""
-        return "", rest
-
-
-HARMONY_START, HARMONY_CHANNEL, HARMONY_MESSAGE, HARMONY_CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
-HARMONY_ENDS = ("<|end|>", "<|call|>", "<|return|>")
-HARMONY_MARKERS = (HARMONY_START, HARMONY_CHANNEL, HARMONY_MESSAGE, HARMONY_CONSTRAIN, *HARMONY_ENDS)
-_HARMONY_CHANNEL_NAME = re.compile(r"<\|channel\|>\s*([^\s<]+)")
-
-
-def harmony_channel(header: str) -> str:
-    """The channel a harmony message header names (`assistant<|channel|>commentary to=functions.f <|constrain|>json`
-    -> "commentary"); "" when it names none."""
-    match = _HARMONY_CHANNEL_NAME.search(header)
-    return match.group(1) if match else ""
-
-
-class HarmonyReasoningParser(ReasoningParser):
-    """gpt-oss's harmony output (OpenAI, "OpenAI Harmony Response Format"): messages `<|start|>ROLE<|channel|>CH ...
-    <|message|>BODY` ended by `<|end|>`, `<|call|>` or `<|return|>`; the prompt ends with `<|start|>assistant`, so
-    the output opens with the first message's header. Bodies on the analysis channel are the thinking, wherever they
-    come; every other message (final answer, commentary preamble or tool call) goes to the answer side whole, header
-    and end marker included, for the tool parser to read. The openai-harmony package would do this with the model's
-    o200k vocabulary, which it downloads on first use; this parser needs only the text."""
-
-    def __init__(self, fmt: ReasoningFormat, mode: Mode, extra_ends: Iterable[str] = (),
-                 drop: Iterable[str] = ()) -> None:
-        super().__init__(fmt, mode, extra_ends, drop)
-        self._markers = MarkerSet([*HARMONY_MARKERS, *drop])
-        # a prompt that opened an analysis body (continue_final_message) starts in it; otherwise at a header
-        self._state = "analysis" if mode == "reasoning" else "header"
-        self._header = ""
-        self._plain = True  # no marker seen yet: a model that writes no harmony at all gives plain answer text
-
-    def feed(self, text: str) -> tuple[str, str]:
-        self._buf += text
-        reasoning: list[str] = []
-        content: list[str] = []
-        while True:
-            before, marker, self._buf = self._markers.split(self._buf)
-            if self._state == "header":
-                self._header += before
-            else:
-                (reasoning if self._state == "analysis" else content).append(before)
-            if marker is None:
-                break
-            self._on_marker(marker, reasoning, content)
-        return "".join(reasoning), "".join(content)
-
-    def _on_marker(self, marker: str, reasoning: list[str], content: list[str]) -> None:
-        self._plain = False
-        if marker == HARMONY_START:
-            self._state, self._header, self.mode = "header", "", "detect"
-        elif self._state == "header" and marker in (HARMONY_CHANNEL, HARMONY_CONSTRAIN):
-            self._header += marker
-        elif self._state == "header" and marker == HARMONY_MESSAGE:
-            if harmony_channel(self._header) == "analysis":
-                if self.had_reasoning:  # a later analysis message: its own paragraph
-                    reasoning.append("\n\n")
-                self._state, self.mode, self.had_reasoning = "analysis", "reasoning", True
-            else:
-                self._state, self.mode = "other", "content"
-                content.append(HARMONY_START + self._header + HARMONY_MESSAGE)
-        elif marker in HARMONY_ENDS and self._state != "header":
-            if self._state == "other":
-                content.append(marker)
-            self._state, self._header, self.mode = "header", "", "detect"
-        # anything else (a special token, a header marker inside a body) is dropped
-
-    def finish(self) -> tuple[str, str]:
-        """An unfinished analysis body stays thinking; text that never became a header (no harmony markers at all)
-        is answer; a header cut off before its body is dropped."""
-        rest, self._buf = self._buf, ""
-        if self._state == "analysis":
-            return rest, ""
-        if self._state == "header":
-            header, self._header = self._header + rest, ""
-            return "", header if self._plain else ""
         return "", rest

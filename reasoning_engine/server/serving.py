@@ -37,7 +37,9 @@ from reasoning_engine.server.chat_template import (
     template_messages,
     thinking_switch,
 )
+from reasoning_engine.server.engine_client import EngineClient
 from reasoning_engine.server.errors import APIError, bad_request, error_body
+from reasoning_engine.server.formats.registry import CALL_SYNTAXES, REASONING_FORMATS, TOOL_PARSERS
 from reasoning_engine.server.metrics import RequestTimer, ServerMetrics
 from reasoning_engine.server.parsing import (
     ChatOutputParser,
@@ -54,17 +56,9 @@ from reasoning_engine.server.protocol import (
     ResponseFormat,
     VideoPart,
 )
-from reasoning_engine.server.reasoning_parsers import REASONING_FORMATS, initial_mode
+from reasoning_engine.server.reasoning_parsers import initial_mode
 from reasoning_engine.server.token_bytes import TokenBytes
-from reasoning_engine.server.tool_grammar import (
-    CALL_SYNTAXES,
-    INLINE_THINKING,
-    ToolSchemaError,
-    answer_tag,
-    bad_tool_schema,
-    tool_call_tag,
-)
-from reasoning_engine.server.tool_parsers import TOOL_PARSERS
+from reasoning_engine.server.tool_grammar import ToolSchemaError, answer_tag, bad_tool_schema, tool_call_tag
 from reasoning_engine.structured.params import StructuredOutputsParams
 
 T = TypeVar("T")
@@ -143,7 +137,7 @@ class EngineRequests:
     """The engine requests behind one HTTP request (one per prompt), merged into one output stream; `close`
     aborts whichever did not finish, which frees their KV blocks."""
 
-    def __init__(self, engine: Any, prompts: Sequence[PromptType], params: SamplingParams, base_id: str,
+    def __init__(self, engine: EngineClient, prompts: Sequence[PromptType], params: SamplingParams, base_id: str,
                  session: str | None = None, workload: str = "default",
                  error_param: Callable[[str], str | None] = _param_of) -> None:
         """`session` and `workload`: for the adaptive engine (KV retention, acceptance by class); `error_param`:
@@ -346,9 +340,9 @@ class ChoiceUpdate:
 class OpenAIServing:
     """Request handling shared by the HTTP routes; holds what is resolved once per server (parsers, limits)."""
 
-    def __init__(self, engine: Any, metrics: ServerMetrics, *, model_names: list[str], reasoning_parser: str | None,
-                 tool_parser: str | None, max_thinking_tokens: int | None, media_loader: MediaLoader,
-                 media_timeout: float, tokenizer: Any) -> None:
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics, *, model_names: list[str],
+                 reasoning_parser: str | None, tool_parser: str | None, max_thinking_tokens: int | None,
+                 media_loader: MediaLoader, media_timeout: float, tokenizer: Any) -> None:
         self.engine = engine
         self.metrics = metrics
         self.model_names = model_names
@@ -464,7 +458,7 @@ class OpenAIServing:
         "auto", strict tools or an answer format: free text or that answer, with each call held to its tool's
         schema. None when the tools need no grammar. A model that thinks inside the constrained output (gpt-oss:
         no `</think>` for the engine to wait for) may think before the calls or the answer."""
-        thinking = INLINE_THINKING.get(self.reasoning_parser or "")
+        thinking = REASONING_FORMATS[self.reasoning_parser].inline_thinking if self.reasoning_parser else None
         if not tools_active or not req.tools:
             if answer is None or thinking is None:
                 return answer

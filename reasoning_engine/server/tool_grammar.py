@@ -10,22 +10,8 @@
 
 Each call's arguments follow its tool's `parameters` JSON schema (no parameters: `{}`), with at most one whitespace
 character in a row, so a small model cannot wander into blank space but `{"a": 1}` and `{"a":1}` both fit.
-Formats: kimi_k2 (`<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>
-{json}<|tool_call_end|>...<|tool_calls_section_end|>`), hermes (`<tool_call>\\n{"name": "NAME", "arguments":
-{json}}\\n</tool_call>`, calls separated by a newline), glm45 (`<tool_call>NAME<arg_key>K</arg_key>` ...
-`</tool_call>`, the arguments in xgrammar's `glm_xml` rendering of the schema, which takes GLM-4.5's newlines between
-the parts and GLM-4.7's compact form alike), minimax_m2 (`<minimax:tool_call>\\n<invoke name="NAME">\\n` ...
-`</invoke>\\n</minimax:tool_call>`, the arguments in xgrammar's `minimax_xml` rendering), deepseek_v3
-(`<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{json}\\n```<｜tool▁call▁end｜>`,
-calls separated by a newline), deepseek_v31
-(`<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`),
-deepseek_v32 (`\\n\\n<｜DSML｜function_calls>\\n<｜DSML｜invoke name="NAME">\\n` ... `</｜DSML｜invoke>\\n
-</｜DSML｜function_calls>`, the arguments in xgrammar's `deepseek_xml` rendering: `<｜DSML｜parameter name="K"
-string="true">raw string</｜DSML｜parameter>` or `string="false">JSON`), qwen3_coder / qwen3_xml
-(`<tool_call>\\n<function=NAME>\\n` ... `</function>\\n</tool_call>`, calls separated by a newline, the arguments in
-xgrammar's `qwen_xml` rendering: `<parameter=K>V</parameter>`) and gpt_oss (harmony: `<|channel|>commentary
-to=functions.NAME <|constrain|>json<|message|>{json}`; the `<|call|>` after it is a stop token, so a call ends the
-output and there is at most one), as in tool_parsers.py.
+Each format's call shape (`CallSyntax`: its markers and how a call of a tool opens and ends) is declared with the
+rest of the format in `formats/`; the grammar here is built the same way for all of them.
 Markers are matched as text, so they fit whether the tokenizer has them as single tokens or spells them out;
 the server passes the ones that are single tokens (`marker_ids`), and those are written only as their tokens.
 
@@ -45,229 +31,18 @@ from __future__ import annotations
 
 import functools
 import json
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from reasoning_engine.server.formats.registry import CALL_SYNTAXES, TOOL_PARSERS
 from reasoning_engine.server.protocol import FunctionDef
-from reasoning_engine.server.reasoning_parsers import (
-    HARMONY_CHANNEL,
-    HARMONY_CONSTRAIN,
-    HARMONY_ENDS,
-    HARMONY_MARKERS,
-    HARMONY_MESSAGE,
-    HARMONY_START,
-    KIMI_TOOL_SECTION_BEGINS,
-)
-from reasoning_engine.server.tool_parsers import (
-    DEEPSEEK_CALL_BEGIN,
-    DEEPSEEK_CALL_END,
-    DEEPSEEK_CALLS_BEGIN,
-    DEEPSEEK_CALLS_END,
-    DEEPSEEK_SEP,
-    DSML_CALLS_BEGIN,
-    DSML_CALLS_END,
-    DSML_INVOKE_BEGIN,
-    DSML_INVOKE_END,
-    GLM_CALL_BEGIN,
-    GLM_CALL_END,
-    HERMES_CALL_BEGIN,
-    HERMES_CALL_END,
-    KIMI_ARGUMENT_BEGIN,
-    KIMI_CALL_BEGIN,
-    KIMI_CALL_END,
-    KIMI_SECTION_ENDS,
-    MINIMAX_CALLS_BEGIN,
-    MINIMAX_CALLS_END,
-    MINIMAX_INVOKE_BEGIN,
-    MINIMAX_INVOKE_END,
-    QWEN_FUNCTION_BEGIN,
-    QWEN_FUNCTION_END,
-    TOOL_PARSERS,
-)
+from reasoning_engine.server.reasoning_parsers import InlineThinking
 from reasoning_engine.structured.params import StructuredOutputsParams
 from reasoning_engine.structured.schemas import SchemaError, enforceable_schema, join, marker_free_schema
 
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 MAX_WHITESPACE = 1
-_KIMI_CALL_INDEX = "0|[1-9][0-9]{0,3}"  # the `:IDX` of a Kimi call id
-
-
-@dataclass(frozen=True)
-class CallSyntax(ABC):
-    """One tool parser's call format: the calls sit between `open` and `close`, `separator` between two calls; a
-    call is `call_begin(name)`, its content, `call_end`. `trigger` starts the calls inside free text. `lead` comes
-    before the calls where they are the whole answer (DeepSeek-V3.2 writes its block after a blank line, which in
-    free text is the model's own). `ends_turn`: the call's end marker is a stop token, left out of the grammar, so a
-    call ends the output and there is at most one (gpt-oss)."""
-
-    trigger: str
-    open: str
-    close: str
-    separator: str
-    call_end: str
-    lead: str = ""
-    ends_turn: bool = False
-
-    @abstractmethod
-    def call_begin(self, name: str) -> str:
-        """What opens a call of `name`, up to its content."""
-
-    def call_content(self, arguments: dict[str, Any], text: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
-        """A call's content around its `arguments` format; `text` makes a format of fixed text."""
-        return arguments
-
-
-class KimiCallSyntax(CallSyntax):
-    def call_begin(self, name: str) -> str:
-        return f"{KIMI_CALL_BEGIN}functions.{name}:"
-
-    def call_content(self, arguments: dict[str, Any], text: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
-        """The call index, then the arguments."""
-        return {"type": "sequence", "elements": [{"type": "regex", "pattern": _KIMI_CALL_INDEX},
-                                                 text(KIMI_ARGUMENT_BEGIN), arguments]}
-
-
-class HermesCallSyntax(CallSyntax):
-    def call_begin(self, name: str) -> str:
-        """Qwen3's template writes the name first, then the arguments object."""
-        return f'{HERMES_CALL_BEGIN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
-
-
-class GlmCallSyntax(CallSyntax):
-    def call_begin(self, name: str) -> str:
-        return f"{GLM_CALL_BEGIN}{name}"
-
-    def call_content(self, arguments: dict[str, Any], text: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
-        """The schema's properties as `<arg_key>` / `<arg_value>` pairs: strings raw, other values JSON."""
-        return {**arguments, "style": "glm_xml"}
-
-
-class MiniMaxCallSyntax(CallSyntax):
-    def call_begin(self, name: str) -> str:
-        return f'{MINIMAX_INVOKE_BEGIN}"{name}">\n'
-
-    def call_content(self, arguments: dict[str, Any], text: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
-        """The schema's properties as `<parameter name="K">V</parameter>` lines: strings raw, other values JSON. An
-        array parameter declared without `items` gets `items: {}` (what the schema means), since xgrammar's
-        `minimax_xml` refuses every value of such a parameter."""
-        return {**arguments, "json_schema": _array_items_given(arguments["json_schema"]), "style": "minimax_xml"}
-
-
-class DeepSeekV3CallSyntax(CallSyntax):
-    def call_begin(self, name: str) -> str:
-        """V3-0324's and R1-0528's header: the call's type, the name on its own line, a json fence."""
-        return f"{DEEPSEEK_CALL_BEGIN}function{DEEPSEEK_SEP}{name}\n```json\n"
-
-
-class DeepSeekV31CallSyntax(CallSyntax):
-    def call_begin(self, name: str) -> str:
-        return f"{DEEPSEEK_CALL_BEGIN}{name}{DEEPSEEK_SEP}"
-
-
-class DsmlCallSyntax(CallSyntax):
-    def call_begin(self, name: str) -> str:
-        return f'{DSML_INVOKE_BEGIN}"{name}">\n'
-
-    def call_content(self, arguments: dict[str, Any], text: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
-        """The schema's properties as `<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>` lines:
-        strings raw (`true`), other values JSON (`false`); an array without `items` as for MiniMax-M2."""
-        return {**arguments, "json_schema": _array_items_given(arguments["json_schema"]), "style": "deepseek_xml"}
-
-
-class QwenCoderCallSyntax(CallSyntax):
-    def call_begin(self, name: str) -> str:
-        return f"{HERMES_CALL_BEGIN}\n{QWEN_FUNCTION_BEGIN}{name}>\n"
-
-    def call_content(self, arguments: dict[str, Any], text: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
-        """The schema's properties as `<parameter=K>V</parameter>` lines (xgrammar's `qwen_xml`): strings raw,
-        other values JSON; an array without `items` as for MiniMax-M2. `qwen_xml` allows one whitespace character
-        around each value where the template writes a newline; the parser drops that newline from a string (and
-        any whitespace around other values), so a length-bounded string with a space or tab there reads one or two
-        characters longer than the grammar held it to."""
-        return {**arguments, "json_schema": _array_items_given(arguments["json_schema"]), "style": "qwen_xml"}
-
-
-class HarmonyCallSyntax(CallSyntax):
-    def call_begin(self, name: str) -> str:
-        """The header gpt-oss writes for a call (the one the harmony guide shows); the recipient-first form
-        ` to=functions.NAME<|channel|>commentary json` is not offered."""
-        return f"{HARMONY_CHANNEL}commentary to=functions.{name} {HARMONY_CONSTRAIN}json{HARMONY_MESSAGE}"
-
-
-def _array_items_given(schema: dict[str, Any]) -> dict[str, Any]:
-    properties = schema.get("properties")
-    if not isinstance(properties, dict):
-        return schema
-
-    def given(prop: Any) -> Any:
-        kind = prop.get("type") if isinstance(prop, dict) else None
-        if "array" in (kind if isinstance(kind, list) else [kind]) and not {"items", "prefixItems"} & prop.keys():
-            return {**prop, "items": {}}
-        return prop
-
-    return {**schema, "properties": {name: given(prop) for name, prop in properties.items()}}
-
-
-CALL_SYNTAXES: dict[str, CallSyntax] = {
-    "kimi_k2": KimiCallSyntax(trigger=KIMI_TOOL_SECTION_BEGINS[0], open=KIMI_TOOL_SECTION_BEGINS[0],
-                              close=KIMI_SECTION_ENDS[0], separator="", call_end=KIMI_CALL_END),
-    "hermes": HermesCallSyntax(trigger=HERMES_CALL_BEGIN, open="", close="", separator="\n",
-                               call_end=f"}}\n{HERMES_CALL_END}"),
-    "glm45": GlmCallSyntax(trigger=GLM_CALL_BEGIN, open="", close="", separator="\n", call_end=GLM_CALL_END),
-    # vLLM's name for GLM-4.7's compact form, which glm_xml takes as well
-    "glm47": GlmCallSyntax(trigger=GLM_CALL_BEGIN, open="", close="", separator="\n", call_end=GLM_CALL_END),
-    "minimax_m2": MiniMaxCallSyntax(trigger=MINIMAX_CALLS_BEGIN, open=f"{MINIMAX_CALLS_BEGIN}\n",
-                                    close=MINIMAX_CALLS_END, separator="", call_end=f"{MINIMAX_INVOKE_END}\n"),
-    "deepseek_v3": DeepSeekV3CallSyntax(trigger=DEEPSEEK_CALLS_BEGIN, open=DEEPSEEK_CALLS_BEGIN,
-                                        close=DEEPSEEK_CALLS_END, separator="\n", call_end=f"\n```{DEEPSEEK_CALL_END}"),
-    "deepseek_v31": DeepSeekV31CallSyntax(trigger=DEEPSEEK_CALLS_BEGIN, open=DEEPSEEK_CALLS_BEGIN,
-                                          close=DEEPSEEK_CALLS_END, separator="", call_end=DEEPSEEK_CALL_END),
-    # as DeepSeek-V3.2's encoding writes it: parameters and invokes one a line
-    "deepseek_v32": DsmlCallSyntax(trigger=DSML_CALLS_BEGIN, open=f"{DSML_CALLS_BEGIN}\n",
-                                   close=f"\n{DSML_CALLS_END}", separator="\n", call_end=f"\n{DSML_INVOKE_END}",
-                                   lead="\n\n"),
-    # as Qwen3-Coder's and Qwen3.5's templates write them: one call per `<tool_call>`, a newline between calls
-    "qwen3_coder": QwenCoderCallSyntax(trigger=HERMES_CALL_BEGIN, open="", close="", separator="\n",
-                                       call_end=f"{QWEN_FUNCTION_END}\n{HERMES_CALL_END}"),
-    "qwen3_xml": QwenCoderCallSyntax(trigger=HERMES_CALL_BEGIN, open="", close="", separator="\n",
-                                     call_end=f"{QWEN_FUNCTION_END}\n{HERMES_CALL_END}"),
-    "gpt_oss": HarmonyCallSyntax(trigger=f"{HARMONY_CHANNEL}commentary to=functions.", open="", close="",
-                                 separator="", call_end="", ends_turn=True),
-}
-
-
-@dataclass(frozen=True)
-class InlineThinking:
-    """A reasoning format whose end the engine cannot see (no `</think>` token), so a constraint holds the output
-    from its first token and must let the thinking through itself: any number of `message`s (a thinking message and
-    what opens the next one) come first, and `answer_begin` opens an answer format's answer."""
-
-    message: dict[str, Any]
-    answer_begin: str
-
-    def then(self, fmt: dict[str, Any]) -> dict[str, Any]:
-        """`fmt` after the thinking."""
-        return {"type": "sequence", "elements": [{"type": "star", "content": self.message}, fmt]}
-
-    def answer(self, fmt: dict[str, Any]) -> dict[str, Any]:
-        """An answer format's answer in its own message."""
-        return {"type": "sequence", "elements": [{"type": "const_string", "value": self.answer_begin}, fmt]}
-
-
-_HARMONY_END = HARMONY_ENDS[0]  # `<|end|>`: a message that does not end the turn
-# gpt-oss: the prompt ends with `<|start|>assistant`, so each message is its channel header, its body and its end,
-# and `<|start|>assistant` opens the next one; an analysis body holds no other harmony marker
-INLINE_THINKING: dict[str, InlineThinking] = {
-    "gpt_oss": InlineThinking(
-        message={"type": "sequence", "elements": [
-            {"type": "tag", "begin": f"{HARMONY_CHANNEL}analysis{HARMONY_MESSAGE}",
-             "content": {"type": "any_text", "excludes": [m for m in HARMONY_MARKERS if m != _HARMONY_END]},
-             "end": _HARMONY_END},
-            {"type": "const_string", "value": f"{HARMONY_START}assistant"}]},
-        answer_begin=f"{HARMONY_CHANNEL}final{HARMONY_MESSAGE}"),
-}
 
 
 class ToolSchemaError(ValueError):

@@ -1,7 +1,7 @@
 """A test double of AsyncLLM for HTTP-layer tests: it "generates" a scripted text token by token, so streaming
 tool calls and thinking splits can be checked deterministically through the real app, server and clients.
 
-Only the contract the server uses is implemented: tokenizer, model_config, generate, abort, stats, shutdown.
+It implements the server's whole view of the engine (server/engine_client.py `EngineClient`), for a text model.
 KV blocks are simulated so aborts are visible in /metrics; stop strings end a choice as the real engine's do, and an
 abort ends the stream with a final output whose unfinished choices say finish_reason "abort", as AsyncLLM's does.
 """
@@ -53,7 +53,9 @@ class FakeEngine:
     _aborted: set[str] = field(default_factory=set)
     shut_down: bool = False
     supports_media: bool = False  # a text model
+    media_processor: Any = None
     media_limits: dict[str, int] = field(default_factory=dict)
+    loop_died: bool = False  # what AsyncLLM's loop thread does when a step fails past recovery
 
     def __post_init__(self) -> None:
         self.model_config.vocab_size = len(self.tokenizer)
@@ -90,6 +92,16 @@ class FakeEngine:
                     return
         finally:
             self._blocks.pop(request_id, None)
+
+    @property
+    def is_running(self) -> bool:
+        return not (self.shut_down or self.loop_died)
+
+    async def expand_prompt(self, prompt: list[int] | dict[str, Any]) -> tuple[list[int], tuple[Any, ...]]:
+        return (prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt), ()
+
+    async def run_media(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(*args)
 
     def _output(self, index: int, script: list[int], produced: int, params: SamplingParams) -> CompletionOutput:
         ids = script[:produced]

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from reasoning_engine.server.parsing import resolve_reasoning_parser, resolve_tool_parser
+from reasoning_engine.server.formats.registry import resolve_reasoning_parser, resolve_tool_parser
 
 from . import test_parsers as parsers
 from .test_parsers import Result

@@ -14,10 +14,16 @@ import pytest
 
 from reasoning_engine.models.chat_templates import iterates_arguments
 from reasoning_engine.server.chat_template import render_chat
-from reasoning_engine.server.parsing import build_output_parser, resolve_reasoning_parser, resolve_tool_parser
-from reasoning_engine.server.reasoning_parsers import REASONING_FORMATS, initial_mode
-from reasoning_engine.server.tool_grammar import CALL_SYNTAXES
-from reasoning_engine.server.tool_parsers import TOOL_PARSERS, Glm45ToolParser
+from reasoning_engine.server.formats.glm import Glm45ToolParser
+from reasoning_engine.server.formats.registry import (
+    CALL_SYNTAXES,
+    REASONING_FORMATS,
+    TOOL_PARSERS,
+    resolve_reasoning_parser,
+    resolve_tool_parser,
+)
+from reasoning_engine.server.parsing import build_output_parser
+from reasoning_engine.server.reasoning_parsers import initial_mode
 
 from .test_parsers import Result, check_splittings, collect
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from reasoning_engine.server.parsing import resolve_reasoning_parser, resolve_tool_parser
-from reasoning_engine.server.reasoning_parsers import HARMONY_MARKERS
+from reasoning_engine.server.formats.harmony import HARMONY_MARKERS
+from reasoning_engine.server.formats.registry import resolve_reasoning_parser, resolve_tool_parser
 
 from .test_parsers import check_all, run
 
@@ -117,11 +117,8 @@ def test_tool_grammar_lets_the_analysis_through_and_holds_the_call() -> None:
     from xgrammar.testing import _is_grammar_accept_string
 
     from reasoning_engine.server.protocol import FunctionDef
-    from reasoning_engine.server.tool_grammar import (
-        INLINE_THINKING,
-        answer_tag,
-        tool_call_tag,
-    )
+    from reasoning_engine.server.formats.registry import REASONING_FORMATS
+    from reasoning_engine.server.tool_grammar import answer_tag, tool_call_tag
     from reasoning_engine.structured.params import StructuredOutputsParams
 
     def accepts(tag: dict[str, Any], text: str) -> bool:
@@ -129,7 +126,7 @@ def test_tool_grammar_lets_the_analysis_through_and_holds_the_call() -> None:
         return _is_grammar_accept_string(Grammar.from_structural_tag(json.dumps(tag)), text)
 
     tools = [FunctionDef(name=name, parameters=schema) for name, schema in PARAMETERS.items()]
-    thinking = INLINE_THINKING["gpt_oss"]
+    thinking = REASONING_FORMATS["gpt_oss"].inline_thinking
     required = tool_call_tag("gpt_oss", tools, required=True, parallel=True, thinking=thinking)
     named = tool_call_tag("gpt_oss", tools[1:], required=True, parallel=False, thinking=thinking)
     auto = tool_call_tag("gpt_oss", tools, required=False, parallel=True, thinking=thinking)

@@ -15,7 +15,7 @@ import pytest
 
 from reasoning_engine.sampling_params import SamplingParams
 from reasoning_engine.server.app import ServerConfig, build_app
-from reasoning_engine.server.reasoning_parsers import HARMONY_MARKERS
+from reasoning_engine.server.formats.harmony import HARMONY_MARKERS
 
 from .fake_engine import FakeEngine
 from .helpers import LiveServer

@@ -713,3 +713,29 @@ def test_chat_template_flag_replaces_the_models_template(fake_server: Any, kimi_
         read_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(ValueError, match="chat_template"):
         build_app(FakeEngine(kimi_tokenizer, lambda *_: ""), ServerConfig(chat_template="no-such-file"))
+
+
+def test_health_is_503_once_the_engine_loop_has_stopped(fake_server: Any) -> None:
+    """/health follows the engine loop (`is_running`): 200 while it runs, 503 in the API's error shape once it has
+    died or shut down; it stays public behind an API key, so a supervisor can tell a dead server without the key."""
+    engine, url = fake_server("ok", api_key="k")
+    response = httpx.get(f"{url}/health", timeout=30)
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
+    engine.loop_died = True
+    response = httpx.get(f"{url}/health", timeout=30)
+    assert response.status_code == 503 and response.json()["error"]["code"] == "engine_unavailable"
+    engine.loop_died, engine.shut_down = False, True
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 503
+
+
+def test_the_fake_engine_has_every_member_the_server_calls(kimi_tokenizer: Any) -> None:
+    """The double the HTTP tests serve implements the server's whole view of the engine (AsyncLLM's side:
+    test_real_server.py)."""
+    from reasoning_engine.server.engine_client import EngineClient
+
+    from .fake_engine import FakeEngine
+
+    engine = FakeEngine(kimi_tokenizer, lambda *_: "")
+    members = [name for name in vars(EngineClient) if not name.startswith("_")]
+    assert {"generate", "abort", "is_running", "stats", "model_config"} <= set(members)
+    assert [name for name in members if not hasattr(engine, name)] == []

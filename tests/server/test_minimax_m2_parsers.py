@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from reasoning_engine.server.parsing import build_output_parser, resolve_reasoning_parser, resolve_tool_parser
+from reasoning_engine.server.formats.registry import resolve_reasoning_parser, resolve_tool_parser
+from reasoning_engine.server.parsing import build_output_parser
 
 from .test_parsers import Result, check_splittings, collect, splittings
 

@@ -14,7 +14,8 @@ import pytest
 
 from reasoning_engine.server.chat_template import render_chat, template_messages
 from reasoning_engine.server.protocol import ChatMessage, ToolDef
-from reasoning_engine.server.reasoning_parsers import REASONING_FORMATS, initial_mode
+from reasoning_engine.server.formats.registry import REASONING_FORMATS
+from reasoning_engine.server.reasoning_parsers import initial_mode
 
 from .test_minimax_m2_parsers import SCHEMAS, arguments, block, check_all, invoke
 

@@ -40,10 +40,12 @@ def _app(config: ServerConfig) -> Any:
     return build_app(FakeEngine(tokenizer, _reply), config)
 
 
-# built at import: schemathesis parametrizes the tests by operation at collection time
-schema = schemathesis.openapi.from_asgi("/openapi.json", _app(ServerConfig()))
+# built at import: schemathesis parametrizes the tests by operation at collection time. Its ASGI calls start and stop
+# the app's lifespan, so the engine must outlive the app (a stopped engine makes /health a 503).
+schema = schemathesis.openapi.from_asgi("/openapi.json", _app(ServerConfig(shutdown_engine=False)))
 KEY_HEADERS = {"Authorization": "Bearer sekret"}
-keyed_schema = schemathesis.openapi.from_asgi("/openapi.json", _app(ServerConfig(api_key="sekret")),
+keyed_schema = schemathesis.openapi.from_asgi("/openapi.json", _app(ServerConfig(api_key="sekret",
+                                                                                 shutdown_engine=False)),
                                               headers=KEY_HEADERS)
 
 

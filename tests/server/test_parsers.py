@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from reasoning_engine.server.markers import MarkerSet
-from reasoning_engine.server.parsing import ChatOutputParser, build_output_parser, resolve_reasoning_parser, resolve_tool_parser
+from reasoning_engine.server.formats.registry import resolve_reasoning_parser, resolve_tool_parser
+from reasoning_engine.server.parsing import ChatOutputParser, build_output_parser
 
 KIMI_MARKERS = ["<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
                 "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|im_end|>"]
@@ -262,8 +263,7 @@ def test_random_mixtures_never_leak(seed: int) -> None:
 
 def test_serve_offers_every_registered_parser() -> None:
     from reasoning_engine.cli import build_parser
-    from reasoning_engine.server.reasoning_parsers import REASONING_FORMATS
-    from reasoning_engine.server.tool_parsers import TOOL_PARSERS
+    from reasoning_engine.server.formats.registry import REASONING_FORMATS, TOOL_PARSERS
 
     for name in REASONING_FORMATS:
         assert build_parser().parse_args(["serve", "--reasoning-parser", name]).reasoning_parser == name

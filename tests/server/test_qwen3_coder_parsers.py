@@ -10,7 +10,8 @@ import random
 
 import pytest
 
-from reasoning_engine.server.parsing import build_output_parser, resolve_reasoning_parser, resolve_tool_parser
+from reasoning_engine.server.formats.registry import resolve_reasoning_parser, resolve_tool_parser
+from reasoning_engine.server.parsing import build_output_parser
 
 from .test_parsers import Result, check_splittings, collect
 

@@ -334,6 +334,40 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def test_the_engine_has_every_member_the_server_calls(engine: Any) -> None:
+    from reasoning_engine.server.engine_client import EngineClient
+
+    members = [name for name in vars(EngineClient) if not name.startswith("_")]
+    assert [name for name in members if not hasattr(engine, name)] == [] and engine.is_running
+
+
+def test_health_is_503_once_the_engine_loop_has_died(model_dir: Path) -> None:
+    """The engine loop dies as it does when a rank of a distributed engine exits (a step fails and the executor
+    reports the failure): the request in flight is a 503, the loop thread ends, and /health answers 503 from then
+    on, where it used to say ok."""
+    from reasoning_engine.engine.async_engine import AsyncLLM
+
+    llm = AsyncLLM(model=str(model_dir), device="cpu", max_model_len=context_length(model_dir, 256),
+                   kv_cache_blocks=32, block_size=16, max_num_seqs=2)
+    try:
+        with LiveServer(build_app(llm, ServerConfig(shutdown_engine=False))) as live:
+            assert httpx.get(f"{live.url}/health", timeout=30).status_code == 200
+
+            def failing_step() -> None:
+                llm.engine.runner.executor.failure = "rank 1 exited"
+                raise RuntimeError("collective timed out")
+
+            llm.engine.step = failing_step  # type: ignore[method-assign]
+            reply = httpx.post(f"{live.url}/v1/chat/completions", json={"messages": MSG, "max_tokens": 4},
+                               timeout=60)
+            assert reply.status_code == 503 and reply.json()["error"]["code"] == "engine_unavailable"
+            assert wait_for(lambda: not llm._thread.is_alive(), timeout=30)
+            health = httpx.get(f"{live.url}/health", timeout=30)
+            assert health.status_code == 503 and health.json()["error"]["code"] == "engine_unavailable"
+    finally:
+        llm.shutdown_sync()
+
+
 def test_bundled_model_answers_with_thinking(client: openai.OpenAI, model_name: str) -> None:
     assert model_name == "tiny-reasoner"
     result = client.chat.completions.create(model=model_name, messages=MSG, temperature=0)

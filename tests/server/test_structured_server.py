@@ -251,8 +251,8 @@ CALL_TEXTS = {  # one call of get_weather and one of convert, as each format's c
 def test_tool_grammars_hold_what_the_parsers_read(engine: Any, fmt: str) -> None:
     """The grammar of each format accepts exactly the calls its tool parser extracts, with valid arguments."""
     from reasoning_engine.server.protocol import FunctionDef
+    from reasoning_engine.server.formats.registry import TOOL_PARSERS
     from reasoning_engine.server.tool_grammar import tool_call_tag
-    from reasoning_engine.server.tool_parsers import TOOL_PARSERS
 
     tools = [FunctionDef(**t["function"]) for t in TOOLS]
     required = {"structural_tag": tool_call_tag(fmt, tools, required=True, parallel=True)}

@@ -20,8 +20,8 @@ from xgrammar.testing import _is_grammar_accept_string
 
 from reasoning_engine.server.app import ServerConfig, build_app
 from reasoning_engine.server.protocol import FunctionDef
-from reasoning_engine.server.tool_grammar import CALL_SYNTAXES, ToolSchemaError, tool_call_tag
-from reasoning_engine.server.tool_parsers import TOOL_PARSERS
+from reasoning_engine.server.formats.registry import CALL_SYNTAXES, TOOL_PARSERS
+from reasoning_engine.server.tool_grammar import ToolSchemaError, tool_call_tag
 from reasoning_engine.structured.compiler import GrammarCompiler
 from reasoning_engine.structured.params import StructuredOutputsParams
 

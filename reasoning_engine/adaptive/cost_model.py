@@ -201,16 +201,21 @@ class StepCostModel:
             if not fixed:
                 break
             free.append(max(fixed, key=lambda j: gradient[j]))
-            while free:
+            while free:  # each pass ends or fixes at least one more feature at zero: at most n passes
                 z = _solve_over(a, b, free)
                 values = z.tolist()
                 if all(values[j] > 0.0 for j in free):
                     w = z
                     break
-                # move towards z only as far as the first free weight reaching zero, which then leaves the set
-                step = min(w[j] / (w[j] - z[j]) for j in free if values[j] <= 0.0)
+                # move towards z only as far as the first free weight reaching zero, which then leaves the set (set
+                # to zero exactly: rounding could leave it a hair above, and the same pass would repeat forever)
+                current = w.tolist()
+                step, first = min(((current[j] / (current[j] - values[j]) if current[j] > values[j] else 0.0), j)
+                                  for j in free if values[j] <= 0.0)
                 w = w + step * (z - w)
-                free = [j for j in free if w[j] > 0.0]
+                w[first] = 0.0
+                free = [j for j in free if j != first and w[j] > 0.0]
+                w[[j for j in range(n) if j not in free]] = 0.0
         self._free = tuple(sorted(free))
         return w * scale
 

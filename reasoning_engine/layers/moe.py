@@ -119,8 +119,9 @@ class Router(nn.Module):
         return mask.repeat_interleave(self.num_experts // self.n_group, dim=1)
 
     def _noaux_tc(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sigmoid routing without a correction bias (with one: `noaux_tc_router`)."""
-        biased = scores
+        """noaux_tc choice over `scores`: sigmoid without a correction bias (with one: `noaux_tc_router`), and
+        DeepSeek-V4's sqrtsoftplus scores with or without one."""
+        biased = scores + self.e_score_correction_bias.float() if self.e_score_correction_bias is not None else scores
         if self.n_group > 1:
             group_scores = biased.view(-1, self.n_group, self.num_experts // self.n_group).topk(2, dim=-1).values.sum(-1)
             biased = biased.masked_fill(~self._group_mask(group_scores), float("-inf"))

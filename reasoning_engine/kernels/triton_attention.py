@@ -26,7 +26,7 @@ draft trees being verified, small chunks) go through `_latent_partial_kernel`, i
 channels), so every head of a token shares each latent tile and the rows form a tile the tensor cores take whole
 (wgmma on sm_90, tcgen05 on sm_100), with an accumulator that fits the registers; the slices
 (`latent_split_plan`: as many as the GPU has SMs, none shorter than its partial output weighs, from the sequence's
-own length) merge in `_latent_reduce_kernel` (a launch whose sequences all fit one slice writes the output itself).
+own length) merge in `_latent_reduce_kernel` (a cast, a copy, where every sequence has one slice).
 Longer chunks in the same step go through the prefill kernel, which skips the short sequences. A step of decodes
 alone with at most `_DECODE_KERNEL_HEADS` heads per rank takes the decode kernel instead, which holds all of them in
 one program (`decodes_take_decode_kernel`).
@@ -95,10 +95,10 @@ def latent_launch_splits(max_seq_len: int, min_split: int, max_splits: int) -> i
 def decodes_take_decode_kernel(num_heads: int, max_heads: int = _DECODE_KERNEL_HEADS) -> bool:
     """Whether an MLA step of decodes alone (one query token per sequence) with `num_heads` heads per rank goes
     through the decode kernel rather than the latent split kernel: up to `_DECODE_KERNEL_HEADS` heads (Kimi K2.5
-    under TP 8, Moonlight; `max_heads`: tests lower it). There one decode program holds every head over a cache tile (`_decode_tiles`), reads the
-    tile once, and its loop issues enough to draw more than HBM's bandwidth, while the latent kernel's 64-row tile is
-    mostly padding and each tile is read by two programs (the value halves), which leaves its loop issue-bound below
-    HBM's bandwidth (benchmarks/kernel_report.py). With more heads (64: Kimi without TP) the decode kernel splits
+    under TP 8, Moonlight; `max_heads`: tests lower it). There one decode program holds every head over a cache tile
+    (`_decode_tiles`), reads the tile once, and its loop issues enough to draw more than HBM's bandwidth, while the
+    latent kernel's 64-row tile is mostly padding and each tile is read by two programs (the value halves), which
+    leaves its loop issue-bound below HBM's bandwidth (benchmarks/kernel_report.py). With more heads (64: Kimi without TP) the decode kernel splits
     the heads over several programs per tile and the latent kernel does better. Steps with drafts or chunks use the
     latent kernel whatever the head count, so at these head counts a decode's bits depend on whether its step also
     verifies drafts (never on the other sequences' lengths)."""
@@ -152,8 +152,9 @@ def launch_splits(max_seq_len: int, split_tokens: int = _SPLIT_TOKENS) -> int:
 def prepare_attention(batch: ForwardBatch, block_size: int, split_tokens: int | None = None,
                       short_query: int = SHORT_QUERY, decode_kernel_heads: int = _DECODE_KERNEL_HEADS) -> TritonAttentionMetadata:
     """Per-step metadata shared by all layers. `split_tokens` sets the decode slice length (tests shorten it to split
-    small contexts; `decode_kernel_heads` 0 sends MLA decodes of any head count to the latent kernel). A CUDA-graph batch has `static_shapes`: its max_seq_len is the bound max_model_len, so the launch
-    has the slices of the longest possible sequence, while each sequence still uses its own (`split_plan`).
+    small contexts; `decode_kernel_heads` 0 sends MLA decodes of any head count to the latent kernel). A CUDA-graph
+    batch has `static_shapes`: its max_seq_len is the bound max_model_len, so the launch has the slices of the
+    longest possible sequence, while each sequence still uses its own (`split_plan`).
     A decode step's short rows are its sequences (one each, the query start offsets); a step with longer queries
     counts them on the host (`query_lens_cpu`), which only eager steps have.
     Nothing here reads a tensor's values, so this runs inside the capture and its conversions replay with the graph."""
@@ -341,13 +342,13 @@ def _online_softmax(s, m_i, l_i):
 
 @triton.jit
 def _latent_partial_kernel(
-    q_ptr, kv_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, rows_start_ptr, tree_ptr, part_out_ptr, part_lse_ptr, out_ptr,
+    q_ptr, kv_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, rows_start_ptr, tree_ptr, part_out_ptr, part_lse_ptr,
     qk_scale,
-    stride_qt, stride_qh, stride_kb, stride_bt, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_kb, stride_bt,
     num_heads, num_splits, min_split, max_splits, short_query,
     D1: tl.constexpr, D2: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, STRIDE_KS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_TREE: tl.constexpr,
-    PRECISION: tl.constexpr, V_SPLIT: tl.constexpr, ONE_SLICE: tl.constexpr,
+    PRECISION: tl.constexpr, V_SPLIT: tl.constexpr,
 ):
     """MLA over one slice of one sequence's context for BLOCK_M of its (query token, head) rows, token-major (row r
     is token r // HEADS, head r % HEADS): every head of a token, or of several tokens, shares each latent tile, which
@@ -362,8 +363,6 @@ def _latent_partial_kernel(
     with the tile's addresses, probabilities and the two mma operands outgrows 255 registers a thread on sm_90 and
     sm_100 at any warp count and pipeline depth; a [64, 256] half at 8 warps and 32-key tiles does not. The two
     programs are neighbours in the grid and run together, so the second read of a tile comes from L2, not HBM.
-    ONE_SLICE: the launch has one slice per sequence, whose normalised output is the result: written to `out_ptr`
-    in its dtype (the value the merge of a single slice gives), with no partial output and no merge launch.
     Slices start at multiples of BLOCK_N (`min_split` is one), and the cache's block size and row stride are
     constants: where BLOCK_SIZE divides BLOCK_N, a thread's rows of a tile are a few cache blocks' bases plus
     offsets known when compiling, not a division and a 64-bit product per row."""
@@ -446,14 +445,10 @@ def _latent_partial_kernel(
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    dv = half * HALF + d1
-    if ONE_SLICE:
-        o_rows = out_ptr + tok[:, None] * stride_ot + h[:, None] * stride_oh
-        tl.store(o_rows + dv[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv < D1)[None, :])
-        return
     part_row = ((tl.load(rows_start_ptr + seq) + t).to(tl.int64) * num_heads + h) * num_splits + split
     if half == 0:  # both halves hold the same log-sum-exp
         tl.store(part_lse_ptr + part_row, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=row_ok)
+    dv = half * HALF + d1
     tl.store(part_out_ptr + part_row[:, None] * D1 + dv[None, :], out, mask=row_ok[:, None] & (dv < D1)[None, :])
 
 
@@ -731,35 +726,33 @@ def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dims
 def _latent_short(q: torch.Tensor, kv_cache: torch.Tensor, latent_dim: int, batch: ForwardBatch,
                   meta: TritonAttentionMetadata, qk_scale: float, out: torch.Tensor) -> None:
     """MLA for the step's sequences of at most `meta.short_query` query tokens (decodes, drafts, small chunks): the
-    latent split kernel over (sequence, block of query-token x head rows, slice of the context), then the merge
-    (none when every sequence fits one slice: the kernel then writes `out` itself)."""
+    latent split kernel over (sequence, block of query-token x head rows, slice of the context), then the merge. When
+    every sequence has one slice and the step has no long chunk, merging is a cast of the partial outputs (a single
+    slice's weight is exactly 1): a copy into `out` does it, with the merge's values."""
     num_heads = q.shape[1]
     rope = kv_cache.shape[-1] - latent_dim
     min_split = meta.split_tokens or latent_min_split(num_heads, latent_dim, kv_cache.shape[-1] * kv_cache.element_size())
     block_n = min(_LATENT_BLOCK_N, pow2(min_split, 16))
     min_split = triton.cdiv(min_split, block_n) * block_n  # slices of whole tiles
     splits = latent_launch_splits(meta.short_max_seq_len, min_split, meta.max_splits)
-    one_slice = splits == 1  # every short sequence fits one slice: the kernel writes the output, nothing to merge
     heads = pow2(num_heads)
-    if one_slice:
-        part_out = part_lse = out  # not read or written: any pointer
-    else:
-        part_out = torch.empty(meta.short_rows, num_heads, splits, latent_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(meta.short_rows, num_heads, splits, dtype=torch.float32, device=q.device)
+    part_out = torch.empty(meta.short_rows, num_heads, splits, latent_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(meta.short_rows, num_heads, splits, dtype=torch.float32, device=q.device)
     causal = meta.short_max_query_len > 1
     tree = meta.tree_bits if causal else None
     dims = _dims(latent_dim, rope, latent_dim, kv_cache.dtype)
     v_split = _LATENT_VALUE_SPLIT if dims["BLOCK_D1"] >= 256 else 1
     _latent_partial_kernel[(batch.num_seqs, triton.cdiv(meta.short_max_query_len * heads, _LATENT_BLOCK_M) * v_split, splits)](
         q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.short_rows_start,
-        tree if tree is not None else meta.seq_lens, part_out, part_lse, out, qk_scale,
-        q.stride(0), q.stride(1), kv_cache.stride(0), meta.block_tables.stride(0), out.stride(0), out.stride(1),
+        tree if tree is not None else meta.seq_lens, part_out, part_lse, qk_scale,
+        q.stride(0), q.stride(1), kv_cache.stride(0), meta.block_tables.stride(0),
         num_heads, splits, min_split, meta.max_splits, meta.short_query,
         D1=dims["D1"], D2=dims["D2"], BLOCK_D1=dims["BLOCK_D1"], BLOCK_D2=dims["BLOCK_D2"], STRIDE_KS=kv_cache.stride(1),
         BLOCK_SIZE=meta.block_size, HEADS=heads, BLOCK_M=_LATENT_BLOCK_M, BLOCK_N=block_n, CAUSAL=causal, HAS_TREE=tree is not None,
-        PRECISION=dims["PRECISION"], V_SPLIT=v_split, ONE_SLICE=one_slice, num_warps=_LATENT_WARPS, num_stages=_LATENT_STAGES,
+        PRECISION=dims["PRECISION"], V_SPLIT=v_split, num_warps=_LATENT_WARPS, num_stages=_LATENT_STAGES,
     )
-    if one_slice:
+    if splits == 1 and not meta.has_long:  # the short rows are all of the step's tokens, in order
+        out.copy_(part_out.view(out.shape))
         return
     merge_dv = min(dims["BLOCK_DV"], _MERGE_CHANNELS)
     _latent_reduce_kernel[(batch.num_seqs, meta.short_max_query_len * num_heads, triton.cdiv(latent_dim, merge_dv))](

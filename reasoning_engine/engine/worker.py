@@ -754,7 +754,8 @@ class DraftRunner:
         bs, block = self.worker.block_size, self.worker.padding_block
         batch = self.worker.make_batch([0], [0], [block * bs], [1], [1], [[block]])
         batch.dp_num_tokens = counts
-        width = self.model.layers[0].input_layernorm.weight.shape[0]  # the features a chained pass carries
+        # the features a chained pass carries (DeepSeek-V4's MTP: every residual stream)
+        width = getattr(self.model, "feature_width", None) or self.model.layers[0].input_layernorm.weight.shape[0]
         hidden = torch.zeros(1, width, dtype=self.worker.config.dtype, device=self.worker.device)
         self.model.greedy(self.model(batch, hidden, batch.input_ids)[0])
 

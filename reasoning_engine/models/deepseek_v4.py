@@ -27,8 +27,9 @@ Weights as released (models/quantization.py): block FP8 linears (e8m0 scales und
 FP4 routed experts kept packed as MXFP4 codes and scales, the compressors' and indexer's bf16 projections as stored,
 the int32 tid2eid table widened to int64.
 
-Limits: draft trees are cut to their first path (positions address the windows and rows, and a tree's nodes share
-positions); the MTP layer is not loaded yet.
+The MTP layer (`mtp.0.*`) drafts through speculative/deepseek_v4_mtp.py, reading the last layer's streams
+(`FINAL_STREAMS`). Limits: draft trees are cut to their first path (positions address the windows and rows, and a
+tree's nodes share positions).
 
 Checkpoint names: the official ones (`layers.N.attn.wq_a`, `ffn.experts.E.w1`, `hc_attn_fn`, `embed`, `head`, ...,
 which transformers' save_pretrained also writes) and transformers' module names are both read.
@@ -115,13 +116,13 @@ def sliding_group_window(config: ModelConfig) -> int:
     return window
 
 
-def _mlp(config: ModelConfig, index: int, parallel: Parallel) -> SparseMoE:
+def _mlp(config: ModelConfig, index: int, parallel: Parallel, kind: str) -> SparseMoE:
     raw = config.raw
     num_experts, top_k, hidden = raw["n_routed_experts"], raw["num_experts_per_tok"], config.hidden_size
     scaling = float(raw.get("routed_scaling_factor", 1.0))
     if raw.get("scoring_func", "sqrtsoftplus") != "sqrtsoftplus":
         raise ValueError(f"deepseek_v4: scoring_func must be 'sqrtsoftplus', got {raw.get('scoring_func')!r}")
-    if raw["mlp_layer_types"][index] == "hash_moe":
+    if kind == "hash_moe":
         router: nn.Module = HashRouter(hidden, num_experts, top_k, config.vocab_size, scaling)
     else:
         router = Router(hidden, num_experts, top_k, "sqrtsoftplus", norm_topk_prob=True, routed_scaling_factor=scaling,
@@ -141,16 +142,22 @@ class DeepseekV4Layer(HyperDecoderLayer):
     """attention then MoE, each between the hyper-connection mixings of the residual streams; the attention also
     takes the step's compressed-row addressing."""
 
-    def __init__(self, config: ModelConfig, index: int, tables: dict[str, RotaryEmbedding], parallel: Parallel) -> None:
+    def __init__(self, config: ModelConfig, index: int, tables: dict[str, RotaryEmbedding], parallel: Parallel,
+                 kinds: tuple[str, str] | None = None) -> None:
+        """`kinds`: (attention, MLP) kind, else layer `index`'s in the config (the MTP layer past the stack has
+        none there)."""
         raw, eps, hidden = config.raw, config.rms_norm_eps, config.hidden_size
-        kind = raw["layer_types"][index]
+        kind, mlp_kind = kinds or (raw["layer_types"][index], raw["mlp_layer_types"][index])
         rate = raw["compress_rates"].get(kind) if kind != SLIDING else None
         index_shape = (raw["index_n_heads"], raw["index_head_dim"], raw["index_topk"]) if kind == CSA else None
         attn = DeepseekV4Attention(
             kind, hidden, config.num_attention_heads, config.head_dim, raw["q_lora_rank"], raw["o_groups"],
             raw["o_lora_rank"], tables["main" if kind == SLIDING else "compress"], eps, rate, index_shape, parallel.tp)
-        super().__init__(attn, _mlp(config, index, parallel), hidden, eps, raw["hc_mult"], raw["hc_sinkhorn_iters"],
-                         raw["hc_eps"])
+        super().__init__(attn, _mlp(config, index, parallel, mlp_kind), hidden, eps, raw["hc_mult"],
+                         raw["hc_sinkhorn_iters"], raw["hc_eps"])
+
+
+FINAL_STREAMS = -1  # `aux_hidden` key of the last layer's unfolded streams
 
 
 class DeepseekV4ForCausalLM(CausalLM):
@@ -182,6 +189,8 @@ class DeepseekV4ForCausalLM(CausalLM):
                 CacheGroup("sliding", tuple(range(n)), sliding_group_window(self.config), pool=1)]
 
     def forward(self, batch: ForwardBatch, aux_hidden: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """`aux_hidden`: layer index -> that layer's output folded by `hc_head`; key FINAL_STREAMS -> the last layer's
+        streams as they are, [T, hc_mult * hidden] (what the MTP layer reads)."""
         x = self.embed_tokens(batch.input_ids)
         first = self.layers[0].self_attn
         rows = next((layer.self_attn.rows for layer in self.layers if layer.self_attn.rows is not None), None)
@@ -192,6 +201,8 @@ class DeepseekV4ForCausalLM(CausalLM):
             streams = layer(batch.positions, streams, batch, meta)
             if aux_hidden is not None and index in aux_hidden:
                 aux_hidden[index] = self.hc_head(streams)
+        if aux_hidden is not None and FINAL_STREAMS in aux_hidden:
+            aux_hidden[FINAL_STREAMS] = streams.flatten(1)
         return self.norm(self.hc_head(streams))
 
     def _map_checkpoint_name(self, name: str) -> WeightTarget | None:

@@ -95,8 +95,8 @@ class SpeculativeConfig:
 
 
 class DraftModel(Protocol):
-    """A draft network run beside the target over its own paged KV cache: an MTP layer (mtp.py, qwen3_next_mtp.py) or
-    an EAGLE-3 head (eagle3.py). Position t of a sequence pairs features of the target at t with token t + 1 and
+    """A draft network run beside the target over its own paged KV cache: an MTP layer (mtp.py, qwen3_next_mtp.py,
+    deepseek_v4_mtp.py) or an EAGLE-3 head (eagle3.py). Position t of a sequence pairs features of the target at t with token t + 1 and
     predicts token t + 2; chained drafting feeds the draft's own carried features back in place of the target's."""
 
     # target layers whose output the draft reads (CausalLM.forward's aux_hidden); () when it reads the final hidden
@@ -126,6 +126,10 @@ def load_draft_models(config: SpeculativeConfig, engine_config: EngineConfig, ta
             from reasoning_engine.speculative.qwen3_next_mtp import load_qwen3_next_mtp
 
             models[method] = load_qwen3_next_mtp(target, engine_config)
+        elif method == "mtp" and engine_config.model.family == "deepseek_v4":  # `mtp.0.*`
+            from reasoning_engine.speculative.deepseek_v4_mtp import load_deepseek_v4_mtp
+
+            models[method] = load_deepseek_v4_mtp(target, engine_config)
         elif method == "mtp":  # DeepSeek-V3, GLM: layer num_hidden_layers
             from reasoning_engine.speculative.mtp import load_mtp
 

@@ -48,6 +48,12 @@ class TargetTables:
     embed: Callable[[torch.Tensor], torch.Tensor]
     logits: Callable[[torch.Tensor], torch.Tensor]
 
+    def greedy(self, head_input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The argmax token of each row and the draft's probability of it."""
+        logits = self.logits(head_input).float()
+        top, tokens = logits.max(dim=-1)
+        return tokens, (top - logits.logsumexp(dim=-1)).exp()
+
 
 class Qwen3NextMTPDraftModel(nn.Module):
     """The checkpoint's MTP layer as a `DraftModel` (speculative/decoder.py); it reads the target's final hidden state."""
@@ -79,9 +85,7 @@ class Qwen3NextMTPDraftModel(nn.Module):
         return z, z
 
     def greedy(self, head_input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.tables.logits(head_input).float()
-        top, tokens = logits.max(dim=-1)
-        return tokens, (top - logits.logsumexp(dim=-1)).exp()
+        return self.tables.greedy(head_input)
 
 
 def has_mtp_layer(config: ModelConfig) -> bool:
@@ -106,8 +110,17 @@ def load_qwen3_next_mtp(target: CausalLM, engine_config: EngineConfig) -> Qwen3N
             return None
         return map_layer_weight(name, config, target.parallel) if name.startswith("layers.") else WeightTarget(name)
 
+    return load_prefixed_layer(model, PREFIX, map_weight, engine_config)
+
+
+def load_prefixed_layer(model: nn.Module, prefix: str, map_weight: Callable[[str], WeightTarget | None],
+                        engine_config: EngineConfig) -> nn.Module:
+    """Fill a materialized draft model from the checkpoint tensors under `prefix` (names without it, through
+    `map_weight`; routed experts kept packed where the model keeps them so), then pack its linears and pick its
+    kernels as the target's (the MTP layers stored at the top level: Qwen3-Next's, DeepSeek-V4's)."""
+    config = engine_config.model
     weights = iter_checkpoint_tensors(config.path, parse_quant_config(config.raw), engine_config.dtype,
-                                      prefix_strip=PREFIX, progress=False,
+                                      prefix_strip=prefix, progress=False,
                                       keep_packed=packed_targets(model, map_weight))
     load_parameters(model, weights, map_weight, config.path)
     if can_pack(engine_config.dtype, engine_config.device):

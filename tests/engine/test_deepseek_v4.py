@@ -109,15 +109,17 @@ def test_tensor_and_data_parallel_equal_one_process(path: str, plain, parallel: 
 
 
 def test_released_fp4_experts_under_tensor_parallel_equal_one_process(tiny_checkpoint) -> None:
-    """The release's format (block FP8, FP4 experts kept packed) under TP 2: each rank reads its half of every
-    expert's 64 intermediate channels (one whole scale group of 32) and its share of the FP8 blocks; the tokens of
-    one process."""
+    """The release's format (block FP8, FP4 experts kept packed, its MTP layer quantized alike) under TP 2, drafting
+    with the MTP layer: each rank reads its half of every expert's 64 intermediate channels (one whole scale group
+    of 32) and its share of the FP8 blocks; the tokens of one process without drafts."""
     path = str(tiny_checkpoint("deepseek_v4_fp4").path)
     prompts = _prompts(7, (9, 40, 70))
     want = _generate(LLM(path, **V4), prompts)
-    llm = LLM(path, tensor_parallel_size=2, **V4)
+    llm = LLM(path, tensor_parallel_size=2, adaptive=False,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **V4)
     try:
         assert _generate(llm, prompts) == want
+        assert llm.engine.stats().spec_decode["draft_tokens"] > 0
     finally:
         llm.shutdown()
 

@@ -234,8 +234,10 @@ VARIANTS: dict[str, Variant] = {
     # DeepSeek-V4 as transformers' save_pretrained writes it (the official tensor names)
     "deepseek_v4": Variant("deepseek_v4", published=False),
     # and as released: block FP8 with e8m0 scales, FP4 routed experts (64 intermediate channels: whole groups of 32
-    # per rank under TP 2), int32 tid2eid
-    "deepseek_v4_fp4": Variant("deepseek_v4", dict(moe_intermediate_size=64), published=False, quant="v4"),
+    # per rank under TP 2), int32 tid2eid, its MTP layer quantized alike
+    "deepseek_v4_fp4": Variant("deepseek_v4", dict(moe_intermediate_size=64), published=False, quant="v4", mtp=True),
+    # and with its MTP layer (`mtp.0.*`, as released), which transformers does not load
+    "deepseek_v4_mtp": Variant("deepseek_v4", published=False, mtp=True),
     # GLM-5.3-Flash's image-text checkpoint as save_pretrained writes it (official names, a one-block vision tower)
     "glm5_next": Variant("glm5_next", published=False, layout="glm5_next"),
 }
@@ -302,6 +304,8 @@ def build_checkpoint(name: str, root: Path, seed: int = 0) -> TinyCheckpoint:
     tensors = read_tensors(path)
     if variant.mtp and variant.family.startswith("qwen3"):
         tensors.update(_qwen3_next_mtp_tensors(tensors, config.get("text_config", config), seed))
+    elif variant.mtp and variant.family == "deepseek_v4":
+        tensors.update(_deepseek_v4_mtp_tensors(variant, tensors, seed, root / f"{name}-mtp"))
     elif variant.mtp:
         tensors.update(_mtp_tensors(tensors, config, seed))
     if variant.layout in ("kimi_k2", "kimi_k25"):
@@ -453,6 +457,40 @@ def _mtp_tensors(tensors: dict[str, torch.Tensor], config: dict[str, Any], seed:
         f"model.layers.{mtp}.shared_head.head.weight": (vocab, hidden),
     })
     return {k: 0.1 * torch.randn(s, generator=gen) for k, s in shapes.items()}
+
+
+def _deepseek_v4_mtp_tensors(variant: Variant, tensors: dict[str, torch.Tensor], seed: int,
+                             reference: Path) -> dict[str, torch.Tensor]:
+    """DeepSeek-V4's MTP layer as released, `mtp.0.*`: a one-layer transformers model's block (sliding-window
+    attention, sqrtsoftplus MoE), `hc_head_*` and `norm`, random like the variant, plus `enorm` / `hnorm` / `e_proj` /
+    `h_proj`. That one-layer model is saved to `reference` with the target's LM head (`mtp.pt` beside it: the four
+    input tensors), for tests to run the layer's block through transformers."""
+    overrides = {**variant.overrides, "num_hidden_layers": 1, "layer_types": ["sliding_attention"],
+                 "mlp_layer_types": ["moe"]}
+    block = _random_model(Variant("deepseek_v4", overrides), seed + 2)
+    head = next(v for k, v in tensors.items() if k.endswith("head.weight") and "embed" not in k and ".layers." not in k)
+    with torch.no_grad():
+        block.lm_head.weight.copy_(head)
+    if reference.exists():
+        shutil.rmtree(reference)
+    block.save_pretrained(reference)
+    hidden = block.config.hidden_size
+    gen = torch.Generator().manual_seed(seed + 3)
+    extra = {"enorm.weight": 1.0 + 0.2 * torch.randn(hidden, generator=gen),
+             "hnorm.weight": 1.0 + 0.2 * torch.randn(hidden, generator=gen),
+             "e_proj.weight": torch.randn(hidden, hidden, generator=gen) * hidden**-0.5,
+             "h_proj.weight": torch.randn(hidden, hidden, generator=gen) * hidden**-0.5}
+    torch.save(extra, reference / "mtp.pt")
+    out = {f"mtp.0.{k}": v for k, v in extra.items()}
+    for name, tensor in read_tensors(reference).items():
+        name = name.removeprefix("model.")
+        if name.startswith("layers.0."):
+            out[f"mtp.0.{name.removeprefix('layers.0.')}"] = tensor
+        elif name.startswith("hc_head.hc_"):
+            out[f"mtp.0.hc_head_{name.removeprefix('hc_head.hc_')}"] = tensor
+        elif name == "norm.weight":
+            out["mtp.0.norm.weight"] = tensor
+    return out
 
 
 def _qwen3_next_mtp_tensors(tensors: dict[str, torch.Tensor], config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:

@@ -88,6 +88,7 @@ def _check(raw: dict) -> None:
 
 class Glm5NextForCausalLM(CausalLM):
     draft_trees = False  # pools are addressed by position: drafts verify as chains
+    eager_only = True  # no CUDA graphs or compiled decode: the step's pool addressing is built on the host
 
     def __init__(self, config: ModelConfig, max_positions: int, parallel: Parallel = Parallel()) -> None:
         raw = config.raw

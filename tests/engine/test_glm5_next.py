@@ -98,6 +98,15 @@ def test_speculative_decoding_is_lossless(path: str, plain, method: str) -> None
     _assert_no_leak(llm)
 
 
+def test_steps_stay_eager_under_compile_decode(path: str, plain) -> None:
+    """The pool addressing is built on the host each step: no compiled decode graphs (nor CUDA graphs) are made for
+    this model, and its tokens are the plain run's."""
+    llm = LLM(path, compile_decode=True, **GLM)
+    assert llm.engine.runner.worker.compiled_decode is None and llm.engine.runner.worker.decode_graphs is None
+    prompt = _prompts(6, (30,))[0]
+    assert _generate(llm, [prompt]) == [plain(prompt)]
+
+
 def test_random_stress_with_aborts_preemption_hits_and_drafts(path: str, plain) -> None:
     """Random lengths, prompts extending earlier ones (prefix hits), arrivals between steps, aborts, a small cache and
     suffix drafts: every finished request has the plain tokens and nothing leaks. The prompts never repeat a stretch

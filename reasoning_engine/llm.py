@@ -89,7 +89,7 @@ def build_engine_config(model: str | os.PathLike | None = None, *, dtype: str | 
 
 
 def _refuse_video(url: str) -> Any:
-    raise ValueError("this model's tokenizer has no video placeholder: it takes no video")
+    raise ValueError("this model takes images but no video")
 
 
 def parse_media_limits(limits: dict[str, int] | None) -> dict[str, int]:
@@ -183,10 +183,12 @@ class LLM:
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def compute_logits(self, prompt_token_ids: list[list[int]]) -> list[torch.Tensor]:
-        """Last-position logits (float32) of each prompt: the engine's full forward path, for parity checks."""
+    def compute_logits(self, prompt_token_ids: list[list[int] | dict[str, Any]]) -> list[torch.Tensor]:
+        """Last-position logits (float32) of each prompt (token ids, or a prompt dict with its `multi_modal_data`):
+        the engine's full forward path, for parity checks."""
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        ids = [self.engine.add_request(None, {"prompt_token_ids": p}, params, capture_logits=True) for p in prompt_token_ids]
+        ids = [self.engine.add_request(None, p if isinstance(p, dict) else {"prompt_token_ids": p}, params,
+                                       capture_logits=True) for p in prompt_token_ids]
         results = self._drain(set(ids), use_tqdm=False)
         return [results[i].extra["logits"] for i in ids]
 

@@ -25,7 +25,7 @@ from reasoning_engine.engine.state_cache import StateCache
 from reasoning_engine.engine.tuning import EngineTuner
 from reasoning_engine.models.chat_templates import bundled_chat_template
 from reasoning_engine.multimodal.inputs import MediaItem
-from reasoning_engine.multimodal.processing import MediaProcessor
+from reasoning_engine.multimodal.processing import load_media_processor
 from reasoning_engine.outputs import CompletionOutput, RequestOutput
 from reasoning_engine.sampling_params import SamplingParams
 from reasoning_engine.speculative.decoder import TEXT_METHODS, SpeculativeConfig, SpeculativeDecoder
@@ -79,7 +79,7 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model
         self.tokenizer = load_tokenizer(config.tokenizer or config.model.path, config.model.model_type)
-        self.media_processor = (MediaProcessor.from_model_dir(config.model.path, self.tokenizer)
+        self.media_processor = (load_media_processor(config.model.path, self.tokenizer)
                                 if self.tokenizer is not None else None)
         spec_config = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config else None
         for state_dir, name in ((config.state_dir, "state_dir"),

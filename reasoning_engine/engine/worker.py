@@ -11,9 +11,9 @@ Every call carries one entry per data-parallel replica (one, without data parall
 Replicas run their forward passes together, an idle one on a placeholder token, because their MoE layers exchange
 tokens; the replicas' logits and drafts are gathered for rank 0.
 
-A model with a vision tower (Kimi K2.5) has it on every rank, whole: a step's new images are encoded before the
-forward pass and their output rows replace the placeholder tokens' embeddings (the driver says which rows; outputs
-stay cached by content hash until it says to drop them).
+A model with a vision tower (Kimi K2.5, GLM-5.3-Flash) has it on every rank, whole: a step's new images are encoded
+before the forward pass and their output rows replace the placeholder tokens' embeddings (the driver says which rows;
+outputs stay cached by content hash until it says to drop them).
 
 On CUDA with the Triton kernels, decode and verification steps replay CUDA graphs captured at start (`cuda_graph.py`); with
 `compile_decode`, CPU decode steps run `torch.compile` graphs (`compiled_decode.py`); everything else runs eagerly. A
@@ -40,8 +40,7 @@ from reasoning_engine.engine.cuda_graph import CudaGraphRunner, cuda_graphs_enab
 from reasoning_engine.engine.encoder_cache import MediaSlice
 from reasoning_engine.kernels import kernel_module
 from reasoning_engine.layers.linear_attention import is_decode_state_step, prepare_state
-from reasoning_engine.models.kimi_vision import build_vision_encoder
-from reasoning_engine.models.registry import build_model
+from reasoning_engine.models.registry import build_model, build_vision_encoder
 from reasoning_engine.multimodal.inputs import MediaItem
 from reasoning_engine.models.weights import BYTES_READ
 from reasoning_engine.parallel import Parallel

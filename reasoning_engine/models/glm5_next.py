@@ -15,7 +15,8 @@ Linear's; each MLA layer keeps its latent per token and its indexer's key and ga
 key per pool, all in the one full KV cache group's blocks. A pooled key is written when its last token is computed,
 so the tokens of an unfinished pool are just cached tokens (chunked prefill, prefix hits at any block boundary and
 preemption need nothing more). Draft trees are cut to their first path (engine.py): pools are addressed by position.
-The vision tower of the image-text checkpoints is not loaded: media in a request is refused (text only).
+The image-text checkpoints' vision tower is models/glm5_vision.py; its rows replace the `<|image|>` embeddings (no
+position encoding anywhere in the text model, so nothing else changes).
 
 Checkpoint names: the official ones (`self_attn.q_conv1d`, `self_attn.f_a_proj`, `self_attn.A_log` [H],
 `hc_attn_fn`, per-expert `experts.E.gate_proj`, ...; transformers' save_pretrained writes them) and transformers'

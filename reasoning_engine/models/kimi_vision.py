@@ -34,12 +34,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from reasoning_engine.models.base import materialize
 from reasoning_engine.models.dummy import init_dummy_weights
-from reasoning_engine.models.weights import check_shape, checkpoint_files
+from reasoning_engine.models.weights import check_shape, read_tensors_where
 
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 _LAYER_NORM_EPS = 1e-5  # the encoder's own norms (fixed in both implementations; only the projector's is configured)
@@ -159,7 +158,7 @@ def _projector_field(outer: dict[str, Any], name: str, official: str, default: A
     return default
 
 
-def _attention_function(kernel_backend: str) -> Callable[..., torch.Tensor]:
+def attention_function(kernel_backend: str) -> Callable[..., torch.Tensor]:
     """`varlen_attention` of the torch reference or of the Triton module (imported only when asked for)."""
     modules = {"torch": "vision_attention", "triton": "triton_vision_attention"}
     if kernel_backend not in modules:
@@ -167,7 +166,7 @@ def _attention_function(kernel_backend: str) -> Callable[..., torch.Tensor]:
     return importlib.import_module(f"reasoning_engine.kernels.{modules[kernel_backend]}").varlen_attention
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding in float32 on channel pairs (i, i + head_dim / 2); x [T, heads, head_dim], cos/sin
     [T, 1, head_dim]."""
     xf = x.float()
@@ -195,7 +194,7 @@ class VisionBlock(nn.Module):
                 max_seqlen: int, attention: Callable[..., torch.Tensor]) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv(self.norm1(x)).view(tokens, 3, self.num_heads, self.head_dim)
-        q, k = (_rotate(qkv[:, i], *rotary) for i in (0, 1))
+        q, k = (rotate_pairs(qkv[:, i], *rotary) for i in (0, 1))
         out = attention(q, k, qkv[:, 2], cu_seqlens, self.head_dim ** -0.5, max_seqlen)
         x = x + self.proj(out.reshape(tokens, -1))
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate=self.approximate))
@@ -223,7 +222,7 @@ class KimiVisionEncoder(nn.Module):
     def __init__(self, config: VisionConfig, kernel_backend: str = "torch") -> None:
         super().__init__()
         self.config = config
-        self.attention = _attention_function(kernel_backend)
+        self.attention = attention_function(kernel_backend)
         dim, patch = config.hidden_size, config.patch_size
         self.patch_embed = nn.Conv2d(3, dim, kernel_size=patch, stride=patch)
         self.pos_emb = nn.Parameter(torch.empty(config.pos_emb_height, config.pos_emb_width, dim))
@@ -432,15 +431,8 @@ def _checkpoint_name(param: str) -> str:
 
 def _vision_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's vision tower and projector tensors (under `vision_tower.` / `mm_projector.`, optionally
-    `model.`), each file opened once; the text model's tensors are never read."""
-    by_file: dict[Path, list[str]] = {}
-    for name, path in checkpoint_files(model_dir).items():
-        if name.removeprefix("model.").startswith(VISION_PREFIXES):
-            by_file.setdefault(path, []).append(name)
-    for path, names in by_file.items():
-        with safe_open(path, framework="pt") as f:
-            for name in names:
-                yield name, f.get_tensor(name)
+    `model.`); the text model's tensors are never read."""
+    return read_tensors_where(model_dir, lambda name: name.removeprefix("model.").startswith(VISION_PREFIXES))
 
 
 def build_vision_encoder(model_dir: Path | str, dtype: torch.dtype, device: torch.device | str,

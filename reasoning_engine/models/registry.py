@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import torch
 
@@ -14,8 +16,10 @@ from reasoning_engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from reasoning_engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from reasoning_engine.models.glm4_moe import Glm4MoeForCausalLM
 from reasoning_engine.models.glm5_next import Glm5NextForCausalLM
+from reasoning_engine.models.glm5_vision import build_glm5_vision_encoder
 from reasoning_engine.models.gpt_oss import GptOssForCausalLM
 from reasoning_engine.models.kimi_linear import KimiLinearForCausalLM
+from reasoning_engine.models.kimi_vision import build_vision_encoder as build_kimi_vision_encoder
 from reasoning_engine.models.llama import LlamaForCausalLM
 from reasoning_engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from reasoning_engine.models.qwen3 import Qwen3ForCausalLM
@@ -71,3 +75,13 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, m
         pack_linears(model, keep_plain=keep_plain_weights)
     use_kernel_backend(model, kernel_backend)
     return model.eval()
+
+
+def build_vision_encoder(model_dir: Path | str, dtype: torch.dtype, device: torch.device | str,
+                         kernel_backend: str = "torch", load_format: str = "auto") -> torch.nn.Module | None:
+    """The checkpoint's vision tower, weights loaded (Kimi K2.5's MoonViT or GLM-5.3-Flash's), or None for a text
+    model."""
+    config_file = Path(model_dir) / "config.json"
+    if config_file.is_file() and json.loads(config_file.read_text()).get("model_type") == "glm5_next":
+        return build_glm5_vision_encoder(model_dir, dtype, device, kernel_backend, load_format)
+    return build_kimi_vision_encoder(model_dir, dtype, device, kernel_backend, load_format)

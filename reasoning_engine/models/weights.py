@@ -115,6 +115,19 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
     return locations
 
 
+def read_tensors_where(model_dir: str | Path, wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors whose stored names `wanted` accepts (a vision tower's), each file opened once; no
+    other tensor is read."""
+    by_file: dict[Path, list[str]] = {}
+    for name, path in checkpoint_files(model_dir).items():
+        if wanted(name):
+            by_file.setdefault(path, []).append(name)
+    for path, names in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            for name in names:
+                yield name, f.get_tensor(name)
+
+
 def plan_checkpoint(locations: dict[str, Path], quant: QuantConfig | None) -> list[CheckpointTensor]:
     """Group stored tensors into logical ones: quantized parts become one ``X.weight``; order follows the files.
     Block FP8 scales are ``X.weight_scale_inv``, or under a block FP8 config ``X.scale`` (DeepSeek-V4's release)."""

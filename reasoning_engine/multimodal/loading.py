@@ -310,7 +310,7 @@ class MediaLoader:
         return cls(allowed_domains, allowed_local_path, max_bytes, timeout_s,
                    video_fps=processor.video.fps if processor else 2.0,
                    max_image_pixels=max_image_pixels or image_limit, max_video_pixels=max_video_pixels or video_limit,
-                   fit=processor.image if processor else None)
+                   fit=processor.draft_fit if processor else None)
 
     def load_image(self, url: str) -> Image.Image:
         image = self.decode(url, "image")

@@ -1,4 +1,5 @@
-"""Kimi K2.5 media preprocessing: pixel patches and grids computed here, placeholder runs spliced into ids.
+"""Kimi K2.5 media preprocessing: pixel patches and grids computed here, placeholder runs spliced into ids
+(`load_media_processor` also finds GLM-5.3-Flash's, multimodal/glm5_processing.py).
 
 The chat template leaves one `<|media_pad|>` per image and one `<|kimi_k25_video_placeholder|>` per video in the
 prompt. `MediaProcessor.expand` turns those token ids into exactly what transformers' `Kimi_K25Processor` produces
@@ -386,6 +387,11 @@ class MediaProcessor:
         _check_config_ids(config, tokens)
         return cls(image, video, tokenizer, tokens)
 
+    @property
+    def draft_fit(self) -> PixelSettings:
+        """What a JPEG may be decoded down to (`loading.open_image`'s `fit`): these image settings."""
+        return self.image
+
     def num_image_tokens(self, width: int, height: int) -> int:
         """Placeholder tokens an image of this size expands to, without touching its pixels (for early limits)."""
         _, (height, width) = navit_size(height, width, self.image)
@@ -495,3 +501,19 @@ class MediaProcessor:
             else:
                 ids.append(token)
         return ids, items
+
+
+def load_media_processor(path: str | Path, tokenizer: Any | None = None) -> Any:
+    """The checkpoint's media preprocessing: Kimi K2.5's (`MediaProcessor`), GLM-5.3-Flash's
+    (multimodal/glm5_processing.py, images only), or None for a model without a vision tower."""
+    folder = Path(path)
+    config = _load_json(folder / "config.json") or {}
+    if config.get("model_type") != "glm5_next" or not config.get("vision_config"):
+        return MediaProcessor.from_model_dir(folder, tokenizer)
+    from reasoning_engine.multimodal.glm5_processing import Glm5MediaProcessor  # it imports this module
+
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return Glm5MediaProcessor.from_model_dir(folder, config, tokenizer)

@@ -585,9 +585,8 @@ class OpenAIServing:
                     raise bad_request(f"{ref.param}: the model `{self.model_names[0]}` has no vision tower; it takes "
                                       "text only", param=ref.param, code="media_not_supported")
                 if ref.kind == "video" and not self.media_processor.supports_video:
-                    raise bad_request(f"{ref.param}: the model `{self.model_names[0]}` takes images but no video (its "
-                                      "tokenizer has no video placeholder)", param=ref.param,
-                                      code="media_not_supported")
+                    raise bad_request(f"{ref.param}: the model `{self.model_names[0]}` takes images but no video",
+                                      param=ref.param, code="media_not_supported")
                 counts[ref.kind] += 1
                 limit = self.media_limits.get(ref.kind)
                 if limit is not None and counts[ref.kind] > limit:

@@ -2,7 +2,8 @@
 image-text wrapper, official tensor names): KDA layers with the lower-bounded forget gate, NoPE DSA layers whose
 indexer scores pools of 4 tokens (keeping 2 and the query's unfinished pool) with a second layer sharing the first's
 choice, four hyper-connection streams, clamped SwiGLU experts. Prompts cross many pools and blocks and attend
-sparsely, prefilled in chunks that end mid-pool and mid-block; the torch and Triton (interpreter) paths."""
+sparsely, prefilled in chunks that end mid-pool and mid-block; the torch and Triton (interpreter) paths. Images:
+tests/multimodal/test_glm5_media.py."""
 
 from __future__ import annotations
 
@@ -62,9 +63,10 @@ def test_triton_kernels_match_transformers(glm) -> None:
     _assert_matches(LLM(str(ckpt.path), kernel_backend="triton", **GLM), prompts[1::2], want[1::2])
 
 
-def test_transformers_module_names_load_the_same_model(glm, tmp_path) -> None:
+def test_transformers_module_names_and_a_text_only_config_load_the_same_model(glm, tmp_path) -> None:
     """The tensors under transformers' module names (`forget_gate.`, `attn_hc.fn`, one fused `conv1d` per KDA layer)
-    and a text-only config (the text model's fields at the top level, `model.` prefix) load the same weights."""
+    and a text-only config (the text model's fields at the top level, `model.` prefix) load the same weights; without
+    a vision tower, an image in a prompt is a clear error."""
     ckpt, prompts, want = glm
     renamed = {}
     for name, tensor in read_tensors(ckpt.path).items():
@@ -86,6 +88,9 @@ def test_transformers_module_names_load_the_same_model(glm, tmp_path) -> None:
     llm = LLM(str(tmp_path), **GLM)
     for got, (logits, _) in zip(llm.compute_logits(prompts[2:]), want[2:]):
         torch.testing.assert_close(got.float().cpu(), logits, rtol=1e-4, atol=1e-4 * logits.abs().max().item())
+    with pytest.raises(ValueError, match="no vision tower"):
+        llm.generate([{"prompt_token_ids": prompts[0], "multi_modal_data": {"image": [object()]}}],
+                     SamplingParams(max_tokens=1), use_tqdm=False)
 
 
 @pytest.mark.parametrize(("change", "field"), [
@@ -101,12 +106,3 @@ def test_configs_transformers_cannot_run_are_refused(glm, tmp_path, change: dict
         (tmp_path / file.name).symlink_to(file)
     with pytest.raises(ValueError, match=field):
         LLM(str(tmp_path), **GLM)
-
-
-def test_media_is_refused_text_only(glm) -> None:
-    """The image-text checkpoint's vision tower is not run: an image in a prompt is a clear error, not a crash."""
-    ckpt, prompts, _ = glm
-    llm = LLM(str(ckpt.path), **GLM)
-    with pytest.raises(ValueError, match="no vision tower"):
-        llm.generate([{"prompt_token_ids": prompts[0], "multi_modal_data": {"image": [object()]}}],
-                     SamplingParams(max_tokens=1), use_tqdm=False)

@@ -49,17 +49,21 @@ TEXT = dict(model_type="deepseek_v3", vocab_size=384, hidden_size=64, intermedia
 
 
 @dataclass
-class KimiK25Checkpoint:
+class MultimodalCheckpoint:
     path: Path
-    model: Any  # the transformers Kimi_K25ForConditionalGeneration the folder holds
-    processor: Any  # transformers Kimi_K25Processor loaded from the folder
+    model: Any  # the transformers model the folder holds (Kimi_K25ForConditionalGeneration here)
+    processor: Any  # its transformers processor, loaded from the folder
 
     @property
     def tokenizer(self) -> Any:
         return self.processor.tokenizer
 
 
-def _tokenizer() -> Any:
+KimiK25Checkpoint = MultimodalCheckpoint
+
+
+def train_tokenizer(specials: list[str], chat_template: str, vocab_size: int) -> Any:
+    """A byte-level BPE trained on `CORPUS`, `specials[0]` its EOS and the rest special tokens after the vocabulary."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -67,11 +71,11 @@ def _tokenizer() -> Any:
     core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
                                                   pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     core.decoder = decoders.ByteLevel()
-    core.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=340, show_progress=False,
+    core.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>")
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIALS[1:]})
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=specials[0])
+    tokenizer.add_special_tokens({"additional_special_tokens": specials[1:]})
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 
@@ -102,7 +106,7 @@ def build_kimi_k25(folder: Path, seed: int = 0) -> KimiK25Checkpoint:
     from transformers import (Kimi_K25Config, Kimi_K25ForConditionalGeneration, Kimi_K25ImageProcessor,
                               Kimi_K25Processor, Kimi_K25VideoProcessor)
 
-    tokenizer = _tokenizer()
+    tokenizer = train_tokenizer(SPECIALS, CHAT_TEMPLATE, 340)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIALS}
     assert max(ids.values()) < TEXT["vocab_size"], "the text model's vocabulary must cover the tokenizer"
     text = {**TEXT, "bos_token_id": ids["<|im_user|>"], "eos_token_id": ids["<|im_end|>"]}

@@ -41,16 +41,13 @@ from reasoning_engine.server.errors import APIError, bad_request, param_from_loc
 from reasoning_engine.server.openapi import errors
 from reasoning_engine.server.parsing import ParsedDelta
 from reasoning_engine.server.protocol import CacheSalt, ChatCompletionRequest
-from reasoning_engine.server.routing import json_body, session_key, start_or_close
+from reasoning_engine.server.routing import json_body, serve_prepared, session_key
 from reasoning_engine.server.serving import (
     ChatRun,
     EngineRequests,
-    EngineStreamResponse,
     OpenAIServing,
     Prepared,
     new_request_id,
-    shielded,
-    unless_disconnected,
 )
 from reasoning_engine.server.tool_parsers import ToolCallDelta
 
@@ -684,29 +681,23 @@ def register_anthropic_routes(app: FastAPI, serving: OpenAIServing) -> None:
         check_thinking_budget(req, request.headers.get("anthropic-beta", ""))
         translation = translate(req)
         chat = translation.chat
+        display = req.thinking.display if isinstance(req.thinking, (ThinkingEnabled, ThinkingAdaptive)) else None
         try:
             model = serving.check_model(req.model)
             prepared = await serving.prepare_chat(chat)
             clamped = _clamp_max_tokens(prepared, req.max_tokens)
-            engine_requests = EngineRequests(serving.engine, prepared.prompts, prepared.params,
-                                             new_request_id("msg"), session_key(request, chat.user),
-                                             prepared.workload, prepared.error_param)
-            await start_or_close(request, engine_requests)
+            request_id = new_request_id("msg")
+            reply = _Reply(_message_id(request_id), model, clamped, show_thinking=display != "omitted")
+
+            def run(engine_requests: EngineRequests) -> ChatRun:
+                return ChatRun(serving, engine_requests, prepared, arrival)
+
+            return await serve_prepared(
+                request, serving.engine, prepared, request_id, session_key(request, chat.user), stream=req.stream,
+                streamed=lambda runs: reply_stream(run(runs), reply, translation),
+                whole=lambda runs: reply_whole(run(runs), reply))
         except APIError as exc:
             raise translation.names.error(exc) from exc
-        display = req.thinking.display if isinstance(req.thinking, (ThinkingEnabled, ThinkingAdaptive)) else None
-        show_thinking = display != "omitted"
-        reply = _Reply(_message_id(engine_requests.ids[0]), model, clamped, show_thinking)
-        run = ChatRun(serving, engine_requests, prepared, arrival)
-        if req.stream:
-            return EngineStreamResponse(reply_stream(run, reply, translation), on_close=engine_requests.close)
-        try:
-            body = await unless_disconnected(request, reply_whole(run, reply))
-        except APIError as exc:
-            raise translation.names.error(exc) from exc
-        finally:
-            await shielded(engine_requests.close())
-        return JSONResponse(body)
 
     @app.post(PATH_PREFIX + "/count_tokens", responses=errors(400, 404))
     async def count_tokens(request: Request) -> Response:

@@ -65,17 +65,13 @@ from reasoning_engine.server.responses import (
     ResponsesRequest,
     register_responses_routes,
 )
-from reasoning_engine.server.routing import json_body, session_key, start_or_close
+from reasoning_engine.server.routing import json_body, serve_prepared, session_key
 from reasoning_engine.server.serving import (
     ClientGone,
-    EngineRequests,
-    EngineStreamResponse,
     OpenAIServing,
     check_tool_results,
     new_request_id,
     placeholder_messages,
-    shielded,
-    unless_disconnected,
 )
 
 logger = logging.getLogger(__name__)
@@ -314,46 +310,31 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None) -> FastA
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    async def openai_request(request: Request, body: type[ChatCompletionRequest | CompletionRequest],
+                             id_prefix: str) -> Response:
+        """A chat or completions request: its body, model and prepared engine requests, then the shared pipeline."""
+        arrival = time.monotonic()
+        req = await json_body(request, body)
+        model = serving.check_model(req.model)
+        if isinstance(req, ChatCompletionRequest):
+            check_tool_results(req.messages)
+            prepared = await serving.prepare_chat(req)
+            streamed, whole = serving.chat_stream, serving.chat_full
+        else:
+            prepared = serving.prepare_completion(req)
+            streamed, whole = serving.completion_stream, serving.completion_full
+        return await serve_prepared(
+            request, engine, prepared, new_request_id(id_prefix), session_key(request, req.prompt_cache_key, req.user),
+            stream=req.stream, streamed=lambda runs: streamed(req, model, prepared, runs, arrival),
+            whole=lambda runs: whole(req, model, prepared, runs, arrival))
+
     @app.post("/v1/chat/completions", responses=errors(400, 404, 503))
     async def chat_completions(request: Request) -> Response:
-        arrival = time.monotonic()
-        req = await json_body(request, ChatCompletionRequest)
-        model = serving.check_model(req.model)
-        check_tool_results(req.messages)
-        prepared = await serving.prepare_chat(req)
-        engine_requests = EngineRequests(engine, prepared.prompts, prepared.params, new_request_id("chatcmpl"),
-                                         session_key(request, req.prompt_cache_key, req.user), prepared.workload, prepared.error_param)
-        if req.stream:
-            await start_or_close(request, engine_requests)
-            return EngineStreamResponse(serving.chat_stream(req, model, prepared, engine_requests, arrival),
-                                        on_close=engine_requests.close)
-        try:
-            await unless_disconnected(request, engine_requests.start())
-            body = await unless_disconnected(
-                request, serving.chat_full(req, model, prepared, engine_requests, arrival))
-        finally:
-            await shielded(engine_requests.close())
-        return JSONResponse(body)
+        return await openai_request(request, ChatCompletionRequest, "chatcmpl")
 
     @app.post("/v1/completions", responses=errors(400, 404, 503))
     async def completions(request: Request) -> Response:
-        arrival = time.monotonic()
-        req = await json_body(request, CompletionRequest)
-        model = serving.check_model(req.model)
-        prepared = serving.prepare_completion(req)
-        engine_requests = EngineRequests(engine, prepared.prompts, prepared.params, new_request_id("cmpl"),
-                                         session_key(request, req.prompt_cache_key, req.user), prepared.workload, prepared.error_param)
-        if req.stream:
-            await start_or_close(request, engine_requests)
-            return EngineStreamResponse(serving.completion_stream(req, model, prepared, engine_requests, arrival),
-                                        on_close=engine_requests.close)
-        try:
-            await unless_disconnected(request, engine_requests.start())
-            body = await unless_disconnected(
-                request, serving.completion_full(req, model, prepared, engine_requests, arrival))
-        finally:
-            await shielded(engine_requests.close())
-        return JSONResponse(body)
+        return await openai_request(request, CompletionRequest, "cmpl")
 
     @app.post("/tokenize", responses=errors(400, 404))
     async def tokenize(request: Request) -> Response:

@@ -48,15 +48,12 @@ from reasoning_engine.server.protocol import (
     ToolCallIn,
     ToolDef,
 )
-from reasoning_engine.server.routing import json_body, session_key, start_or_close
+from reasoning_engine.server.routing import json_body, serve_prepared, session_key
 from reasoning_engine.server.serving import (
     ChatRun,
     EngineRequests,
-    EngineStreamResponse,
     OpenAIServing,
     Prepared,
-    shielded,
-    unless_disconnected,
 )
 from reasoning_engine.server.tool_parsers import ToolCallDelta
 
@@ -760,7 +757,6 @@ def register_responses_routes(app: FastAPI, serving: OpenAIServing, *,
     """Add the Responses routes to `app`; returns their store (also `app.state.responses`)."""
     store = ResponseStore(max_stored, stored_ttl_s)
     app.state.responses = store
-    engine = serving.engine
 
     @app.post("/v1/responses", responses=errors(400, 404, 503, words={
         404: "The model is not served here, or previous_response_id names no stored response."}))
@@ -785,30 +781,30 @@ def register_responses_routes(app: FastAPI, serving: OpenAIServing, *,
             param = error_param(message)
             return renamed(APIError(400, message, param=param), message_params).param if param else None
 
+        prepared.error_param = param_of
         response_id = new_item_id("resp")
-        engine_requests = EngineRequests(engine, prepared.prompts, prepared.params, response_id,
-                                         session_key(request, req.prompt_cache_key, req.user), prepared.workload,
-                                         param_of)
         body = _response_body(req, response_id, model, int(time.time()))
         own_items = [stored_item(item) for item, _ in input_items(req)]
-        run = ResponseRun(serving, prepared, engine_requests, body, arrival)
 
         def keep() -> None:
             if req.store:
                 store.put(StoredResponse(body, [*history, *own_items]))
 
-        try:
-            await start_or_close(request, engine_requests)
+        def run(engine_requests: EngineRequests) -> ResponseRun:
+            return ResponseRun(serving, prepared, engine_requests, body, arrival)
+
+        async def whole(engine_requests: EngineRequests) -> dict[str, Any]:
+            async for _ in run(engine_requests).events():
+                pass
+            keep()
+            return body
+
+        try:  # errors after the stream started are events of it, in Responses terms already
+            return await serve_prepared(request, serving.engine, prepared, response_id,
+                                        session_key(request, req.prompt_cache_key, req.user), stream=req.stream,
+                                        streamed=lambda runs: _stream(run(runs), body, keep), whole=whole)
         except APIError as exc:
             raise renamed(exc, message_params) from exc
-        if req.stream:
-            return EngineStreamResponse(_stream(run, body, keep), on_close=engine_requests.close)
-        try:
-            await unless_disconnected(request, _drain(run))
-        finally:
-            await shielded(engine_requests.close())
-        keep()
-        return JSONResponse(body)
 
     @app.get("/v1/responses/{response_id}", responses=_NO_STORED_RESPONSE)
     async def get_response(response_id: str) -> Response:
@@ -845,11 +841,6 @@ def register_responses_routes(app: FastAPI, serving: OpenAIServing, *,
                              "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)})
 
     return store
-
-
-async def _drain(run: ResponseRun) -> None:
-    async for _ in run.events():
-        pass
 
 
 async def _stream(run: ResponseRun, body: dict[str, Any], keep: Callable[[], None]) -> AsyncGenerator[str, None]:

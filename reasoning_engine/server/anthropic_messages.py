@@ -32,15 +32,15 @@ from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal, Union, get_args
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
+from pydantic import Discriminator, Field, Tag, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from reasoning_engine.server.chat_template import disable_thinking
-from reasoning_engine.server.errors import APIError, bad_request, param_from_loc
+from reasoning_engine.server.errors import APIError, bad_request, from_validation_error
 from reasoning_engine.server.openapi import errors
 from reasoning_engine.server.parsing import ParsedDelta
-from reasoning_engine.server.protocol import CacheSalt, ChatCompletionRequest
+from reasoning_engine.server.protocol import CacheSalt, ChatCompletionRequest, RequestBody
 from reasoning_engine.server.routing import json_body, serve_prepared, session_key
 from reasoning_engine.server.serving import (
     ChatRun,
@@ -55,7 +55,7 @@ PATH_PREFIX = "/v1/messages"
 _TOOL_ID_PREFIX = "toolu_"
 MIN_THINKING_BUDGET = 1024  # Anthropic's floor for thinking.budget_tokens
 INTERLEAVED_THINKING_BETA = "interleaved-thinking-"  # its `anthropic-beta` names let the budget pass max_tokens
-_TAG = "~"  # union tags start with it, so the parameter an error names can leave them out
+_TAG = "~"  # union tags start with it (errors.UNION_TAG_MARKS), so an error's parameter leaves them out
 _THINKING_ON = {"thinking": True, "enable_thinking": True}  # the switches chat_template.disable_thinking turns off
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
@@ -68,12 +68,7 @@ _CHAT_PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
 
 # ---- request bodies ---------------------------------------------------------------------------------------
 
-class _Body(BaseModel):
-    # cache_control and the like are accepted; types are strict, as Anthropic's are (no 0 for false)
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
-
-
-def _one_of(*members: type[_Body]) -> Any:
+def _one_of(*members: type[RequestBody]) -> Any:
     """A union of blocks told apart by their `type`; an unknown `type` is reported as such, at the block."""
     tags = {value: _TAG + member.__name__ for member in members
             for value in get_args(member.model_fields["type"].annotation)}
@@ -93,18 +88,18 @@ def _string_or_list(item: Any) -> Any:
                      Discriminator(lambda value: _TAG + ("list" if isinstance(value, list) else "str"))]
 
 
-class TextBlock(_Body):
+class TextBlock(RequestBody):
     type: Literal["text"]
     text: str
 
 
-class Base64Source(_Body):
+class Base64Source(RequestBody):
     type: Literal["base64"]
     media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
     data: str = Field(min_length=1)
 
 
-class URLSource(_Body):
+class URLSource(RequestBody):
     type: Literal["url"]
     url: str = Field(min_length=1)
 
@@ -112,7 +107,7 @@ class URLSource(_Body):
 ImageSource = _one_of(Base64Source, URLSource)
 
 
-class ImageBlock(_Body):
+class ImageBlock(RequestBody):
     type: Literal["image"]
     source: ImageSource  # type: ignore[valid-type]
 
@@ -123,7 +118,7 @@ class ImageBlock(_Body):
         return self.source.url
 
 
-class ToolUseBlock(_Body):
+class ToolUseBlock(RequestBody):
     type: Literal["tool_use"]
     id: str = Field(min_length=1)
     name: str = Field(min_length=1)
@@ -133,20 +128,20 @@ class ToolUseBlock(_Body):
 ToolResultContent = _string_or_list(_one_of(TextBlock, ImageBlock))
 
 
-class ToolResultBlock(_Body):
+class ToolResultBlock(RequestBody):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
     content: ToolResultContent = ""  # type: ignore[valid-type]
     is_error: bool = False
 
 
-class ThinkingBlock(_Body):
+class ThinkingBlock(RequestBody):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
 
 
-class RedactedThinkingBlock(_Body):
+class RedactedThinkingBlock(RequestBody):
     """Encrypted thinking from Anthropic's own models: opaque, so it is left out of the prompt."""
 
     type: Literal["redacted_thinking"]
@@ -157,12 +152,12 @@ MessageContent = _string_or_list(_one_of(TextBlock, ImageBlock, ToolUseBlock, To
                                          RedactedThinkingBlock))
 
 
-class MessageParam(_Body):
+class MessageParam(RequestBody):
     role: Literal["user", "assistant"]
     content: MessageContent  # type: ignore[valid-type]
 
 
-class ToolDefinition(_Body):
+class ToolDefinition(RequestBody):
     """A client tool; Anthropic's server tools (web search, code execution) have other types and are refused."""
 
     type: Literal["custom"] | None = None
@@ -171,36 +166,36 @@ class ToolDefinition(_Body):
     input_schema: dict[str, Any]
 
 
-class ToolChoiceAuto(_Body):
+class ToolChoiceAuto(RequestBody):
     type: Literal["auto"]
     disable_parallel_tool_use: bool = False
 
 
-class ToolChoiceAny(_Body):
+class ToolChoiceAny(RequestBody):
     type: Literal["any"]
     disable_parallel_tool_use: bool = False
 
 
-class ToolChoiceTool(_Body):
+class ToolChoiceTool(RequestBody):
     type: Literal["tool"]
     name: str
     disable_parallel_tool_use: bool = False
 
 
-class ToolChoiceNone(_Body):
+class ToolChoiceNone(RequestBody):
     type: Literal["none"]
 
 
 ToolChoice = _one_of(ToolChoiceAuto, ToolChoiceAny, ToolChoiceTool, ToolChoiceNone)
 
 
-class ThinkingEnabled(_Body):
+class ThinkingEnabled(RequestBody):
     type: Literal["enabled"]
     budget_tokens: int = Field(ge=MIN_THINKING_BUDGET)
     display: Literal["summarized", "omitted"] | None = None
 
 
-class ThinkingAdaptive(_Body):
+class ThinkingAdaptive(RequestBody):
     """The model decides how long to think (the server's default budget applies); the bundled models think at the
     start of every turn, tool turns included, so `between_tools` is served the same way."""
 
@@ -208,7 +203,7 @@ class ThinkingAdaptive(_Body):
     display: Literal["summarized", "omitted"] | None = None
 
 
-class ThinkingDisabled(_Body):
+class ThinkingDisabled(RequestBody):
     type: Literal["disabled"]
 
 
@@ -216,11 +211,11 @@ ThinkingConfig = _one_of(ThinkingEnabled, ThinkingAdaptive, ThinkingDisabled)
 SystemContent = _string_or_list(TextBlock)
 
 
-class Metadata(_Body):
+class Metadata(RequestBody):
     user_id: str | None = Field(default=None, max_length=256)
 
 
-class CountTokensRequest(_Body):
+class CountTokensRequest(RequestBody):
     """What count_tokens reads: the parts of a Messages request that shape the prompt."""
 
     model: str
@@ -339,7 +334,7 @@ def translate(req: CountTokensRequest) -> Translation:
     try:
         return Translation(ChatCompletionRequest.model_validate(chat), names)
     except ValidationError as exc:
-        raise names.error(invalid(exc)) from exc
+        raise names.error(from_validation_error(exc)) from exc
 
 
 def _check_tool_results(messages: list[MessageParam]) -> None:
@@ -662,14 +657,6 @@ def error_response(error: APIError, headers: dict[str, str] | None = None) -> JS
 
 # ---- routes -----------------------------------------------------------------------------------------------
 
-def invalid(exc: ValidationError) -> APIError:
-    """The first validation error as a 400 naming its parameter, `messages[0].content[1].source`."""
-    first = exc.errors(include_url=False)[0]
-    param = param_from_loc(tuple(item for item in first["loc"] if not str(item).startswith(_TAG)))
-    message = str(first["msg"]).removeprefix("Value error, ")
-    return bad_request(f"{param}: {message}" if param else message, param=param, code="invalid_value")
-
-
 def register_anthropic_routes(app: FastAPI, serving: OpenAIServing) -> None:
     """Add `/v1/messages` and `/v1/messages/count_tokens`. Errors on these paths take Anthropic's shape through the
     app's handlers (`is_anthropic_path`)."""
@@ -677,7 +664,7 @@ def register_anthropic_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post(PATH_PREFIX, responses=errors(400, 404, 503))
     async def messages(request: Request) -> Response:
         arrival = time.monotonic()
-        req = await json_body(request, MessagesRequest, invalid)
+        req = await json_body(request, MessagesRequest)
         check_thinking_budget(req, request.headers.get("anthropic-beta", ""))
         translation = translate(req)
         chat = translation.chat
@@ -701,7 +688,7 @@ def register_anthropic_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.post(PATH_PREFIX + "/count_tokens", responses=errors(400, 404))
     async def count_tokens(request: Request) -> Response:
-        req = await json_body(request, CountTokensRequest, invalid)
+        req = await json_body(request, CountTokensRequest)
         translation = translate(req)
         try:
             serving.check_model(req.model)

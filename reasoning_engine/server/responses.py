@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Query
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from reasoning_engine.server.chat_template import disable_thinking
-from reasoning_engine.server.errors import APIError, bad_request
+from reasoning_engine.server.errors import APIError, bad_request, from_error_detail, param_from_loc
 from reasoning_engine.server.openapi import errors
 from reasoning_engine.server.parsing import ParsedDelta
 from reasoning_engine.server.protocol import (
@@ -44,6 +44,7 @@ from reasoning_engine.server.protocol import (
     ImageURL,
     NamedFunction,
     NamedToolChoice,
+    RequestBody,
     TextPart,
     ToolCallIn,
     ToolDef,
@@ -61,9 +62,7 @@ DEFAULT_MAX_STORED_RESPONSES = 1024
 DEFAULT_STORED_RESPONSE_TTL_S = 3600.0
 # Thinking budget per effort, as a share of the server's max context: the model needs room left to answer.
 _EFFORT_CONTEXT_DIVISOR = {"low": 16, "medium": 4, "high": 2}
-_FIELD = re.compile(r"[a-z_][a-z0-9_]*")
 _MESSAGE_PARAM = re.compile(r"^messages\[(\d+)\](.*)$", re.S)
-_PYDANTIC_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 # chat parameters (and their sub-paths) -> the Responses ones, longer names first
 _CHAT_PARAMS = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
                 ("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
@@ -73,10 +72,6 @@ _UNKNOWN_TAG = "unknown_type"
 
 
 # ---- request models -------------------------------------------------------------------------------------------
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True, strict=True)
 
 
 def _tagged(tags: dict[str, str], default: str | None = None) -> Callable[[Any], str | None]:
@@ -92,19 +87,19 @@ def _str_or_list(value: Any) -> str:
     return "<list>" if isinstance(value, list) else "<str>"
 
 
-class InputText(_Body):
+class InputText(RequestBody):
     type: Literal["input_text"]
     text: str
 
 
-class OutputText(_Body):
+class OutputText(RequestBody):
     """An earlier answer's text (annotations are not kept: this server makes none)."""
 
     type: Literal["output_text"]
     text: str
 
 
-class InputImage(_Body):
+class InputImage(RequestBody):
     type: Literal["input_image"]
     image_url: str = Field(min_length=1)  # a data: URL, or http(s):// and file:// where the server's flags allow
     detail: Literal["auto", "low", "high"] | None = None
@@ -121,14 +116,14 @@ MessageContent = Annotated[Annotated[str, Tag("<str>")] | Annotated[list[Content
                            Discriminator(_str_or_list)]
 
 
-class MessageItem(_Body):
+class MessageItem(RequestBody):
     type: Literal["message"] = "message"
     id: str | None = None
     role: Literal["user", "assistant", "system", "developer"]
     content: MessageContent
 
 
-class FunctionCallItem(_Body):
+class FunctionCallItem(RequestBody):
     type: Literal["function_call"]
     id: str | None = None
     call_id: str = Field(min_length=1)
@@ -136,7 +131,7 @@ class FunctionCallItem(_Body):
     arguments: str
 
 
-class FunctionCallOutputItem(_Body):
+class FunctionCallOutputItem(RequestBody):
     type: Literal["function_call_output"]
     id: str | None = None
     call_id: str = Field(min_length=1)
@@ -147,17 +142,17 @@ class FunctionCallOutputItem(_Body):
         return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
 
 
-class ReasoningText(_Body):
+class ReasoningText(RequestBody):
     type: Literal["reasoning_text"]
     text: str
 
 
-class SummaryText(_Body):
+class SummaryText(RequestBody):
     type: Literal["summary_text"]
     text: str
 
 
-class ReasoningItem(_Body):
+class ReasoningItem(RequestBody):
     """Earlier thinking; `encrypted_content` (OpenAI's opaque form) is ignored, since this server never makes it."""
 
     type: Literal["reasoning"]
@@ -185,7 +180,7 @@ Input = Annotated[Annotated[str, Tag("<str>")] | Annotated[list[InputItem], Tag(
 _STORED_ITEMS = TypeAdapter(list[InputItem])  # a stored conversation's items (input and output) read back
 
 
-class FunctionTool(_Body):
+class FunctionTool(RequestBody):
     """Responses function tools are flat: no nested `function` object as in chat."""
 
     type: str
@@ -202,7 +197,7 @@ class FunctionTool(_Body):
         return value
 
 
-class FunctionToolChoice(_Body):
+class FunctionToolChoice(RequestBody):
     type: Literal["function"]
     name: str
 
@@ -212,20 +207,22 @@ ToolChoice = Annotated[Annotated[Literal["none", "auto", "required"], Tag("<str>
                        Discriminator(lambda value: "<str>" if isinstance(value, str) else "<object>")]
 
 
-class ReasoningConfig(_Body):
+class ReasoningConfig(RequestBody):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     summary: str | None = None  # accepted; this server returns the thinking itself, never a summary
 
 
-class TextFormatText(_Body):
+class TextFormatText(RequestBody):
     type: Literal["text"]
 
 
-class TextFormatJSONObject(_Body):
+class TextFormatJSONObject(RequestBody):
     type: Literal["json_object"]
 
 
-class TextFormatJSONSchema(_Body):
+class TextFormatJSONSchema(RequestBody):
+    model_config = ConfigDict(populate_by_name=True)  # `schema_` is taken for `schema` too
+
     type: Literal["json_schema"]
     name: str = Field(min_length=1, max_length=64)
     schema_: dict[str, Any] = Field(alias="schema")
@@ -240,11 +237,11 @@ TextFormat = Annotated[
                   custom_error_type=_UNKNOWN_TAG, custom_error_message="formats are text, json_object or json_schema")]
 
 
-class TextConfig(_Body):
+class TextConfig(RequestBody):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(RequestBody):
     """`POST /v1/responses`. Unknown fields are ignored, as on the chat route; fields whose silent loss would change
     what the client gets (`background`, `conversation`) are refused."""
 
@@ -293,27 +290,17 @@ def parse_request(data: dict[str, Any]) -> ResponsesRequest:
 
 
 def invalid(exc: ValidationError) -> APIError:
-    """The first validation error as a 400 naming its place (`input[2].content[0].type`)."""
+    """The first validation error as every route words it (`errors.from_validation_error`), but for an item or
+    part of an unknown type, which names its `type` (`input[2].content[0].type`) and the type it was."""
     first = exc.errors(include_url=False)[0]
-    param = _param_from_loc(tuple(first["loc"]))
+    if first["type"] != _UNKNOWN_TAG:
+        return from_error_detail(first)
+    param = param_from_loc(tuple(first["loc"]))
+    param = f"{param}.type" if param else "type"
+    kind = first["input"].get("type") if isinstance(first["input"], dict) else None
     message = str(first["msg"]).removeprefix("Value error, ")
-    if first["type"] == _UNKNOWN_TAG:
-        kind = first["input"].get("type") if isinstance(first["input"], dict) else None
-        param = f"{param}.type" if param else "type"
-        message = f"unsupported type {kind!r}; {message}" if kind is not None else message
-    return bad_request(f"{param}: {message}" if param else message, param=param, code="invalid_value")
-
-
-def _param_from_loc(loc: tuple[int | str, ...]) -> str | None:
-    """pydantic's error location without its union tags: ('input', '<list>', 2, '<message>', 'content') ->
-    `input[2].content`."""
-    parts: list[str] = []
-    for item in loc:
-        if isinstance(item, int):
-            parts.append(f"[{item}]")
-        elif _FIELD.fullmatch(item) and item not in _PYDANTIC_TAGS:
-            parts.append(("." if parts else "") + item)
-    return "".join(parts) or None
+    message = f"unsupported type {kind!r}; {message}" if kind is not None else message
+    return bad_request(f"{param}: {message}", param=param, code="invalid_value")
 
 
 # ---- translation to a chat request ----------------------------------------------------------------------------

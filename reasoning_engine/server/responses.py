@@ -751,12 +751,7 @@ def register_responses_routes(app: FastAPI, serving: OpenAIServing, *,
         arrival = time.monotonic()
         req = await json_body(request, ResponsesRequest, invalid)
         model = serving.check_model(req.model)
-        history: list[dict[str, Any]] = []
-        if req.previous_response_id is not None:
-            previous = store.get(req.previous_response_id)
-            if previous is None:
-                raise _not_found(req.previous_response_id, "previous_response_id")
-            history = previous.conversation
+        history = _history(store, req.previous_response_id)
         chat, message_params = to_chat_request(req, history, serving.max_model_len)
         try:
             prepared = await serving.prepare_chat(chat)
@@ -817,17 +812,32 @@ def register_responses_routes(app: FastAPI, serving: OpenAIServing, *,
         stored = store.get(response_id)
         if stored is None:
             raise _not_found(response_id, "response_id")
-        items = stored.input_items if order == "asc" else stored.input_items[::-1]
-        if after is not None:
-            ids = [item["id"] for item in items]
-            if after not in ids:
-                raise bad_request(f"after: no input item with id {after[:100]!r} in this response", param="after")
-            items = items[ids.index(after) + 1:]
-        page = items[:limit]
-        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)})
+        return JSONResponse(_items_page(stored.input_items, order, limit, after))
 
     return store
+
+
+def _history(store: ResponseStore, previous_response_id: str | None) -> list[dict[str, Any]]:
+    """The conversation a request continues: the stored one `previous_response_id` names (404 if none), or none."""
+    if previous_response_id is None:
+        return []
+    previous = store.get(previous_response_id)
+    if previous is None:
+        raise _not_found(previous_response_id, "previous_response_id")
+    return previous.conversation
+
+
+def _items_page(items: list[dict[str, Any]], order: str, limit: int, after: str | None) -> dict[str, Any]:
+    """One page of a stored response's input items, as OpenAI's API pages them."""
+    items = items if order == "asc" else items[::-1]
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise bad_request(f"after: no input item with id {after[:100]!r} in this response", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
 
 
 async def _stream(run: ResponseRun, body: dict[str, Any], keep: Callable[[], None]) -> AsyncGenerator[str, None]:

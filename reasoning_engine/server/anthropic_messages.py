@@ -37,18 +37,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from reasoning_engine.server.chat_template import disable_thinking
+from reasoning_engine.server.chat_run import ChatRun
+from reasoning_engine.server.engine_requests import EngineRequests, new_request_id
 from reasoning_engine.server.errors import APIError, bad_request, from_validation_error
 from reasoning_engine.server.openapi import errors
 from reasoning_engine.server.parsing import ParsedDelta
 from reasoning_engine.server.protocol import CacheSalt, ChatCompletionRequest, RequestBody
 from reasoning_engine.server.routing import json_body, serve_prepared, session_key
-from reasoning_engine.server.serving import (
-    ChatRun,
-    EngineRequests,
-    OpenAIServing,
-    Prepared,
-    new_request_id,
-)
+from reasoning_engine.server.serving import OpenAIServing, Prepared
 from reasoning_engine.server.tool_parsers import ToolCallDelta
 
 PATH_PREFIX = "/v1/messages"

@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from reasoning_engine import __version__
 from reasoning_engine.multimodal.loading import MediaLoader
+from reasoning_engine.server import openai_chat
 from reasoning_engine.server.anthropic_messages import error_response as anthropic_error_response
 from reasoning_engine.server.anthropic_messages import (
     ANTHROPIC_ERROR_SCHEMA,
@@ -42,6 +43,7 @@ from reasoning_engine.server.chat_template import (
     with_chat_template,
 )
 from reasoning_engine.server.engine_client import EngineClient, ServedModelConfig
+from reasoning_engine.server.engine_requests import ClientGone, new_request_id
 from reasoning_engine.server.errors import APIError, bad_request, from_error_detail
 from reasoning_engine.server.formats.registry import (
     REASONING_PARSER_CHOICES,
@@ -66,13 +68,7 @@ from reasoning_engine.server.responses import (
     register_responses_routes,
 )
 from reasoning_engine.server.routing import json_body, serve_prepared, session_key
-from reasoning_engine.server.serving import (
-    ClientGone,
-    OpenAIServing,
-    check_tool_results,
-    new_request_id,
-    placeholder_messages,
-)
+from reasoning_engine.server.serving import OpenAIServing, check_tool_results, placeholder_messages
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -355,14 +351,14 @@ def _register_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
         if isinstance(req, ChatCompletionRequest):
             check_tool_results(req.messages)
             prepared = await serving.prepare_chat(req)
-            streamed, whole = serving.chat_stream, serving.chat_full
+            streamed, whole = openai_chat.chat_stream, openai_chat.chat_full
         else:
             prepared = serving.prepare_completion(req)
-            streamed, whole = serving.completion_stream, serving.completion_full
+            streamed, whole = openai_chat.completion_stream, openai_chat.completion_full
         return await serve_prepared(
             request, engine, prepared, new_request_id(id_prefix), session_key(request, req.prompt_cache_key, req.user),
-            stream=req.stream, streamed=lambda runs: streamed(req, model, prepared, runs, arrival),
-            whole=lambda runs: whole(req, model, prepared, runs, arrival))
+            stream=req.stream, streamed=lambda runs: streamed(serving, req, model, prepared, runs, arrival),
+            whole=lambda runs: whole(serving, req, model, prepared, runs, arrival))
 
     @app.post("/v1/chat/completions", responses=errors(400, 404, 503))
     async def chat_completions(request: Request) -> Response:

@@ -31,6 +31,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from reasoning_engine.server.chat_template import disable_thinking
+from reasoning_engine.server.chat_run import ChatRun
+from reasoning_engine.server.engine_requests import EngineRequests
 from reasoning_engine.server.errors import APIError, bad_request, from_error_detail, param_from_loc
 from reasoning_engine.server.openapi import errors
 from reasoning_engine.server.parsing import ParsedDelta
@@ -50,12 +52,7 @@ from reasoning_engine.server.protocol import (
     ToolDef,
 )
 from reasoning_engine.server.routing import json_body, serve_prepared, session_key
-from reasoning_engine.server.serving import (
-    ChatRun,
-    EngineRequests,
-    OpenAIServing,
-    Prepared,
-)
+from reasoning_engine.server.serving import OpenAIServing, Prepared
 from reasoning_engine.server.tool_parsers import ToolCallDelta
 
 DEFAULT_MAX_STORED_RESPONSES = 1024

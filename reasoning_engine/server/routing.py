@@ -16,7 +16,8 @@ from starlette.responses import JSONResponse, Response
 
 from reasoning_engine.server.errors import APIError, bad_request, from_validation_error
 from reasoning_engine.server.engine_client import EngineClient
-from reasoning_engine.server.serving import EngineRequests, EngineStreamResponse, Prepared, shielded, unless_disconnected
+from reasoning_engine.server.engine_requests import EngineRequests, EngineStreamResponse, shielded, unless_disconnected
+from reasoning_engine.server.serving import Prepared
 
 B = TypeVar("B", bound=BaseModel)
 

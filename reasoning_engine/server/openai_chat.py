@@ -18,8 +18,8 @@ from reasoning_engine.server.protocol import ChatCompletionRequest, CompletionRe
 from reasoning_engine.server.serving import OpenAIServing, Prepared
 
 
-async def chat_stream(serving: OpenAIServing, req: ChatCompletionRequest, model: str, prepared: Prepared,
-                      engine_requests: EngineRequests, arrival: float) -> AsyncGenerator[str, None]:
+def chat_stream(serving: OpenAIServing, req: ChatCompletionRequest, model: str, prepared: Prepared,
+                engine_requests: EngineRequests, arrival: float) -> AsyncGenerator[str, None]:
     run = ChatRun(serving, engine_requests, prepared, arrival)
     base = {"id": engine_requests.ids[0], "object": "chat.completion.chunk", "created": int(time.time()),
             "model": model}
@@ -31,9 +31,9 @@ async def chat_stream(serving: OpenAIServing, req: ChatCompletionRequest, model:
                   "finish_reason": finish}
         return sse({**base, "choices": [choice]})
 
-    for i in range(len(run.choices)):
-        yield chunk(i, {"role": "assistant", "content": ""})
-    try:
+    async def chunks() -> AsyncGenerator[str, None]:
+        for i in range(len(run.choices)):
+            yield chunk(i, {"role": "assistant", "content": ""})
         async with aclosing(run.updates(chat_logprobs=req.logprobs, top_n=top_n)) as updates:
             async for update in updates:
                 choice, parsed = update.choice, update.parsed
@@ -53,13 +53,8 @@ async def chat_stream(serving: OpenAIServing, req: ChatCompletionRequest, model:
                     logprobs = []
                 if update.finished:
                     yield chunk(choice.index, {}, serving.finish_reason(choice), logprobs=logprobs)
-        if include_usage:
-            yield sse({**base, "choices": [], "usage": run.usage()})
-    except APIError as exc:
-        yield sse(exc.body())
-    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band, never hang the client
-        yield sse(error_body(f"generation failed: {exc}", "server_error"))
-    yield SSE_DONE
+
+    return _event_stream(chunks(), run, base, include_usage)
 
 
 async def chat_full(serving: OpenAIServing, req: ChatCompletionRequest, model: str, prepared: Prepared,
@@ -89,13 +84,14 @@ async def chat_full(serving: OpenAIServing, req: ChatCompletionRequest, model: s
             "model": model, "choices": choices, "usage": run.usage()}
 
 
-async def completion_stream(serving: OpenAIServing, req: CompletionRequest, model: str, prepared: Prepared,
-                            engine_requests: EngineRequests, arrival: float) -> AsyncGenerator[str, None]:
+def completion_stream(serving: OpenAIServing, req: CompletionRequest, model: str, prepared: Prepared,
+                      engine_requests: EngineRequests, arrival: float) -> AsyncGenerator[str, None]:
     run = ChatRun(serving, engine_requests, prepared, arrival)
     base = {"id": engine_requests.ids[0], "object": "text_completion", "created": int(time.time()),
             "model": model}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    try:
+
+    async def chunks() -> AsyncGenerator[str, None]:
         if req.echo:
             for choice in run.choices:
                 yield sse({**base, "choices": [{"index": choice.index, "text": run.prompt_text(choice),
@@ -110,13 +106,8 @@ async def completion_stream(serving: OpenAIServing, req: CompletionRequest, mode
                         "logprobs": _legacy_logprobs(logprobs) if req.logprobs is not None else None,
                         "finish_reason": choice.finish_reason if update.finished else None,
                         "stop_reason": choice.stop_reason if update.finished else None}]})
-        if include_usage:
-            yield sse({**base, "choices": [], "usage": run.usage()})
-    except APIError as exc:
-        yield sse(exc.body())
-    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band, never hang the client
-        yield sse(error_body(f"generation failed: {exc}", "server_error"))
-    yield SSE_DONE
+
+    return _event_stream(chunks(), run, base, include_usage)
 
 
 async def completion_full(serving: OpenAIServing, req: CompletionRequest, model: str, prepared: Prepared,
@@ -130,6 +121,24 @@ async def completion_full(serving: OpenAIServing, req: CompletionRequest, model:
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in run.choices]
     return {"id": engine_requests.ids[0], "object": "text_completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": run.usage()}
+
+
+async def _event_stream(chunks: AsyncGenerator[str, None], run: ChatRun, base: dict[str, Any],
+                        include_usage: bool) -> AsyncGenerator[str, None]:
+    """An OpenAI event stream: `chunks`, the usage chunk when the request asked for it, then `[DONE]`; a failure
+    once the stream has started is reported in it, never left hanging. Closing the stream closes `chunks` (and the
+    run's walk with it) at once."""
+    try:
+        async with aclosing(chunks) as events:
+            async for event in events:
+                yield event
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": run.usage()})
+    except APIError as exc:
+        yield sse(exc.body())
+    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band, never hang the client
+        yield sse(error_body(f"generation failed: {exc}", "server_error"))
+    yield SSE_DONE
 
 
 def _legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:

@@ -21,9 +21,7 @@ from reasoning_engine.server.serving import OpenAIServing, Prepared
 def chat_stream(serving: OpenAIServing, req: ChatCompletionRequest, model: str, prepared: Prepared,
                 engine_requests: EngineRequests, arrival: float) -> AsyncGenerator[str, None]:
     run = ChatRun(serving, engine_requests, prepared, arrival)
-    base = {"id": engine_requests.ids[0], "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": model}
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    base = _chunk_base(engine_requests, "chat.completion.chunk", model)
     top_n = req.top_logprobs or 0
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: list | None = None) -> str:
@@ -54,7 +52,7 @@ def chat_stream(serving: OpenAIServing, req: ChatCompletionRequest, model: str, 
                 if update.finished:
                     yield chunk(choice.index, {}, serving.finish_reason(choice), logprobs=logprobs)
 
-    return _event_stream(chunks(), run, base, include_usage)
+    return _event_stream(chunks(), run, base, usage=bool(req.stream_options and req.stream_options.include_usage))
 
 
 async def chat_full(serving: OpenAIServing, req: ChatCompletionRequest, model: str, prepared: Prepared,
@@ -87,9 +85,7 @@ async def chat_full(serving: OpenAIServing, req: ChatCompletionRequest, model: s
 def completion_stream(serving: OpenAIServing, req: CompletionRequest, model: str, prepared: Prepared,
                       engine_requests: EngineRequests, arrival: float) -> AsyncGenerator[str, None]:
     run = ChatRun(serving, engine_requests, prepared, arrival)
-    base = {"id": engine_requests.ids[0], "object": "text_completion", "created": int(time.time()),
-            "model": model}
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    base = _chunk_base(engine_requests, "text_completion", model)
 
     async def chunks() -> AsyncGenerator[str, None]:
         if req.echo:
@@ -107,7 +103,7 @@ def completion_stream(serving: OpenAIServing, req: CompletionRequest, model: str
                         "finish_reason": choice.finish_reason if update.finished else None,
                         "stop_reason": choice.stop_reason if update.finished else None}]})
 
-    return _event_stream(chunks(), run, base, include_usage)
+    return _event_stream(chunks(), run, base, usage=bool(req.stream_options and req.stream_options.include_usage))
 
 
 async def completion_full(serving: OpenAIServing, req: CompletionRequest, model: str, prepared: Prepared,
@@ -123,8 +119,13 @@ async def completion_full(serving: OpenAIServing, req: CompletionRequest, model:
             "model": model, "choices": choices, "usage": run.usage()}
 
 
-async def _event_stream(chunks: AsyncGenerator[str, None], run: ChatRun, base: dict[str, Any],
-                        include_usage: bool) -> AsyncGenerator[str, None]:
+def _chunk_base(engine_requests: EngineRequests, kind: str, model: str) -> dict[str, Any]:
+    """What every chunk of a stream carries: the request id, the object kind, when and which model."""
+    return {"id": engine_requests.ids[0], "object": kind, "created": int(time.time()), "model": model}
+
+
+async def _event_stream(chunks: AsyncGenerator[str, None], run: ChatRun, base: dict[str, Any], *,
+                        usage: bool) -> AsyncGenerator[str, None]:
     """An OpenAI event stream: `chunks`, the usage chunk when the request asked for it, then `[DONE]`; a failure
     once the stream has started is reported in it, never left hanging. Closing the stream closes `chunks` (and the
     run's walk with it) at once."""
@@ -132,7 +133,7 @@ async def _event_stream(chunks: AsyncGenerator[str, None], run: ChatRun, base: d
         async with aclosing(chunks) as events:
             async for event in events:
                 yield event
-        if include_usage:
+        if usage:
             yield sse({**base, "choices": [], "usage": run.usage()})
     except APIError as exc:
         yield sse(exc.body())

@@ -28,14 +28,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from reasoning_engine import __version__
 from reasoning_engine.multimodal.loading import MediaLoader
 from reasoning_engine.server import openai_chat
-from reasoning_engine.server.anthropic_messages import error_response as anthropic_error_response
-from reasoning_engine.server.anthropic_messages import (
-    ANTHROPIC_ERROR_SCHEMA,
-    CountTokensRequest,
-    MessagesRequest,
-    is_anthropic_path,
-    register_anthropic_routes,
-)
+from reasoning_engine.server.anthropic.errors import ANTHROPIC_ERROR_SCHEMA, is_anthropic_path
+from reasoning_engine.server.anthropic.errors import error_response as anthropic_error_response
+from reasoning_engine.server.anthropic.routes import register_anthropic_routes
+from reasoning_engine.server.anthropic.schema import CountTokensRequest, MessagesRequest
 from reasoning_engine.server.chat_template import (
     check_template_kwargs,
     read_chat_template,
@@ -61,12 +57,9 @@ from reasoning_engine.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from reasoning_engine.server.responses import (
-    DEFAULT_MAX_STORED_RESPONSES,
-    DEFAULT_STORED_RESPONSE_TTL_S,
-    ResponsesRequest,
-    register_responses_routes,
-)
+from reasoning_engine.server.responses.routes import register_responses_routes
+from reasoning_engine.server.responses.schema import ResponsesRequest
+from reasoning_engine.server.responses.store import DEFAULT_MAX_STORED_RESPONSES, DEFAULT_STORED_RESPONSE_TTL_S
 from reasoning_engine.server.routing import json_body, serve_prepared, session_key
 from reasoning_engine.server.serving import OpenAIServing, check_tool_results, placeholder_messages
 

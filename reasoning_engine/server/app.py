@@ -27,14 +27,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from reasoning_engine import __version__
 from reasoning_engine.multimodal.loading import MediaLoader
-from reasoning_engine.server.anthropic_messages import error_response as anthropic_error_response
-from reasoning_engine.server.anthropic_messages import (
-    ANTHROPIC_ERROR_SCHEMA,
-    CountTokensRequest,
-    MessagesRequest,
-    is_anthropic_path,
-    register_anthropic_routes,
-)
+from reasoning_engine.server import openai_chat
+from reasoning_engine.server.anthropic.errors import ANTHROPIC_ERROR_SCHEMA, is_anthropic_path
+from reasoning_engine.server.anthropic.errors import error_response as anthropic_error_response
+from reasoning_engine.server.anthropic.routes import register_anthropic_routes
+from reasoning_engine.server.anthropic.schema import CountTokensRequest, MessagesRequest
 from reasoning_engine.server.chat_template import (
     check_template_kwargs,
     read_chat_template,
@@ -42,6 +39,7 @@ from reasoning_engine.server.chat_template import (
     with_chat_template,
 )
 from reasoning_engine.server.engine_client import EngineClient, ServedModelConfig
+from reasoning_engine.server.engine_requests import ClientGone, new_request_id
 from reasoning_engine.server.errors import APIError, bad_request, from_error_detail
 from reasoning_engine.server.formats.registry import (
     REASONING_PARSER_CHOICES,
@@ -59,24 +57,11 @@ from reasoning_engine.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from reasoning_engine.server.responses import (
-    DEFAULT_MAX_STORED_RESPONSES,
-    DEFAULT_STORED_RESPONSE_TTL_S,
-    ResponsesRequest,
-    register_responses_routes,
-)
-from reasoning_engine.server.routing import json_body, session_key, start_or_close
-from reasoning_engine.server.serving import (
-    ClientGone,
-    EngineRequests,
-    EngineStreamResponse,
-    OpenAIServing,
-    check_tool_results,
-    new_request_id,
-    placeholder_messages,
-    shielded,
-    unless_disconnected,
-)
+from reasoning_engine.server.responses.routes import register_responses_routes
+from reasoning_engine.server.responses.schema import ResponsesRequest
+from reasoning_engine.server.responses.store import DEFAULT_MAX_STORED_RESPONSES, DEFAULT_STORED_RESPONSE_TTL_S
+from reasoning_engine.server.routing import json_body, serve_prepared, session_key
+from reasoning_engine.server.serving import OpenAIServing, check_tool_results, placeholder_messages
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -229,6 +214,42 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None) -> FastA
         raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSER_CHOICES)}")
     if config.tool_call_parser not in TOOL_PARSER_CHOICES:
         raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSER_CHOICES)}")
+    serving = _serving(engine, config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if config.shutdown_engine:
+            await engine.shutdown()
+
+    app = FastAPI(title="Reasoning Engine", lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
+    app.state.serving = serving
+    app.state.metrics = serving.metrics
+    app.add_middleware(_BodyLimitMiddleware, limit=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(_AuthMiddleware, api_key=config.api_key, public_paths=config.public_paths)
+    _install_error_handlers(app)
+    _register_server_routes(app, serving)
+    _register_openai_routes(app, serving)
+    register_responses_routes(app, serving, max_stored=config.max_stored_responses,
+                              stored_ttl_s=config.stored_response_ttl_s)
+    register_anthropic_routes(app, serving)
+    install_openapi(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+                          "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
+                          "/v1/messages/count_tokens": CountTokensRequest,
+                          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest},
+                    __version__, serving.model_names, api_key=bool(config.api_key), public_paths=config.public_paths,
+                    streamed=("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"),
+                    error_shapes={path: ("AnthropicError", ANTHROPIC_ERROR_SCHEMA)
+                                  for path in ("/v1/messages", "/v1/messages/count_tokens")})
+    mount_playground(app)
+    return app
+
+
+def _serving(engine: EngineClient, config: ServerConfig) -> OpenAIServing:
+    """What the routes share, resolved once: the tokenizer (with the server's chat template), the served names,
+    the parsers `auto` picks for the model, the media loader and the metrics."""
     model_config = engine.model_config
     tokenizer = engine.tokenizer
     if config.chat_template is not None:
@@ -236,7 +257,7 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None) -> FastA
     vocab = set(tokenizer.get_vocab()) if tokenizer is not None else set()
     names = list(config.served_model_names or [default_model_name(model_config)])
     metrics = ServerMetrics(engine.stats, names[0])
-    serving = OpenAIServing(
+    return OpenAIServing(
         engine, metrics, model_names=names,
         reasoning_parser=resolve_reasoning_parser(config.reasoning_parser, model_config.model_type, vocab),
         tool_parser=resolve_tool_parser(config.tool_call_parser, model_config.model_type, vocab,
@@ -248,19 +269,9 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None) -> FastA
             config.media_max_bytes, config.media_fetch_timeout, config.max_image_pixels, config.max_video_pixels),
         media_timeout=config.media_request_timeout, tokenizer=tokenizer)
 
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        if config.shutdown_engine:
-            await engine.shutdown()
 
-    app = FastAPI(title="Reasoning Engine", lifespan=lifespan, docs_url="/docs", redoc_url=None,
-                  openapi_url="/openapi.json")
-    app.state.serving = serving
-    app.state.metrics = metrics
-    app.add_middleware(_BodyLimitMiddleware, limit=config.max_body_bytes)
-    if config.api_key:
-        app.add_middleware(_AuthMiddleware, api_key=config.api_key, public_paths=config.public_paths)
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error in the route's error shape (Anthropic's on its paths, OpenAI's elsewhere), never FastAPI's own."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
@@ -290,6 +301,11 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None) -> FastA
         logger.exception("unhandled error")
         return _error_response(request.url.path, APIError(500, f"Internal server error: {type(exc).__name__}"))
 
+
+def _register_server_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    """/health, /v1/models, /v1/engine/adaptive and /metrics."""
+    engine, model_config, names = serving.engine, serving.engine.model_config, serving.model_names
+
     @app.get("/health", responses=errors(503, words={503: "The engine loop has stopped (it died, or shut down)."}))
     async def health() -> Response:
         """200 while the engine loop runs; 503 once it has stopped, so a load balancer or supervisor stops sending
@@ -312,48 +328,38 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None) -> FastA
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(serving.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _register_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    """Chat and completions over the shared pipeline; /tokenize and /detokenize."""
+    engine, tokenizer = serving.engine, serving.tokenizer
+
+    async def openai_request(request: Request, body: type[ChatCompletionRequest | CompletionRequest],
+                             id_prefix: str) -> Response:
+        """A chat or completions request: its body, model and prepared engine requests, then the shared pipeline."""
+        arrival = time.monotonic()
+        req = await json_body(request, body)
+        model = serving.check_model(req.model)
+        if isinstance(req, ChatCompletionRequest):
+            check_tool_results(req.messages)
+            prepared = await serving.prepare_chat(req)
+            streamed, whole = openai_chat.chat_stream, openai_chat.chat_full
+        else:
+            prepared = serving.prepare_completion(req)
+            streamed, whole = openai_chat.completion_stream, openai_chat.completion_full
+        return await serve_prepared(
+            request, engine, prepared, new_request_id(id_prefix), session_key(request, req.prompt_cache_key, req.user),
+            stream=req.stream, streamed=lambda runs: streamed(serving, req, model, prepared, runs, arrival),
+            whole=lambda runs: whole(serving, req, model, prepared, runs, arrival))
 
     @app.post("/v1/chat/completions", responses=errors(400, 404, 503))
     async def chat_completions(request: Request) -> Response:
-        arrival = time.monotonic()
-        req = await json_body(request, ChatCompletionRequest)
-        model = serving.check_model(req.model)
-        check_tool_results(req.messages)
-        prepared = await serving.prepare_chat(req)
-        engine_requests = EngineRequests(engine, prepared.prompts, prepared.params, new_request_id("chatcmpl"),
-                                         session_key(request, req.prompt_cache_key, req.user), prepared.workload, prepared.error_param)
-        if req.stream:
-            await start_or_close(request, engine_requests)
-            return EngineStreamResponse(serving.chat_stream(req, model, prepared, engine_requests, arrival),
-                                        on_close=engine_requests.close)
-        try:
-            await unless_disconnected(request, engine_requests.start())
-            body = await unless_disconnected(
-                request, serving.chat_full(req, model, prepared, engine_requests, arrival))
-        finally:
-            await shielded(engine_requests.close())
-        return JSONResponse(body)
+        return await openai_request(request, ChatCompletionRequest, "chatcmpl")
 
     @app.post("/v1/completions", responses=errors(400, 404, 503))
     async def completions(request: Request) -> Response:
-        arrival = time.monotonic()
-        req = await json_body(request, CompletionRequest)
-        model = serving.check_model(req.model)
-        prepared = serving.prepare_completion(req)
-        engine_requests = EngineRequests(engine, prepared.prompts, prepared.params, new_request_id("cmpl"),
-                                         session_key(request, req.prompt_cache_key, req.user), prepared.workload, prepared.error_param)
-        if req.stream:
-            await start_or_close(request, engine_requests)
-            return EngineStreamResponse(serving.completion_stream(req, model, prepared, engine_requests, arrival),
-                                        on_close=engine_requests.close)
-        try:
-            await unless_disconnected(request, engine_requests.start())
-            body = await unless_disconnected(
-                request, serving.completion_full(req, model, prepared, engine_requests, arrival))
-        finally:
-            await shielded(engine_requests.close())
-        return JSONResponse(body)
+        return await openai_request(request, CompletionRequest, "cmpl")
 
     @app.post("/tokenize", responses=errors(400, 404))
     async def tokenize(request: Request) -> Response:
@@ -383,17 +389,3 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None) -> FastA
         if any(t < 0 or t >= serving.vocab_size for t in req.tokens):
             raise bad_request(f"token ids must be in [0, {serving.vocab_size})", param="tokens")
         return JSONResponse({"prompt": tokenizer.decode(req.tokens)})
-
-    register_responses_routes(app, serving, max_stored=config.max_stored_responses,
-                              stored_ttl_s=config.stored_response_ttl_s)
-    register_anthropic_routes(app, serving)
-    install_openapi(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-                          "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
-                          "/v1/messages/count_tokens": CountTokensRequest,
-                          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}, __version__, names,
-                    api_key=bool(config.api_key), public_paths=config.public_paths,
-                    streamed=("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"),
-                    error_shapes={path: ("AnthropicError", ANTHROPIC_ERROR_SCHEMA)
-                                  for path in ("/v1/messages", "/v1/messages/count_tokens")})
-    mount_playground(app)
-    return app

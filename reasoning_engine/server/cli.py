@@ -19,6 +19,7 @@ MEDIA_REQUEST_TIMEOUT_S = 30.0
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    """The `serve` and `chat` commands."""
     serve = subparsers.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.",
                                   description="Serve MODEL (a checkpoint folder; default: the bundled tiny reasoning "
                                               "model) over an OpenAI-compatible API.")
@@ -40,6 +41,14 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--speculative-state-dir", default=None,
                        help="folder where the speculative proposer keeps its state across restarts (default: "
                             "--state-dir)")
+    _add_engine_flags(serve)
+    _add_request_flags(serve)
+    serve.set_defaults(func=serve_command)
+    _add_chat_command(subparsers)
+
+
+def _add_engine_flags(serve: argparse.ArgumentParser) -> None:
+    """`serve`'s adaptive, engine and parallel settings."""
     adaptive = serve.add_argument_group("adaptive", "the engine measures its step costs and its workload and tunes "
                                         "speculation, batching and KV retention from them (GET /v1/engine/adaptive)")
     adaptive.add_argument("--no-adaptive", action="store_true",
@@ -89,6 +98,10 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                           help="node 0's address, where the ranks meet (default: $MASTER_ADDR, or 127.0.0.1)")
     parallel.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT"),
                           help="the port there (default: $MASTER_PORT; one node: a free port)")
+
+
+def _add_request_flags(serve: argparse.ArgumentParser) -> None:
+    """`serve`'s limits on what requests bring (media, stored responses, HTTP bodies) and its HTTP settings."""
     media = serve.add_argument_group("media", "images and videos in chat messages, for models with a vision tower "
                                      "(Kimi K2.5); data: URLs are always accepted, within --max-body-bytes")
     media.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
@@ -123,8 +136,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     http.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
                       help="seconds in-flight requests may finish after SIGTERM before they are aborted")
     http.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-    serve.set_defaults(func=serve_command)
 
+
+def _add_chat_command(subparsers: argparse._SubParsersAction) -> None:
     chat = subparsers.add_parser("chat", help="Chat with a running server in the terminal.",
                                  description="A terminal client: the thinking streams dimmed, the answer plain.")
     chat.add_argument("--base-url", default="http://127.0.0.1:8000/v1")

@@ -11,6 +11,10 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
 _FIELD = re.compile(r"[a-z_][a-z0-9_]*")
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+#: How request models write the tags of their discriminated unions (`<list>`, `~TextBlock`), so that an error's
+#: parameter leaves them out.
+UNION_TAG_MARKS = ("<", "~")
 
 
 class APIError(Exception):
@@ -41,13 +45,17 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def param_from_loc(loc: tuple[int | str, ...]) -> str | None:
-    """pydantic's error location -> `messages[0].content`. Union members appear in locations as type tags
-    ("str", "list[TextPart]", "NamedToolChoice"); the path stops at the first one, since fields are snake_case."""
+    """pydantic's error location -> `messages[0].content`, for every API's request models. Union tags marked as
+    UNION_TAG_MARKS says are left out (`input[2].content`, not `input.<list>[2].<message>.content`); any other
+    member name pydantic puts in a location ("str", "list[TextPart]", "NamedToolChoice") ends the path, since
+    fields are snake_case."""
     parts: list[str] = []
     for item in loc:
         if isinstance(item, int):
             parts.append(f"[{item}]")
-        elif _FIELD.fullmatch(item) and item not in ("str", "int", "float", "bool", "list", "dict", "none"):
+        elif item.startswith(UNION_TAG_MARKS):
+            continue
+        elif _FIELD.fullmatch(item) and item not in _TYPE_NAMES:
             parts.append(("." if parts else "") + item)
         else:
             break
@@ -55,7 +63,7 @@ def param_from_loc(loc: tuple[int | str, ...]) -> str | None:
 
 
 def from_validation_error(exc: ValidationError) -> APIError:
-    """The first error, as a 400 naming its field."""
+    """The first error, as a 400 naming its field: how every route words a body that fails its model."""
     return from_error_detail(exc.errors(include_url=False)[0])
 
 

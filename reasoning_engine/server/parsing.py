@@ -5,8 +5,10 @@ Text flows: engine text delta -> ReasoningParser -> (thinking, answer text) -> T
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from reasoning_engine.server.formats.registry import REASONING_FORMATS, TOOL_PARSERS
 from reasoning_engine.server.reasoning_parsers import ReasoningParser, initial_mode
@@ -18,6 +20,33 @@ class ParsedDelta:
     reasoning: str = ""
     content: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+
+class OutputShaper(ABC):
+    """What an API makes of one choice's parsed pieces (Anthropic's content blocks, Responses' output items): `feed`
+    gives the events of each piece, in the order the model wrote them."""
+
+    def feed(self, parsed: ParsedDelta) -> list[Any]:
+        events: list[Any] = []
+        if parsed.reasoning:
+            events += self.thinking(parsed.reasoning)
+        if parsed.content:
+            events += self.answer(parsed.content)
+        for delta in parsed.tool_calls:
+            events += self.tool_call(delta)
+        return events
+
+    @abstractmethod
+    def thinking(self, text: str) -> list[Any]:
+        """A piece of the thinking."""
+
+    @abstractmethod
+    def answer(self, text: str) -> list[Any]:
+        """A piece of the answer text."""
+
+    @abstractmethod
+    def tool_call(self, delta: ToolCallDelta) -> list[Any]:
+        """A piece of a tool call: its opening (id, name) or argument text."""
 
 
 class ChatOutputParser:

@@ -42,7 +42,11 @@ CacheSalt = Annotated[str | None, Field(
                 "salt (e.g. one per tenant), so other requests cannot read or time this request's prefix.")]
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
+    """The base of every API's request models (chat, completions, Responses, Anthropic Messages): unknown fields
+    are ignored, each name logged once per process; types are strict (no "1" for 1, no 0 for false) and numbers
+    finite."""
+
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
@@ -82,26 +86,26 @@ def _log_unknown_field(model: str, name: str) -> None:
         logger.warning("%d unknown request field names logged; further ones are not", MAX_LOGGED_UNKNOWN_FIELDS)
 
 
-class TextPart(_Body):
+class TextPart(RequestBody):
     type: Literal["text"]
     text: str
 
 
-class ImageURL(_Body):
+class ImageURL(RequestBody):
     url: str = Field(min_length=1)  # data:, or http(s):// and file:// where the server's flags allow them
     detail: Literal["auto", "low", "high"] | None = None  # accepted for OpenAI clients; images keep their resolution
 
 
-class ImagePart(_Body):
+class ImagePart(RequestBody):
     type: Literal["image_url"]
     image_url: ImageURL
 
 
-class VideoURL(_Body):
+class VideoURL(RequestBody):
     url: str = Field(min_length=1)
 
 
-class VideoPart(_Body):
+class VideoPart(RequestBody):
     type: Literal["video_url"]
     video_url: VideoURL
 
@@ -113,7 +117,7 @@ Content = Annotated[Annotated[str, Tag("str")] | Annotated[list[ContentPart], Ta
                     Discriminator(lambda value: "list" if isinstance(value, list) else "str")]
 
 
-class FunctionCall(_Body):
+class FunctionCall(RequestBody):
     name: str
     arguments: Annotated[str, WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "object"}]})] = "{}"
 
@@ -124,13 +128,13 @@ class FunctionCall(_Body):
         return json.dumps(value) if isinstance(value, dict) else value
 
 
-class ToolCallIn(_Body):
+class ToolCallIn(RequestBody):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     # _content_required's rule, for the OpenAPI document: content, unless an assistant message has calls or thinking
     model_config = ConfigDict(json_schema_extra={"anyOf": [
         {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
@@ -164,32 +168,32 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
-class FunctionDef(_Body):
+class FunctionDef(RequestBody):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDef(_Body):
+class ToolDef(RequestBody):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Body):
+class NamedFunction(RequestBody):
     name: str
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(RequestBody):
     type: Literal["function"]
     function: NamedFunction
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class JSONSchemaSpec(_Body):
+class JSONSchemaSpec(RequestBody):
     """`response_format.json_schema`. Every schema is enforced, `strict` or not (it is accepted for OpenAI clients);
     `schema` is required here, since a json_schema format without one constrains nothing."""
 
@@ -199,7 +203,7 @@ class JSONSchemaSpec(_Body):
     strict: bool | None = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(RequestBody):
     """OpenAI's `response_format`: free text, any JSON object, or JSON matching `json_schema.schema`; vLLM's
     `structural_tag` type takes an xgrammar structural-tag `format`. One model rather than a union by `type`, so a
     wrong shape is reported at its own path (`response_format.json_schema.schema`)."""
@@ -209,7 +213,7 @@ class ResponseFormat(_Body):
     format: dict[str, Any] | None = None
 
 
-class StructuredOutputsSpec(_Body):
+class StructuredOutputsSpec(RequestBody):
     """vLLM's `structured_outputs`: exactly one of these (checked by StructuredOutputsParams, which names the
     field)."""
 
@@ -221,7 +225,7 @@ class StructuredOutputsSpec(_Body):
     structural_tag: dict[str, Any] | str | None = None
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(RequestBody):
     """Fields shared by chat and completions; None means the SamplingParams default."""
 
     model: str | None = None
@@ -292,7 +296,7 @@ class CompletionRequest(_SamplingFields):
     skip_special_tokens: bool = True
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     """Either a raw `prompt` or chat `messages` (rendered through the chat template, as the chat endpoint would)."""
 
     model_config = ConfigDict(json_schema_extra={"oneOf": [  # the rule _one_input checks, for the OpenAPI document
@@ -314,6 +318,6 @@ class TokenizeRequest(_Body):
         return self
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]

@@ -1,33 +1,22 @@
-"""Chat and completion requests against the engine: validation, sampling settings, the engine request's life
-(submitted, streamed, aborted whatever happens to the client), and the OpenAI response shapes.
-
-Streaming and non-streaming share one loop over the engine's cumulative outputs; the non-streaming path simply
-gathers the pieces the streaming path would send, so both report the same text, calls and usage.
+"""Chat and completion requests made ready for the engine, shared by every API: validation, the rendered prompt
+and its media, sampling settings, answer and tool-call constraints, and a parser chain per choice (`Prepared`).
+What runs them is routing.serve_prepared; what walks their outputs, chat_run.py; the OpenAI response shapes,
+openai_chat.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 import re
 import time
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import aclosing
-from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
-import anyio
-from starlette.requests import Request
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
-
-from reasoning_engine.engine.async_engine import EngineDeadError
 from reasoning_engine.engine.engine import PromptType
 from reasoning_engine.multimodal.chat import extract_media
 from reasoning_engine.multimodal.loading import Fetched, MediaLoader, is_remote
-from reasoning_engine.outputs import CompletionOutput, Logprob, RequestOutput
+from reasoning_engine.outputs import Logprob
 from reasoning_engine.sampling_params import SamplingParams
 from reasoning_engine.server.chat_template import (
     RenderedChat,
@@ -38,15 +27,11 @@ from reasoning_engine.server.chat_template import (
     thinking_switch,
 )
 from reasoning_engine.server.engine_client import EngineClient
-from reasoning_engine.server.errors import APIError, bad_request, error_body
+from reasoning_engine.server.engine_requests import param_of
+from reasoning_engine.server.errors import APIError, bad_request
 from reasoning_engine.server.formats.registry import CALL_SYNTAXES, REASONING_FORMATS, TOOL_PARSERS
-from reasoning_engine.server.metrics import RequestTimer, ServerMetrics
-from reasoning_engine.server.parsing import (
-    ChatOutputParser,
-    ParsedDelta,
-    answer_drop,
-    build_output_parser,
-)
+from reasoning_engine.server.metrics import ServerMetrics
+from reasoning_engine.server.parsing import ChatOutputParser, answer_drop, build_output_parser
 from reasoning_engine.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -61,162 +46,13 @@ from reasoning_engine.server.token_bytes import TokenBytes
 from reasoning_engine.server.tool_grammar import ToolSchemaError, answer_tag, bad_tool_schema, tool_call_tag
 from reasoning_engine.structured.params import StructuredOutputsParams
 
-T = TypeVar("T")
-logger = logging.getLogger(__name__)
-_MIN_LOGPROB = -9999.0  # JSON has no -inf
+if TYPE_CHECKING:
+    from reasoning_engine.server.chat_run import Choice
+
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "min_tokens")
 # vLLM's older top-level spellings of structured_outputs' fields
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-
-
-async def shielded(awaitable: Awaitable[Any]) -> None:
-    """Run cleanup to completion even while the calling task is being cancelled (a client that left, a
-    graceful-shutdown timeout): anyio's shield covers Starlette's cancel scopes, asyncio.shield a bare cancel."""
-    with anyio.CancelScope(shield=True):
-        await asyncio.shield(awaitable)
-
-
-class ClientGone(Exception):
-    """The client disconnected before a non-streaming response was ready."""
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (so its cleanup aborts the engine request) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for pending in (task, watcher):
-            pending.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
-    if task.cancelled() or not task.done():
-        raise ClientGone()
-    return task.result()
-
-
-class EngineStreamResponse(StreamingResponse):
-    """A streaming response whose `on_close` runs however the stream ends: finished, client gone, or cancelled."""
-
-    def __init__(self, content: AsyncGenerator[str, None], on_close: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await shielded(self._close())
-
-    async def _close(self) -> None:
-        await self.body_iterator.aclose()  # type: ignore[attr-defined]
-        await self._on_close()
-
-
-def sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def _param_of(message: str) -> str | None:
-    """SamplingParams and the engine start their ValueError messages with the field at fault."""
-    word = message.split(" ", 1)[0].strip(":,")
-    return word if word.isidentifier() else None
-
-
-class EngineRequests:
-    """The engine requests behind one HTTP request (one per prompt), merged into one output stream; `close`
-    aborts whichever did not finish, which frees their KV blocks."""
-
-    def __init__(self, engine: EngineClient, prompts: Sequence[PromptType], params: SamplingParams, base_id: str,
-                 session: str | None = None, workload: str = "default",
-                 error_param: Callable[[str], str | None] = _param_of) -> None:
-        """`session` and `workload`: for the adaptive engine (KV retention, acceptance by class); `error_param`:
-        the request parameter an engine ValueError's message is about."""
-        self._engine = engine
-        self._error_param = error_param
-        self.ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
-        self._gens: list[AsyncGenerator[RequestOutput, None]] = [
-            engine.generate(p, params, rid, session_id=session, workload=workload)
-            for p, rid in zip(prompts, self.ids, strict=True)]
-        self._first: list[RequestOutput] = []
-        self._finished = [False] * len(prompts)
-        self._tasks: list[asyncio.Future[None]] = []
-
-    async def start(self) -> None:
-        """Submit every request and wait for its first output, so a request the engine refuses (ValueError) is a
-        clean 400 before any byte of a stream is sent."""
-        results = await asyncio.gather(*(anext(g) for g in self._gens), return_exceptions=True)
-        for result in results:
-            if isinstance(result, ValueError):
-                raise bad_request(str(result), param=self._error_param(str(result))) from result
-            if isinstance(result, EngineDeadError):
-                raise APIError(503, f"the engine is not running: {result}", code="engine_unavailable") from result
-            if isinstance(result, BaseException):
-                raise result
-        self._first = results
-
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        if len(self._gens) == 1:
-            out: RequestOutput | None = self._first[0]
-            while out is not None:
-                self._finished[0] = out.finished
-                yield 0, out
-                out = None if out.finished else await anext(self._gens[0], None)
-            return
-        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-        async def pump(i: int) -> None:
-            try:
-                await queue.put((i, self._first[i]))
-                if not self._first[i].finished:
-                    async for item in self._gens[i]:
-                        await queue.put((i, item))
-                        if item.finished:
-                            break
-                await queue.put((i, None))
-            except Exception as exc:  # noqa: BLE001 - handed to the consumer, which reports it
-                await queue.put((i, exc))
-
-        tasks = self._tasks = [asyncio.ensure_future(pump(i)) for i in range(len(self._gens))]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                i, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    self._finished[i] = item.finished
-                    yield i, item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def close(self) -> None:
-        """Stop the merge tasks, close the engine streams and abort what is unfinished; one failure does not stop
-        the rest, since every unfinished request holds KV blocks."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for gen, rid, finished in zip(self._gens, self.ids, self._finished, strict=True):
-            try:
-                if not finished:
-                    await self._engine.abort(rid)
-                await gen.aclose()
-            except Exception:  # cleanup goes on for the other requests
-                logger.exception("closing request %s failed", rid)
 
 
 @dataclass
@@ -229,7 +65,7 @@ class Prepared:
     params: SamplingParams
     new_parser: Callable[[], ChatOutputParser | None]
     workload: str = "default"
-    error_param: Callable[[str], str | None] = _param_of
+    error_param: Callable[[str], str | None] = param_of
 
 
 @dataclass(frozen=True)
@@ -302,41 +138,6 @@ def _salted(prompt: PromptType, cache_salt: str | None) -> PromptType:
     return {**(prompt if isinstance(prompt, dict) else {"prompt_token_ids": prompt}), "cache_salt": cache_salt}
 
 
-def _prompt_ids(prompt: PromptType) -> list[int]:
-    """The token ids of a prompt this module built: a list of ids, or a dict holding them beside its media."""
-    return prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt  # type: ignore[return-value]
-
-
-@dataclass
-class Choice:
-    """One choice's progress through the cumulative outputs."""
-
-    index: int
-    parser: ChatOutputParser | None = None
-    text_len: int = 0
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    text: list[str] = field(default_factory=list)
-    reasoning: list[str] = field(default_factory=list)
-    content: list[str] = field(default_factory=list)
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
-    pending_logprobs: list[dict[str, Any]] = field(default_factory=list)
-    logprob_text_len: int = 0  # the completion text the logprob tokens so far spell, for `text_offset`
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class ChoiceUpdate:
-    choice: Choice
-    text: str  # raw new text
-    parsed: ParsedDelta | None
-    finished: bool
-
-
 class OpenAIServing:
     """Request handling shared by the HTTP routes; holds what is resolved once per server (parsers, limits)."""
 
@@ -401,7 +202,7 @@ class OpenAIServing:
                                   structured_outputs=constraint.spec if constraint is not None else None,
                                   **self._token_constraints(req), **overrides)
         except ValueError as exc:
-            param = _param_of(str(exc))
+            param = param_of(str(exc))
             param = {"max_tokens": max_tokens_param, "logprobs": logprobs_param,
                      "thinking_token_budget": "thinking_token_budget"}.get(param or "", param)
             raise bad_request(str(exc), param=param, code="invalid_value") from exc
@@ -541,12 +342,12 @@ class OpenAIServing:
         workload = "agent" if tools_active else "chat"
         if not refs:
             return Prepared([_salted(rendered.token_ids, req.cache_salt)], params, new_parser, workload,
-                            _constraint_error_param(constraint, _param_of))
+                            _constraint_error_param(constraint, param_of))
         data = await self._media_data(refs)
         aliases = {"max_tokens": max_param, "prompt": "messages", "prompt_token_ids": "messages"}
         prompt = {"prompt_token_ids": rendered.token_ids, "multi_modal_data": data}
         return Prepared([_salted(prompt, req.cache_salt)], params, new_parser, workload, _constraint_error_param(
-            constraint, lambda message: aliases.get(_param_of(message) or "", refs[0].param)))
+            constraint, lambda message: aliases.get(param_of(message) or "", refs[0].param)))
 
     def render_prompt(self, req: ChatCompletionRequest,
                       tools_active: bool) -> tuple[RenderedChat, list[MediaRef], int | None]:
@@ -668,75 +469,6 @@ class OpenAIServing:
                               param="tools")
         return choice != "none"
 
-    async def chat_stream(self, req: ChatCompletionRequest, model: str, prepared: Prepared,
-                          engine_requests: EngineRequests, arrival: float) -> AsyncGenerator[str, None]:
-        run = ChatRun(self, engine_requests, prepared, arrival)
-        base = {"id": engine_requests.ids[0], "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": model}
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        top_n = req.top_logprobs or 0
-
-        def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: list | None = None) -> str:
-            choice = {"index": index, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
-                      "finish_reason": finish}
-            return sse({**base, "choices": [choice]})
-
-        for i in range(len(run.choices)):
-            yield chunk(i, {"role": "assistant", "content": ""})
-        try:
-            async with aclosing(run.updates(chat_logprobs=req.logprobs, top_n=top_n)) as updates:
-                async for update in updates:
-                    choice, parsed = update.choice, update.parsed
-                    logprobs, choice.pending_logprobs = choice.pending_logprobs, []
-                    if parsed is None:
-                        parsed = ParsedDelta(content=update.text)
-                    if parsed.reasoning:
-                        yield chunk(choice.index, {"reasoning_content": parsed.reasoning}, logprobs=logprobs)
-                        logprobs = []
-                    answer: dict[str, Any] = {}
-                    if parsed.content:
-                        answer["content"] = parsed.content
-                    if parsed.tool_calls:
-                        answer["tool_calls"] = _tool_call_deltas(parsed.tool_calls)
-                    if answer or (logprobs and not update.finished):
-                        yield chunk(choice.index, answer, logprobs=logprobs)
-                        logprobs = []
-                    if update.finished:
-                        yield chunk(choice.index, {}, self.finish_reason(choice), logprobs=logprobs)
-            if include_usage:
-                yield sse({**base, "choices": [], "usage": run.usage()})
-        except APIError as exc:
-            yield sse(exc.body())
-        except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band, never hang the client
-            yield sse(error_body(f"generation failed: {exc}", "server_error"))
-        yield SSE_DONE
-
-    async def chat_full(self, req: ChatCompletionRequest, model: str, prepared: Prepared,
-                        engine_requests: EngineRequests, arrival: float) -> dict[str, Any]:
-        run = ChatRun(self, engine_requests, prepared, arrival)
-        async with aclosing(run.updates(chat_logprobs=req.logprobs, top_n=req.top_logprobs or 0)) as updates:
-            async for update in updates:
-                choice, parsed = update.choice, update.parsed
-                if parsed is None:
-                    choice.content.append(update.text)
-        choices = []
-        for choice in run.choices:
-            calls = choice.parser.tool_calls if choice.parser else []
-            content = "".join(choice.content)
-            message: dict[str, Any] = {
-                "role": "assistant",
-                "content": content if content or not calls else None,
-                "reasoning_content": "".join(choice.reasoning) or None,
-            }
-            if calls:
-                message["tool_calls"] = [{"id": c.id, "type": "function",
-                                          "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
-            choices.append({"index": choice.index, "message": message,
-                            "logprobs": {"content": choice.logprobs} if req.logprobs else None,
-                            "finish_reason": self.finish_reason(choice), "stop_reason": choice.stop_reason})
-        return {"id": engine_requests.ids[0], "object": "chat.completion", "created": int(time.time()),
-                "model": model, "choices": choices, "usage": run.usage()}
-
     def finish_reason(self, choice: Choice) -> str | None:
         if choice.parser is not None and choice.parser.tool_calls and choice.finish_reason == "stop":
             return "tool_calls"
@@ -758,7 +490,7 @@ class OpenAIServing:
                                        skip_special_tokens=req.skip_special_tokens, thinking_token_budget=None,
                                        constraint=constraint)
         return Prepared([_salted(p, req.cache_salt) for p in prompts], params, lambda: None, "completion",
-                        _constraint_error_param(constraint, _param_of))
+                        _constraint_error_param(constraint, param_of))
 
     def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -783,47 +515,6 @@ class OpenAIServing:
                 raise bad_request("prompt must not be empty", param="prompt")
             out.append(ids)
         return out
-
-    async def completion_stream(self, req: CompletionRequest, model: str, prepared: Prepared,
-                                engine_requests: EngineRequests, arrival: float) -> AsyncGenerator[str, None]:
-        run = ChatRun(self, engine_requests, prepared, arrival)
-        base = {"id": engine_requests.ids[0], "object": "text_completion", "created": int(time.time()),
-                "model": model}
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        try:
-            if req.echo:
-                for choice in run.choices:
-                    yield sse({**base, "choices": [{"index": choice.index, "text": run.prompt_text(choice),
-                                                    "logprobs": None, "finish_reason": None}]})
-            async with aclosing(run.updates(completion_logprobs=req.logprobs)) as updates:
-                async for update in updates:
-                    choice = update.choice
-                    logprobs, choice.pending_logprobs = choice.pending_logprobs, []
-                    if update.text or logprobs or update.finished:
-                        yield sse({**base, "choices": [{
-                            "index": choice.index, "text": update.text,
-                            "logprobs": _legacy_logprobs(logprobs) if req.logprobs is not None else None,
-                            "finish_reason": choice.finish_reason if update.finished else None,
-                            "stop_reason": choice.stop_reason if update.finished else None}]})
-            if include_usage:
-                yield sse({**base, "choices": [], "usage": run.usage()})
-        except APIError as exc:
-            yield sse(exc.body())
-        except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band, never hang the client
-            yield sse(error_body(f"generation failed: {exc}", "server_error"))
-        yield SSE_DONE
-
-    async def completion_full(self, req: CompletionRequest, model: str, prepared: Prepared,
-                              engine_requests: EngineRequests, arrival: float) -> dict[str, Any]:
-        run = ChatRun(self, engine_requests, prepared, arrival)
-        async with aclosing(run.updates(completion_logprobs=req.logprobs)) as updates:
-            async for _ in updates:
-                pass
-        choices = [{"index": c.index, "text": (run.prompt_text(c) if req.echo else "") + "".join(c.text),
-                    "logprobs": _legacy_logprobs(c.logprobs) if req.logprobs is not None else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in run.choices]
-        return {"id": engine_requests.ids[0], "object": "text_completion", "created": int(time.time()),
-                "model": model, "choices": choices, "usage": run.usage()}
 
     # ---- helpers ----------------------------------------------------------------------------------------
 
@@ -862,151 +553,6 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
 
 
-class ChatRun:
-    """One HTTP request's walk over its engine outputs: per-choice deltas, parsing, logprobs, timing, usage."""
-
-    def __init__(self, serving: OpenAIServing, engine_requests: EngineRequests, prepared: Prepared,
-                 arrival: float) -> None:
-        self.serving = serving
-        self.engine_requests = engine_requests
-        self.prompts = prepared.prompts
-        self.n = prepared.params.n
-        self.choices = [Choice(index=i, parser=prepared.new_parser()) for i in range(len(self.prompts) * self.n)]
-        self.timer = RequestTimer(serving.metrics, arrival)
-        self.cached_tokens: dict[int, int] = {}  # per prompt
-        # per prompt, updated from the engine: a media placeholder counts as its whole run of tokens
-        self.prompt_tokens = [len(_prompt_ids(p)) for p in self.prompts]
-        self.image_tokens: dict[int, int] = {}  # per prompt
-        self.video_tokens: dict[int, int] = {}
-
-    def prompt_text(self, choice: Choice) -> str:
-        prompt = _prompt_ids(self.prompts[choice.index // self.n])
-        return self.serving.tokenizer.decode(prompt) if self.serving.tokenizer is not None else ""
-
-    async def updates(self, *, chat_logprobs: bool = False, top_n: int = 0,
-                      completion_logprobs: int | None = None) -> AsyncIterator[ChoiceUpdate]:
-        """Per choice and engine step: the new raw text and its parsed pieces; `finished` on the choice's last."""
-        finished_ok = False
-        try:
-            async for prompt_index, out in self.engine_requests.outputs():
-                now = time.monotonic()
-                self.cached_tokens[prompt_index] = out.num_cached_tokens
-                self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
-                self.image_tokens[prompt_index] = out.num_image_tokens
-                self.video_tokens[prompt_index] = out.num_video_tokens
-                new_tokens = 0
-                for completion in out.outputs:
-                    choice = self.choices[prompt_index * self.n + completion.index]
-                    if choice.done:
-                        continue
-                    update, count = self._advance(choice, completion, chat_logprobs, top_n, completion_logprobs)
-                    new_tokens += count
-                    parsed = update.parsed
-                    if (parsed.content or parsed.tool_calls) if parsed is not None else update.text:
-                        self.timer.answer(now)
-                    yield update
-                self.timer.tokens(now, new_tokens)
-            finished_ok = True
-        except EngineDeadError as exc:
-            raise APIError(503, f"the engine stopped: {exc}", code="engine_unavailable") from exc
-        finally:
-            self._record(finished_ok)
-
-    def _advance(self, choice: Choice, completion: CompletionOutput, chat_logprobs: bool, top_n: int,
-                 completion_logprobs: int | None) -> tuple[ChoiceUpdate, int]:
-        new_text = completion.text[choice.text_len:] if len(completion.text) > choice.text_len else ""
-        choice.text_len = max(choice.text_len, len(completion.text))
-        start = len(choice.token_ids)
-        new_ids = list(completion.token_ids[start:])
-        choice.token_ids.extend(new_ids)
-        choice.text.append(new_text)
-        if completion.logprobs is not None and (chat_logprobs or completion_logprobs is not None):
-            for offset, token in enumerate(new_ids):
-                entries = completion.logprobs[start + offset] if start + offset < len(completion.logprobs) else {}
-                if chat_logprobs:
-                    entry = self._chat_logprob(token, entries, top_n)
-                else:
-                    entry = self._completion_logprob(choice, token, entries)
-                choice.logprobs.append(entry)
-                choice.pending_logprobs.append(entry)
-        finished = completion.finish_reason is not None
-        parsed = None
-        if choice.parser is not None:
-            parsed = choice.parser.feed(new_text)
-            if finished:
-                tail = choice.parser.finish()
-                parsed = ParsedDelta(parsed.reasoning + tail.reasoning, parsed.content + tail.content,
-                                     parsed.tool_calls + tail.tool_calls)
-            choice.reasoning.append(parsed.reasoning)
-            choice.content.append(parsed.content)
-        if finished:
-            choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
-        return ChoiceUpdate(choice, new_text, parsed, finished), len(new_ids)
-
-    def _chat_logprob(self, token: int, entries: dict[int, Logprob], top_n: int) -> dict[str, Any]:
-        text = self.serving.token_text(token, entries.get(token))
-        chosen = entries.get(token)
-        top = sorted(entries.items(), key=lambda kv: kv[1].logprob, reverse=True)[:top_n]
-        return {"token": text, "logprob": _finite(chosen.logprob if chosen else None),
-                "bytes": self.serving.token_bytes(token, text),
-                "top_logprobs": [{"token": (t := self.serving.token_text(tid, lp)), "logprob": _finite(lp.logprob),
-                                  "bytes": self.serving.token_bytes(tid, t)} for tid, lp in top]}
-
-    def _completion_logprob(self, choice: Choice, token: int, entries: dict[int, Logprob]) -> dict[str, Any]:
-        """One token's entry; its offset counts from the start of the whole completion, so streamed chunks go on
-        where the previous one stopped."""
-        chosen = entries.get(token)
-        text = self.serving.token_text(token, chosen)
-        offset, choice.logprob_text_len = choice.logprob_text_len, choice.logprob_text_len + len(text)
-        return {"token": text, "logprob": _finite(chosen.logprob if chosen else None),
-                "top": {self.serving.token_text(tid, lp): _finite(lp.logprob) for tid, lp in entries.items()},
-                "text_offset": offset}
-
-    def usage(self) -> dict[str, Any]:
-        prompt = sum(self.prompt_tokens)
-        completion = sum(len(c.token_ids) for c in self.choices)
-        details = {"cached_tokens": sum(self.cached_tokens.values())}
-        for name, per_prompt in (("image_tokens", self.image_tokens), ("video_tokens", self.video_tokens)):
-            if sum(per_prompt.values()):  # only for requests with media: a text request's usage is as it always was
-                details[name] = sum(per_prompt.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": details,
-                "completion_tokens_details": {"reasoning_tokens": sum(self.serving.reasoning_tokens(c)
-                                                                      for c in self.choices)}}
-
-    def _record(self, finished_ok: bool) -> None:
-        reasons = [(self.serving.finish_reason(c) or "abort") if finished_ok or c.done else "abort"
-                   for c in self.choices]
-        self.timer.finish(time.monotonic(), sum(self.prompt_tokens),
-                          sum(len(c.token_ids) for c in self.choices),
-                          sum(self.serving.reasoning_tokens(c) for c in self.choices), reasons)
-
-
-def _finite(logprob: float | None) -> float:
-    return _MIN_LOGPROB if logprob is None or logprob != logprob else max(float(logprob), _MIN_LOGPROB)
-
-
-def _legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """The completions API's column layout: tokens, token_logprobs, top_logprobs, text_offset."""
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [e["top"] for e in entries], "text_offset": [e["text_offset"] for e in entries]}
-
-
-def _tool_call_deltas(deltas: list[Any]) -> list[dict[str, Any]]:
-    """Parser deltas -> OpenAI's streamed `tool_calls`: the opening piece with id/type/name, then argument text;
-    consecutive fragments of one call are merged."""
-    out: list[dict[str, Any]] = []
-    for d in deltas:
-        if d.id is None and out and out[-1]["index"] == d.index:
-            out[-1]["function"]["arguments"] += d.arguments
-        elif d.id is not None:
-            out.append({"index": d.index, "id": d.id, "type": "function",
-                        "function": {"name": d.name, "arguments": d.arguments}})
-        else:
-            out.append({"index": d.index, "function": {"arguments": d.arguments}})
-    return out
-
-
 def _single_token_id(tokenizer: Any, text: str) -> int | None:
     ids = tokenizer.encode(text, add_special_tokens=False)
     return ids[0] if len(ids) == 1 else None
@@ -1038,7 +584,3 @@ def check_tool_results(messages: Sequence[ChatMessage]) -> None:
             raise bad_request(f"messages[{i}].tool_call_id: {message.tool_call_id[:100]!r} answers none of the "
                               "tool_calls of the preceding assistant message", param=f"messages[{i}].tool_call_id",
                               code="invalid_value")
-
-
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"

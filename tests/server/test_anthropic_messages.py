@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from reasoning_engine.outputs import CompletionOutput, RequestOutput
-from reasoning_engine.server.anthropic_messages import call_id, tool_use_id
+from reasoning_engine.server.anthropic.translate import call_id, tool_use_id
 from reasoning_engine.server.app import ServerConfig, build_app
 
 from .fake_engine import FakeEngine, FakeModelConfig

@@ -19,7 +19,9 @@ import pytest
 from reasoning_engine.engine.async_engine import EngineDeadError
 from reasoning_engine.server.app import ServerConfig, build_app
 from reasoning_engine.server.protocol import NamedToolChoice
-from reasoning_engine.server.responses import ResponseStore, StoredResponse, parse_request, to_chat_request
+from reasoning_engine.server.responses.schema import parse_request
+from reasoning_engine.server.responses.store import ResponseStore, StoredResponse
+from reasoning_engine.server.responses.translate import to_chat_request
 
 from .fake_engine import FakeEngine
 from .helpers import LiveServer, bundled_model_fixtures, wait_for

@@ -16,6 +16,10 @@ from typing import Any
 
 import torch
 
+from reasoning_engine.quant_config import parse_quant_config
+
+# the tiny reasoning model shipped inside the package (tiny/assets): the model when none is given
+BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "tiny" / "assets"
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v2", "qwen3", "qwen3_moe", "llama", "glm4_moe",
                          "minimax_m2", "deepseek_v32", "glm_moe_dsa", "gpt_oss", "glm4_moe_lite",
                          "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear",
@@ -325,8 +329,6 @@ class ParallelConfig:
                                  f"(tensor_parallel_size x data_parallel_size), which must divide n_routed_experts "
                                  f"({moe_experts})")
             return
-        from reasoning_engine.models.quantization import parse_quant_config
-
         quant = parse_quant_config(raw)
         unit = 1  # packed experts split in whole INT4 scale groups (of whole int32 words) or FP8 blocks
         if quant is not None and quant.method != "fp8-channel":  # per-channel FP8: any split keeps whole scales

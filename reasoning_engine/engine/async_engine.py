@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from reasoning_engine.config import EngineConfig
 from reasoning_engine.engine.engine import EngineStats, LLMEngine, PromptType, prompt_cache_salt
-from reasoning_engine.llm import build_engine_config
+from reasoning_engine.engine.arguments import build_engine_config
 from reasoning_engine.multimodal.inputs import MediaItem
 from reasoning_engine.multimodal.processing import MediaProcessor
 from reasoning_engine.outputs import RequestOutput

@@ -45,8 +45,9 @@ from reasoning_engine.layers.moe import Experts, GatedMLP, HashRouter, Router, S
 from reasoning_engine.layers.norm import RMSNorm
 from reasoning_engine.layers.rotary import RotaryEmbedding
 from reasoning_engine.models.base import CausalLM, Split, WeightTarget, column_split, mlp_target, row_split
-from reasoning_engine.models.quantization import expert_quant, parse_quant_config
+from reasoning_engine.models.quantization import expert_quant
 from reasoning_engine.parallel import Parallel
+from reasoning_engine.quant_config import parse_quant_config
 
 # official checkpoint names -> this module's, applied in order (after the "model." prefix is dropped)
 _RENAMES = [

@@ -27,7 +27,7 @@ def flash_config() -> dict:
 
 def report(tp: int, dtype: torch.dtype, block_size: int) -> dict:
     from reasoning_engine.config import load_model_config
-    from reasoning_engine.engine.worker import shared_cache_layers
+    from reasoning_engine.cache_groups import cache_bytes, pool_block_bytes
     from reasoning_engine.models.deepseek_v4 import DeepseekV4ForCausalLM
     from reasoning_engine.parallel import Group, Parallel
 
@@ -44,11 +44,9 @@ def report(tp: int, dtype: torch.dtype, block_size: int) -> dict:
     groups = model.cache_groups()
     per_group = {}
     for group in groups:
-        elements = sum(torch.Size(shape).numel() for i in group.layers for shape in layers[i].cache_shape(1, block_size))
-        per_group[f"{group.kind}" + (f" (window {group.window})" if group.window else "")] = elements * size / block_size
-    shared = shared_cache_layers(layers, groups)
-    block = sum(max(sum(torch.Size(s).numel() for s in m.cache_shape(1, block_size)) for m in members)
-                for members in shared) * size
+        per_group[f"{group.kind}" + (f" (window {group.window})" if group.window else "")] = cache_bytes(
+            [layers[i] for i in group.layers], dtype, block_size) / block_size
+    block = pool_block_bytes(layers, groups, dtype, block_size)
     raw = config.raw
     v32_layers, v32_width = 61, 512 + 64 + 128  # DeepSeek-V3.2: latent + rope key + index key per layer
     return {

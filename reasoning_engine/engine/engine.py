@@ -108,7 +108,6 @@ class LLMEngine:
         self.think_start_id = self._token_id("<think>")
         self.think_end_id = self._token_id("</think>")
         self.model_config.max_model_len = config.max_model_len
-        self.model_config.think_start_token_id = self.think_start_id
         self.model_config.think_end_token_id = self.think_end_id
         self.num_preemptions = 0
         self._grammars: GrammarCompiler | None = None

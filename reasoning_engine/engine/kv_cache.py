@@ -299,17 +299,6 @@ class BlockManager:
             count += 1
         return count
 
-    def reset_prefix_cache(self) -> None:
-        for block, key in enumerate(self.block_keys):
-            if key is not None and self.ref_counts[block] == 0:
-                del self.group_cached[self.block_group[block]][key]
-                self.block_keys[block] = None
-                if block in self.protected_free:
-                    del self.protected_free[block]
-                    self.free_queue[block] = None
-        self.protected = {key: p for key, p in self.protected.items()
-                          if any(key in cached for cached in self.group_cached)}
-
     def _take(self, block: int) -> None:
         if self.ref_counts[block] == 0:
             if block in self.free_queue:

@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from reasoning_engine.batch import ForwardBatch
-from reasoning_engine.cache_groups import CacheGroup, single_group
+from reasoning_engine.cache_groups import (CacheGroup, cache_bytes, pool_block_bytes, shared_cache_layers, single_group,
+                                           state_bytes)
 from reasoning_engine.config import EngineConfig
 from reasoning_engine.engine.compiled_decode import CompiledDecode
 from reasoning_engine.engine.cuda_graph import CudaGraphRunner, cuda_graphs_enabled
@@ -131,31 +132,6 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def cache_bytes_per_token(layers: Sequence[torch.nn.Module], dtype: torch.dtype) -> int:
-    """Bytes one token takes in the caches of these attention layers."""
-    size = torch.tensor([], dtype=dtype).element_size()
-    return sum(torch.Size(shape).numel() * size for attn in layers for shape in attn.cache_shape(1, 1))
-
-
-def shared_cache_layers(layers: Sequence[torch.nn.Module], groups: Sequence[CacheGroup]) -> list[list[torch.nn.Module]]:
-    """Per cache tensor j, the layers that share it: the j-th layer of every group (cache_groups.py). Layers of
-    unequal cache shapes (DeepSeek-V4's per-token and per-row caches) share one block-major buffer instead
-    (`allocate_caches`)."""
-    shared: list[list[torch.nn.Module]] = []
-    for group in groups:
-        for j, index in enumerate(group.layers):
-            if j == len(shared):
-                shared.append([])
-            shared[j].append(layers[index])
-    return shared
-
-
-def cache_bytes_per_block(members: Sequence[torch.nn.Module], dtype: torch.dtype, block_size: int) -> int:
-    """Bytes one block takes in a cache position shared by `members`: the largest member's."""
-    size = torch.tensor([], dtype=dtype).element_size()
-    return max(sum(torch.Size(shape).numel() for shape in m.cache_shape(1, block_size)) for m in members) * size
-
-
 class ModelWorker:
     """A rank's model shard, draft models and KV caches. `init_cache` must follow construction (with the block
     count every rank agreed on: the smallest any can hold)."""
@@ -228,7 +204,7 @@ class ModelWorker:
         scratch = self.max_draft_tokens + 1 if self.max_draft_tokens else 0
         snapshots = 0
         if c.enable_prefix_caching:
-            per_token = cache_bytes_per_token(self.model.attention_layers(), c.dtype)
+            per_token = cache_bytes(self.model.attention_layers(), c.dtype)
             if c.kv_cache_memory is not None:
                 budget = c.kv_cache_memory
             elif c.kv_cache_blocks is not None:
@@ -252,9 +228,7 @@ class ModelWorker:
         return self._state_bytes(self.num_state_slots + 1 + self.config.max_num_seqs * self.state_scratch_per_seq)
 
     def _state_bytes(self, slots: int) -> int:
-        size = torch.tensor([], dtype=self.config.dtype).element_size()
-        return sum(torch.Size(shape).numel() * (torch.tensor([], dtype=dtype).element_size() if dtype else size)
-                   for layer in self.linear_layers for shape, dtype in layer.state_shapes(slots))
+        return state_bytes(self.linear_layers, self.config.dtype, slots)
 
     def allocate_states(self) -> None:
         slots = self.num_state_slots + 1 + self.config.max_num_seqs * self.state_scratch_per_seq
@@ -281,9 +255,8 @@ class ModelWorker:
     def available_blocks(self) -> int:
         """How many KV blocks this rank can hold: the configured count, or what fits in its share of free memory."""
         c = self.config
-        shared = shared_cache_layers(self.model.attention_layers(), self.cache_groups)
-        per_block = sum(cache_bytes_per_block(members, c.dtype, c.block_size) for members in shared)
-        per_block += c.block_size * sum(cache_bytes_per_token(m.attention_layers(), c.dtype)
+        per_block = pool_block_bytes(self.model.attention_layers(), self.cache_groups, c.dtype, c.block_size)
+        per_block += c.block_size * sum(cache_bytes(m.attention_layers(), c.dtype)
                                         for m in self.draft_models.values())
         if c.kv_cache_blocks is not None:
             blocks = c.kv_cache_blocks

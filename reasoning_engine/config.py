@@ -343,7 +343,7 @@ class EngineConfig:
     # CUDA graphs for decode batches are captured on CUDA unless enforce_eager (always eager on CPU).
     enforce_eager: bool = False
     # torch.compile the model forward of CPU decode steps (engine/compiled_decode.py), compiled when the engine starts
-    # (minutes on 2 cores); not with EAGLE-3 drafts, whose steps read intermediate layers.
+    # (minutes on a small CPU); not with EAGLE-3 drafts, whose steps read intermediate layers.
     compile_decode: bool = False
     # "auto": weights from the checkpoint; "dummy": random weights from config.json alone (benchmarks, like vLLM's).
     load_format: str = "auto"

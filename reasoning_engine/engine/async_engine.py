@@ -12,7 +12,7 @@ unrelated blocking work.
 The engine thread also builds the engine (loading, calibration, warm-up), so all of the model's torch work runs in one
 thread. OpenMP keeps a team of worker threads per thread that runs parallel regions; with a second team (the loading
 thread's) libgomp manages more threads than there are CPUs and stops spinning between regions, and every small op then
-pays a thread wake-up: on 2 cores 16 decodes of the bundled model took 17 ms a step instead of 4.6.
+pays a thread wake-up (several times slower steps: docs/measurements.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """benchmarks/kernel_report.py on CPU: a handful of real ahead-of-time compiles for sm_90 and sm_100 (the decode
-attention at the CUDA-graph path's 128k bound, which spilled 32 KB a thread before issue #30, and the batch-1 INT4
+attention at the CUDA-graph path's 128k bound, which once spilled 32 KB a thread, and the batch-1 INT4
 MoE), the occupancy and roofline arithmetic, and the --measure path through the interpreter."""
 
 from __future__ import annotations

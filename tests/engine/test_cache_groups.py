@@ -1,4 +1,4 @@
-"""KV cache groups (issue #57): one block pool for a hybrid model's full and sliding-window layers. gpt-oss's sliding
+"""KV cache groups: one block pool for a hybrid model's full and sliding-window layers. gpt-oss's sliding
 layers give back the blocks that fell out of their window, take only the window's blocks on a prefix hit, and every
 engine feature (chunked prefill, prefix caching, n > 1, preemption, aborts, speculative decoding with tree drafts)
 keeps its tokens and leaks no block."""

@@ -1,4 +1,4 @@
-"""compile_decode (issue #3): CPU decode steps through torch.compile give the tokens of eager decoding, for a dense
+"""compile_decode: CPU decode steps through torch.compile give the tokens of eager decoding, for a dense
 model and for DeepSeek's MLA + mixture-of-experts; the three graphs (one sequence, 2-4 sequences, more) are compiled
 when the engine starts and serve every later step without recompiling; a packed linear layer compiles through the
 plain weight it keeps; the opaque MoE op agrees with its eager definition; bad combinations are rejected."""

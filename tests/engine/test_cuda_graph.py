@@ -1,4 +1,4 @@
-"""CUDA graphs for decode batches (issue #7) and verification batches (issue #58): bucket sizes, when graphs are used,
+"""CUDA graphs for decode batches and verification batches: bucket sizes, when graphs are used,
 and that the padded static-buffer decode and verification paths give the same greedy tokens as eager steps.
 
 The padded path also runs without capture (`CudaGraphRunner(..., capture=False)`): the same static buffers, padding

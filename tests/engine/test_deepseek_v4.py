@@ -1,4 +1,4 @@
-"""DeepSeek-V4 (issue #59) through what the engine does: prefix hits at block boundaries inside unfinished compressed
+"""DeepSeek-V4 through what the engine does: prefix hits at block boundaries inside unfinished compressed
 windows, preemption and recompute in a cache too small for the batch, n > 1, and lossless speculative decoding
 (chains; trees are cut to their first path). Every run is checked against the same model run plainly (one request
 at a time, no prefix cache, no drafts), which tests/models/test_deepseek_v4.py checks against transformers."""

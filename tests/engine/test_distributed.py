@@ -1,4 +1,4 @@
-"""Tensor, expert and data parallelism on CPU (gloo): N ranks give one process's tokens (issue: distributed serving).
+"""Tensor, expert and data parallelism on CPU (gloo): N ranks give one process's tokens.
 
 Every case runs batched mixed-length prompts on a KV cache small enough to force preemption, against the same
 checkpoint in one process: greedy tokens equal, logprobs within 1e-4 relative. Ranks start as child processes (mp),

@@ -1,4 +1,4 @@
-"""Prefix-cache keys (issue #55): each full block is named by SHA-256 over an unambiguous encoding of its parent's key,
+"""Prefix-cache keys: each full block is named by SHA-256 over an unambiguous encoding of its parent's key,
 its tokens, its media and (through the first block) the prompt's cache_salt, so no crafted prompt takes another's KV;
 prompts share cached blocks only under equal salts. Engine-level cases run the bundled model."""
 

@@ -1,4 +1,4 @@
-"""The server over a distributed engine (issue: distributed serving): `serve --tensor-parallel-size 2` of the bundled
+"""The server over a distributed engine: `serve --tensor-parallel-size 2` of the bundled
 model answers the unmodified openai client as one process does; a killed rank fails the in-flight request with an
 error and the server exits non-zero within 30 s, leaving no process behind; SIGTERM stops every rank."""
 

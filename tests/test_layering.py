@@ -1,11 +1,13 @@
 """Imports only point down: a module of reasoning_engine imports its own package and the layers below it, never a
 layer above nor a neighbour in its own layer, and no modules import each other in a circle. Every import counts,
-those inside functions and under TYPE_CHECKING too. LAYERS is the layering docs/ARCHITECTURE.md draws."""
+those inside functions and under TYPE_CHECKING too. LAYERS is the layering docs/ARCHITECTURE.md draws, and that
+document's package table names every module."""
 
 from __future__ import annotations
 
 import ast
 import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -182,3 +184,44 @@ def test_a_circle_fails() -> None:
     sources["reasoning_engine.tiny.first"] = "def f():\n    from reasoning_engine.tiny.second import g\n"
     sources["reasoning_engine.tiny.second"] = "from reasoning_engine.tiny import first\n"
     assert ["reasoning_engine.tiny.first", "reasoning_engine.tiny.second"] in import_cycles(sources)
+
+
+def architecture_rows(doc: str) -> dict[str, str]:
+    """ARCHITECTURE.md's package table: each name in a row's first cell (`engine/`, `llm.py`, ...) -> the row."""
+    table = doc[doc.index("| package | what lives there |"):]
+    table = table[: table.index("\n## ")]
+    rows = {}
+    for row in re.split(r"\n(?=\| `)", table):
+        first_cell = re.match(r"\| (.+?) \|", row)
+        for name in re.findall(r"`([\w/.]+)`", first_cell.group(1)) if first_cell else ():
+            rows[name] = row
+    return rows
+
+
+def unnamed_modules(doc: str) -> list[str]:
+    """The package's modules ARCHITECTURE.md's table leaves out: a subpackage's modules must appear (in backticks)
+    in its row, a top-level module must have a row."""
+    rows = architecture_rows(doc)
+    missing = []
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = path.relative_to(ROOT).parts
+        if path.name == "__init__.py":
+            continue
+        if len(parts) == 1:
+            if path.name not in rows:
+                missing.append(path.name)
+            continue
+        inner = "/".join(parts[1:])
+        if not re.search(r"`(?:[\w/]+/)?" + re.escape(inner) + "`", rows.get(parts[0] + "/", "")):
+            missing.append(f"{parts[0]}/{inner}")
+    return missing
+
+
+def test_architecture_names_every_module() -> None:
+    assert unnamed_modules((ROOT.parent / "docs" / "ARCHITECTURE.md").read_text()) == []
+
+
+def test_a_module_left_out_of_architecture_is_found() -> None:
+    doc = (ROOT.parent / "docs" / "ARCHITECTURE.md").read_text()
+    assert unnamed_modules(doc.replace("`index.py` (", "the index (", 1)) == ["speculative/index.py"]
+    assert unnamed_modules(doc.replace("| `llm.py` |", "| the offline API |", 1)) == ["llm.py"]

@@ -31,6 +31,7 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
                            "--date", "2026-12-02", *args], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_compiles_decode_kernels_for_hopper_and_blackwell(tmp_path: Path) -> None:
     only = "^kimi-tp8 (mla decode b1 ctx128k graph|moe w4a16 t1)$"
     proc = _run(tmp_path, "--only", only, "--json", "--jobs", "2", "--no-launch-count")
@@ -57,6 +58,7 @@ def test_compiles_decode_kernels_for_hopper_and_blackwell(tmp_path: Path) -> Non
     assert json.loads(again.stdout.strip().splitlines()[-1]) == report_json
 
 
+@pytest.mark.slow
 def test_measure_runs_through_the_interpreter_without_a_gpu(tmp_path: Path) -> None:
     proc = _run(tmp_path, "--measure", "--only", "^moonlight mla decode b1 ctx1k eager$", "--no-launch-count")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -171,6 +173,7 @@ def test_sass_main_loop_counts_the_innermost_streaming_loop(kernel_report: Modul
     assert not straight["loop"] and straight["instructions"] == 10  # one pass: every instruction but NOPs and `BRA .`
 
 
+@pytest.mark.slow
 def test_issue_bound_fraction_of_a_compiled_kernel() -> None:
     """One real compile for sm_90 (Moonlight's bf16 down GEMM at batch 1): its main loop is found in the SASS, holds
     mma.sync or wgmma, and the issue-bound fraction is a share of the bandwidth in (0, 1]."""

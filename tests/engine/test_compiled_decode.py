@@ -41,6 +41,7 @@ def _compiles() -> int:
 
 # dense GQA; MLA with a low-rank query and MoE; MLA without one (the attention shape Inductor's rewrite broke);
 # INT4 experts through the opaque MoE op
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama_dir", "deepseek_dir", "deepseek_v2", "kimi_k2_int4"])
 def test_compiled_decode_matches_eager(family: str, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue(family) if family.endswith("_dir") else request.getfixturevalue("tiny_checkpoint")(family).path

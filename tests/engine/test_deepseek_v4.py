@@ -95,6 +95,7 @@ def test_draft_trees_are_cut_to_their_first_path() -> None:
     assert chain.token_ids == [5, 6, 8] and chain.parents == [-1, 0, 1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(data_parallel_size=2, enable_expert_parallel=True)],
                          ids=["tp2", "dp2_ep"])
 def test_tensor_and_data_parallel_equal_one_process(path: str, plain, parallel: dict) -> None:

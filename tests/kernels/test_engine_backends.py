@@ -12,6 +12,7 @@ from reasoning_engine import LLM, SamplingParams
 # sigmoid group-limited routing with shared experts; minimax_m2: q/k norms over all heads through the Triton norm;
 # gpt_oss: sinks and sliding windows (of 8) through the Triton attention kernels, expert biases, the clamped SwiGLU
 # and MXFP4 experts through the Triton MoE
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_moe", "llama", "minimax_m2", "minimax_m2_as_saved", "glm4_moe",
                                   "glm4_moe_as_saved", "gpt_oss", "gpt_oss_mxfp4"])
 def test_triton_backend_matches_torch_greedy(name: str, tiny_checkpoint, device: str) -> None:

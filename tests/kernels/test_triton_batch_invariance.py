@@ -16,6 +16,8 @@ from reasoning_engine.engine.cuda_graph import CudaGraphRunner
 from reasoning_engine.kernels import triton_attention
 from char_models import mixed_prompts
 
+pytestmark = pytest.mark.slow  # whole engines through the Triton interpreter
+
 SPLIT_TOKENS = 8
 
 

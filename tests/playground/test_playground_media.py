@@ -17,6 +17,8 @@ from server.helpers import save_random_checkpoint
 
 from .helpers import ARTIFACTS, BUNDLED, Served
 
+pytestmark = pytest.mark.slow  # a browser against a live server
+
 
 @pytest.fixture(scope="module")
 def kimi_served(serve: Callable[..., Served], tmp_path_factory: pytest.TempPathFactory) -> Served:

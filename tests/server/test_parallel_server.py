@@ -26,6 +26,8 @@ from reasoning_engine.server.app import ServerConfig, build_app
 
 from .helpers import LiveServer, alive, child_pids, stream_chat, wait_for
 
+pytestmark = pytest.mark.slow  # servers over ranks in subprocesses
+
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=512, kv_cache_blocks=96, block_size=16)
 QUESTIONS = ["What is 347 + 589?", "Sort these numbers: 42, 7, 19, 88", "How many r's are in strawberry?"]

@@ -268,6 +268,7 @@ def chat_tools() -> list[dict[str, Any]]:
             for n, p in FORCED_TOOLS.items()]
 
 
+@pytest.mark.slow
 def test_forced_chat_calls_of_a_random_model_are_calls_only_and_end(forced: tuple[str, httpx.Client]) -> None:
     """Under tool_choice "required" or a named tool, every choice of a randomly sampled random model (n=3,
     several seeds, parallel calls on and off, thinking on and off) is calls only: each parses, its arguments valid
@@ -307,6 +308,7 @@ def test_forced_chat_calls_of_a_random_model_are_calls_only_and_end(forced: tupl
         assert streamed == whole, (fmt, seed)
 
 
+@pytest.mark.slow
 def test_forced_responses_and_messages_calls_of_a_random_model_end(forced: tuple[str, httpx.Client]) -> None:
     """The Responses API's tool_choice "required" / named function and Anthropic's {"type": "any"} / {"type":
     "tool"}: the output is function calls / tool_use blocks only, valid against the schema, and the turn ends."""

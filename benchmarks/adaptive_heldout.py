@@ -1,5 +1,5 @@
 """The adaptive engine against fixed settings on workloads split, before any tuning, into a development part and a
-held-out part (issue #56). Tune on `--part dev`; report both parts.
+held-out part. Tune on `--part dev`; report both parts.
 
 The split is fixed by a SHA-256 of each item's key, so it never moves with what is tuned:
 - `tasks`: the bundled model's own task mix at temperature 0 (one-turn chats from `tiny.data`'s eval generator,

@@ -49,9 +49,8 @@ def context_bytes_per_token(groups, block_bytes: list[int], block_size: int, con
 
 def report(tp: int, dtype: torch.dtype, block_size: int, contexts: tuple[int, ...] = (32768, 131072),
            released: bool = True) -> dict:
-    from reasoning_engine.cache_groups import group_names
+    from reasoning_engine.cache_groups import cache_bytes, group_names, pool_block_bytes
     from reasoning_engine.config import load_model_config
-    from reasoning_engine.engine.worker import pool_bytes_per_block
     from reasoning_engine.models.deepseek_v4 import DeepseekV4ForCausalLM
     from reasoning_engine.parallel import Group, Parallel
 
@@ -67,13 +66,13 @@ def report(tp: int, dtype: torch.dtype, block_size: int, contexts: tuple[int, ..
                   for name, p in model.named_parameters() if ".experts." in name)
     layers = model.attention_layers()
     groups = model.cache_groups()
-    block_bytes = pool_bytes_per_block(layers, groups, dtype, block_size)
+    block_bytes = pool_block_bytes(layers, groups, dtype, block_size)
     names = group_names(groups)
     per_group = {}
     for name, group in zip(names, groups):
-        elements = sum(torch.Size(shape).numel() for i in group.layers for shape in layers[i].cache_shape(1, block_size))
         per_group[name] = {"window": group.window, "pool": group.pool, "bytes_per_block": block_bytes[group.pool],
-                           "bytes_per_token_held": elements * size / block_size}
+                           "bytes_per_token_held": cache_bytes([layers[i] for i in group.layers], dtype, block_size)
+                           / block_size}
     raw = config.raw
     v32_layers, v32_width = 61, 512 + 64 + 128  # DeepSeek-V3.2: latent + rope key + index key per layer
     v32 = v32_layers * v32_width * size

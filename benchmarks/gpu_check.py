@@ -21,7 +21,7 @@ Order (`run_steps`), the numbers that matter first, each section in try/except a
 4. kernel timing; 5. end-to-end greedy parity on a 2-layer model (Triton with graphs, Triton eager, torch; bf16 and
    INT4), unless it ran beside the tests;
 6. the adaptive engine against static k=0, k=4 and the static default (suffix speculation) on the bundled model at
-   1, 16 and 32 requests (issue #25: >= 1.15x the default at 16 and more, >= 0.95x the best static);
+   1, 16 and 32 requests (targets: >= 1.15x the default at 16 and more, >= 0.95x the best static);
 7. end-to-end bf16 with graphs off, INT4 experts (graphs on, off); 8. with --tensor-parallel-size N (N GPUs): greedy
    parity of TP=N and TP=N + EP against one GPU on a saved random checkpoint, and TP=N decode tok/s.
 Sections run in a spawned worker process: one that crashes, hangs past the budget or leaves the CUDA context broken
@@ -385,7 +385,7 @@ class KernelRow:
     nbytes: float = 0.0
     flops: float = 0.0
     agreement: str = ""  # rel. error of Triton vs torch (or matching fraction of token ids)
-    target: float | None = None  # required fraction of the copy bandwidth, where the issue sets one
+    target: float | None = None  # required fraction of the copy bandwidth, where one is set
     error: str = ""
 
 
@@ -1111,7 +1111,7 @@ def run_transformers(plan: Plan, budget: Budget, report: Report, batch1: dict[st
 # ------------------------------------------------------------------------------------------------- adaptive engine
 
 ADAPTIVE_TITLE = "Adaptive vs static speculation (bundled tiny reasoner on its eval prompts, greedy, closed loop)"
-ADAPTIVE_DEFAULT_TARGET = 1.15  # adaptive / static default at 16 requests and more (issue #25)
+ADAPTIVE_DEFAULT_TARGET = 1.15  # adaptive / static default at 16 requests and more
 ADAPTIVE_BEST_TARGET = 0.95  # adaptive / the best static setting, at every concurrency
 ADAPTIVE_ROUNDS = 3
 

@@ -31,6 +31,7 @@ FAMILIES = {  # model_type -> transformers config class
 def measure(model_type: str, config_class: str, folder: Path) -> dict[str, float] | None:
     import transformers
 
+    from reasoning_engine.cache_groups import cache_bytes, state_bytes
     from reasoning_engine.config import load_model_config
     from reasoning_engine.models.registry import FAMILIES as BUILT
 
@@ -47,11 +48,8 @@ def measure(model_type: str, config_class: str, folder: Path) -> dict[str, float
     with torch.device("meta"):
         model = BUILT[model_config.family](model_config, 4096)
     dtype = torch.bfloat16
-    size = torch.tensor([], dtype=dtype).element_size()
-    kv_per_token = sum(torch.Size(shape).numel() * size for layer in model.attention_layers()
-                       for shape in layer.cache_shape(1, 1))
-    state = sum(torch.Size(shape).numel() * (torch.tensor([], dtype=d).element_size() if d else size)
-                for layer in model.linear_layers() for shape, d in layer.state_shapes(1))
+    kv_per_token = cache_bytes(model.attention_layers(), dtype)
+    state = state_bytes(model.linear_layers(), dtype, 1)
     attention, linear = len(model.attention_layers()), len(model.linear_layers())
     return {"kv_per_token": kv_per_token, "state": state, "attention_layers": attention, "linear_layers": linear,
             "all_full_per_token": kv_per_token / attention * (attention + linear)}

@@ -1,4 +1,4 @@
-"""gpt-oss's sliding-window layers with and without their own KV cache group (issue #57 item 6).
+"""gpt-oss's sliding-window layers with and without their own KV cache group.
 
 Part 1, accounting at the real gpt-oss-20b shapes (its published config: 24 layers alternating sliding (window 128)
 and full attention, 8 KV heads of 64 channels, bfloat16; no weights needed): one 32k-token sequence goes through the

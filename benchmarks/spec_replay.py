@@ -1,4 +1,4 @@
-"""Speculative-decoding replay benchmark on shared/workloads (issue 6): suffix vs plain longest-match lookup vs n-gram.
+"""Speculative-decoding replay benchmark on shared/workloads: suffix vs plain longest-match lookup vs n-gram.
 
 Replays every recorded output as greedy decoding with K = 16 (see reasoning_engine/speculative/replay.py for the
 accounting) and writes a markdown table and the raw figures:

@@ -68,9 +68,5 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
-
     def query_lens(self) -> torch.Tensor:
         return self.query_start_loc[1:] - self.query_start_loc[:-1]

@@ -17,7 +17,10 @@ tables.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 KINDS = ("full", "sliding")
 
@@ -59,6 +62,38 @@ def groups_by_window(windows: list[int | None]) -> list[CacheGroup]:
     for window in sorted({w for w in windows if w is not None}):
         groups.append(CacheGroup("sliding", tuple(i for i, w in enumerate(windows) if w == window), window))
     return groups
+
+
+def cache_bytes(layers: Sequence[Any], dtype: Any, block_size: int = 1) -> int:
+    """Bytes one block of `block_size` tokens takes in the caches of these attention layers (their `cache_shape`);
+    with block_size 1, the bytes per token (a layer keeping one row per several tokens still takes its row)."""
+    return sum(math.prod(shape) for layer in layers for shape in layer.cache_shape(1, block_size)) * dtype.itemsize
+
+
+def state_bytes(layers: Sequence[Any], dtype: Any, slots: int) -> int:
+    """Bytes `slots` slots take in the states of these linear-attention layers (their `state_shapes`: each state in
+    its own dtype, or `dtype`): the memory of hybrid models' fixed-size group (engine/state_cache.py)."""
+    return sum(math.prod(shape) * (kind or dtype).itemsize for layer in layers for shape, kind in layer.state_shapes(slots))
+
+
+def shared_cache_layers(layers: Sequence[Any], groups: Sequence[CacheGroup], pool: int = 0) -> list[list[Any]]:
+    """Per cache tensor j of block pool `pool`, the layers that share it: the j-th layer of every group in the pool."""
+    shared: list[list[Any]] = []
+    for group in groups:
+        if group.pool != pool:
+            continue
+        for j, index in enumerate(group.layers):
+            if j == len(shared):
+                shared.append([])
+            shared[j].append(layers[index])
+    return shared
+
+
+def pool_block_bytes(layers: Sequence[Any], groups: Sequence[CacheGroup], dtype: Any, block_size: int) -> list[int]:
+    """Bytes one block id takes in each pool: per cache tensor of the pool, the block of the largest layer sharing
+    it."""
+    return [sum(max(cache_bytes([member], dtype, block_size) for member in members)
+                for members in shared_cache_layers(layers, groups, pool)) for pool in range(num_pools(list(groups)))]
 
 
 def group_names(groups: list[CacheGroup]) -> list[str]:

@@ -16,6 +16,10 @@ from typing import Any
 
 import torch
 
+from reasoning_engine.quant_config import parse_quant_config
+
+# the tiny reasoning model shipped inside the package (tiny/assets): the model when none is given
+BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "tiny" / "assets"
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v2", "qwen3", "qwen3_moe", "llama", "glm4_moe",
                          "minimax_m2", "deepseek_v32", "glm_moe_dsa", "gpt_oss", "glm4_moe_lite",
                          "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear",
@@ -59,16 +63,13 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None
     torch_dtype: torch.dtype
     eos_token_ids: list[int]
-    bos_token_id: int | None
     weight_prefix: str = ""  # prefix of the text model's tensors in the checkpoint ("language_model." for kimi_k25)
     skipped_prefixes: tuple[str, ...] = ()  # checkpoint tensors that are not the text model (vision tower)
     # other layouts of the text model's tensors: (stored prefix, name after weight_prefix); transformers writes
     # kimi_k25 as model.language_model.* and lm_head.*, the official checkpoint as language_model.model.*
     weight_renames: tuple[tuple[str, str], ...] = ()
-    quantization: dict[str, Any] | None = None
     # filled by the engine once the tokenizer and the context limit are known
     max_model_len: int = 0
-    think_start_token_id: int | None = None
     think_end_token_id: int | None = None
 
     def text_weight_name(self, stored: str) -> str | None:
@@ -94,21 +95,6 @@ class ModelConfig:
     @property
     def name(self) -> str:
         return self.path.name
-
-    def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes one token occupies in the KV cache over all layers: MLA keeps only the latent and the rope key, plus
-        the DSA indexer's key on each layer with an indexer (DeepSeek-V3.2, GLM-5's "full" layers)."""
-        size = torch.tensor([], dtype=dtype).element_size()
-        if self.is_mla:
-            per_layer = self.raw["kv_lora_rank"] + self.raw["qk_rope_head_dim"]
-        else:
-            per_layer = 2 * self.num_key_value_heads * self.head_dim
-        index_keys = 0
-        if self.is_mla and self.raw.get("index_topk"):
-            types = self.raw.get("indexer_types") or ()
-            indexed = sum(1 for i in range(self.num_hidden_layers) if i >= len(types) or types[i] == "full")
-            index_keys = self.raw["index_head_dim"] * indexed
-        return (per_layer * self.num_hidden_layers + index_keys) * size
 
 
 def load_model_config(path: str | os.PathLike) -> ModelConfig:
@@ -190,11 +176,9 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
         rope_scaling=scaling,
         torch_dtype=parse_dtype(dtype_name) if isinstance(dtype_name, str) and dtype_name in _DTYPES else torch.float32,
         eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
-        bos_token_id=raw.get("bos_token_id"),
         weight_prefix=prefix,
         skipped_prefixes=skipped,
         weight_renames=renames,
-        quantization=raw.get("quantization_config"),
     )
 
 
@@ -333,8 +317,6 @@ class ParallelConfig:
                                  f"(tensor_parallel_size x data_parallel_size), which must divide n_routed_experts "
                                  f"({moe_experts})")
             return
-        from reasoning_engine.models.quantization import parse_quant_config
-
         quant = parse_quant_config(raw)
         unit = 1  # packed experts split in whole INT4 scale groups (of whole int32 words) or FP8 blocks
         if quant is not None and quant.method != "fp8-channel":  # per-channel FP8: any split keeps whole scales
@@ -369,7 +351,7 @@ class EngineConfig:
     # CUDA graphs for decode batches are captured on CUDA unless enforce_eager (always eager on CPU).
     enforce_eager: bool = False
     # torch.compile the model forward of CPU decode steps (engine/compiled_decode.py), compiled when the engine starts
-    # (minutes on 2 cores); not with EAGLE-3 drafts, whose steps read intermediate layers.
+    # (minutes on a small CPU); not with EAGLE-3 drafts, whose steps read intermediate layers.
     compile_decode: bool = False
     # "auto": weights from the checkpoint; "dummy": random weights from config.json alone (benchmarks, like vLLM's).
     load_format: str = "auto"

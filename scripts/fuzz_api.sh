@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The full schemathesis run (issue #27): serve the bundled model, fuzz every operation of /openapi.json with
+# The full schemathesis run: serve the bundled model, fuzz every operation of /openapi.json with
 # schemathesis' CLI (valid and schema-breaking bodies, examples, coverage and fuzzing phases) with its default checks:
 # no 5xx, every status, content type, header and body as documented (errors included: OpenAI's error object, or
 # Anthropic's on /v1/messages), schema-breaking data refused, 405s with `Allow`. Left out: "every schema-valid request

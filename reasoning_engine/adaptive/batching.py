@@ -8,12 +8,9 @@ the cost model has seen enough steps, the budget is the configured maximum (thro
 
 The chunk under `target_itl_ms` is sized by what chunks have cost beyond their step's decodes (`ChunkCost`: a
 per-token and a per-attention-pair cost fitted to recent chunk steps, first to calibration's), not by the step cost
-model. That model is fitted mostly to decode steps, where query tokens, sequences, context and attention pairs move
-together, so it cannot tell them apart, and chunk steps are where it errs most: on the bundled model on 2 cores, 16
-decodes beside a chunk of 360-960 tokens took 0.6-1.7x its predicted time (a first chunk of 800 tokens ran 140 ms
-against a 150 ms target aimed at 120), while a 512-token chunk takes 64 ms alone and a 1024-token one 211 ms (the
-pairs term). A latency target is a tail figure, so the fit's prediction is scaled by a high quantile of its own
-recent errors.
+model: that model is fitted mostly to decode steps, where query tokens, sequences, context and attention pairs move
+together, so it cannot tell them apart and errs most on chunk steps (docs/measurements.md). A latency target is a
+tail figure, so the fit's prediction is scaled by a high quantile of its own recent errors.
 """
 
 from __future__ import annotations

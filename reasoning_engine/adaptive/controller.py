@@ -254,11 +254,10 @@ class AdaptiveController:
         """Accepted tokens per token an estimate ("proposer": the drafts' own node probabilities; "history": the
         request's and its class's past acceptance) expected, over recent drafts. The chooser drafts for the requests
         whose estimated acceptance is highest, and the highest estimates are the likeliest to be too high (the
-        winner's curse): on the benchmark's agent traces at 32 requests the drafts chosen delivered fewer tokens
-        than expected. Expectations are scaled by this, never up; it is measured against the unscaled expectation
-        (measured against the scaled one it would settle at the square root of the true ratio), and starts from
-        REALISM_PRIOR tokens at 1: a cold proposer's first three drafts, expecting 9 tokens and getting none, had
-        put it at its floor, and no draft was verified for the next hundreds of steps."""
+        winner's curse), so the drafts chosen deliver fewer tokens than expected. Expectations are scaled by this,
+        never up; it is measured against the unscaled expectation (measured against the scaled one it would settle at
+        the square root of the true ratio), and starts from REALISM_PRIOR tokens at 1, so a cold proposer's first few
+        failed drafts do not put it at its floor for hundreds of steps."""
         realised, expected = self._realised[estimate]
         low, high = REALISM_BOUNDS
         return min(max((realised + REALISM_PRIOR) / (expected + REALISM_PRIOR), low), high)
@@ -355,10 +354,8 @@ class AdaptiveController:
     def _waits(self, seq_id: str) -> bool:
         """Whether a request sits out this step's proposals: after its k-th proposal in a row that `draft_lengths`
         verified none of, it is not proposed for during the next min(2^(k-1), PROBE_EVERY) steps. Proposing and
-        pricing drafts is work on the driver every step, and where drafts do not pay most of it is thrown away (in a
-        replay of the agent traces at 32 requests, the suffix proposer drafted for 19 of ~24 decoding requests per
-        step, 6% of the step's time, and one step in four verified any draft); at a small batch, where drafts are
-        kept, the proposer still runs every step."""
+        pricing drafts is work on the driver every step, and where drafts do not pay most of it is thrown away
+        (docs/measurements.md); at a small batch, where drafts are kept, the proposer still runs every step."""
         drops, wait = self._dropped.get(seq_id, (0, 0))
         if wait:
             self._dropped[seq_id] = (drops, wait - 1)

@@ -6,23 +6,19 @@ the query-key pairs its attention scores (a prefill chunk's attention grows with
 draft tokens it verifies, the sequences that verify a draft (each is checked one by one: a cost per sequence, whatever
 its draft's length), and whether the step verifies any draft at all (such a step leaves the decode fast path as a
 whole: no CUDA graph or compiled decode graph, attention split into a decode part and a draft part, so the first draft
-in a batch costs far more than the next: on the bundled model on 2 CPU cores, 32 decodes took 4.9 ms, with one
-2-token draft among them 5.9 ms, with 32 such drafts 8.6 ms). The weights differ by model and device, and by how
-loaded the machine is, so they are fitted from measurements: a short calibration at start warms the model up, then
+in a batch costs far more than the next). The weights differ by model and device, and by how loaded the machine is, so they are fitted from measurements: a short calibration at start warms the model up, then
 every step refines it. Old observations fade (exponential forgetting), so the model follows a drifting machine.
 
 Fit: weighted least squares with non-negative weights (an active-set loop over the features) on decayed sufficient
 statistics, so each observation costs O(features^2) and a fit O(features^3); steps are folded in at each fit.
 
-A linear model fitted to noisy steps (a loaded server's step times vary by a fifth or more) with relative weighting is
-biased, differently for different kinds of step (on the bundled model behind the benchmark's server it predicted
-small decode batches at half their time). So each prediction is scaled by a correction per kind of step (with a
-prefill chunk or not, verifying drafts or not, batch size by power of two): a running mean of measured / predicted
-time over that kind's recent steps. Verifying and plain steps need their own: the chooser weighs a step with drafts
-against the same step without, and the linear fit errs differently for the two (at 16-31 decoding requests on the
-bundled model, plain steps took 1.03-1.09x and verifying ones 1.25-1.27x its time, so one shared correction made
-drafts look a sixth cheaper than they were). Where one side is rarely run, its correction goes stale;
-`plain_is_stale` tells the chooser when a plain step is due to measure it again.
+A linear model fitted to noisy steps with relative weighting is biased, differently for different kinds of step. So
+each prediction is scaled by a correction per kind of step (with a prefill chunk or not, verifying drafts or not,
+batch size by power of two): a running mean of measured / predicted time over that kind's recent steps. Verifying and
+plain steps need their own: the chooser weighs a step with drafts against the same step without, and the linear fit
+errs differently for the two, so one shared correction would misprice drafts (docs/measurements.md). Where one side
+is rarely run, its correction goes stale; `plain_is_stale` tells the chooser when a plain step is due to measure it
+again.
 """
 
 from __future__ import annotations
@@ -158,9 +154,8 @@ class StepCostModel:
             self._set_weights(self._solve())
 
     def _fold(self) -> None:
-        """Fold the steps observed since the last fit into the decayed statistics, in one product: per step, a
-        handful of numpy calls on 8x8 arrays cost ~0.1 ms right after a forward on 2 CPU cores (cold caches), ten
-        times their cost in a loop."""
+        """Fold the steps observed since the last fit into the decayed statistics, in one product: numpy calls on
+        small arrays right after a forward (cold caches) cost far more per step than one batched product."""
         if not self._pending:
             return
         x = np.array([values for values, _ in self._pending])

@@ -1,7 +1,8 @@
 """Draft lengths by goodput: the lengths that maximise the batch's expected tokens per second.
 
 Verifying a draft costs its share of the step (the cost model's per-token, per-draft-token and per-verifying-sequence
-terms) and yields the expected accepted length (acceptance.expected_tokens). At batch 1 a step is mostly fixed cost,
+terms) and yields the expected accepted length (the sum over its positions of the probability that the draft is
+accepted up to there). At batch 1 a step is mostly fixed cost,
 so long drafts are nearly free; at batch 32 every draft token adds to a step that all 32 requests wait for, and every
 verifying sequence adds its fixed verification cost, so only drafts likely to be accepted pay. Because of that fixed
 cost per verifying sequence, a request's value is not concave in its length (its first draft token is the dearest),
@@ -22,9 +23,8 @@ from reasoning_engine.adaptive.cost_model import StepCostModel, StepShape
 
 THRESHOLDS = (0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05)
 # Drafts must beat no drafts by this much. Choosing the best of predictions that err picks the options whose errors
-# flatter them (the optimizer's curse, Smith and Winkler, Management Science 52(3), 2006): in five logged runs of the
-# bundled model at 32 requests, the drafted steps predicted under 5% faster than without drafts delivered 0.72-0.87x
-# the tokens per second of plain steps, those predicted 5% or more 0.99-1.11x.
+# flatter them (the optimizer's curse, Smith and Winkler, Management Science 52(3), 2006); drafts predicted only a
+# little faster than none delivered less than plain steps (docs/measurements.md).
 DRAFT_MARGIN = 0.05
 
 
@@ -43,10 +43,9 @@ def choose_draft_lengths(candidates: list[DraftCandidate], step: StepShape, cost
     """Draft length per candidate; `step` is the next step without drafts (the candidates' one token each and any
     other work in it), `other_seconds` the predicted time of that other work (a prefill chunk). The decodes' tokens
     are weighed against the step's time less that work: the chunk must be computed anyway, and counted in, its time
-    lowers the bar a draft must clear to the decodes' rate diluted by it (beside a 1000-token chunk on the bundled
-    model, a tenth of their own rate), so nearly any draft looked worth verifying. The thresholds are scanned as one
-    array computation: the chooser runs every step, for every decoding request (per step at 32 requests, a loop over
-    them took about a millisecond)."""
+    would lower the bar a draft must clear to the decodes' rate diluted by it, so nearly any draft would look worth
+    verifying. The thresholds are scanned as one array computation: the chooser runs every step, for every decoding
+    request."""
     if not candidates:
         return []
     survival = _survival_matrix(candidates)  # (requests, positions)

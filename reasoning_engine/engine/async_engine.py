@@ -12,7 +12,7 @@ unrelated blocking work.
 The engine thread also builds the engine (loading, calibration, warm-up), so all of the model's torch work runs in one
 thread. OpenMP keeps a team of worker threads per thread that runs parallel regions; with a second team (the loading
 thread's) libgomp manages more threads than there are CPUs and stops spinning between regions, and every small op then
-pays a thread wake-up: on 2 cores 16 decodes of the bundled model took 17 ms a step instead of 4.6.
+pays a thread wake-up (several times slower steps: docs/measurements.md).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from reasoning_engine.config import EngineConfig
 from reasoning_engine.engine.engine import EngineStats, LLMEngine, PromptType, prompt_cache_salt
-from reasoning_engine.llm import build_engine_config
+from reasoning_engine.engine.arguments import build_engine_config
 from reasoning_engine.multimodal.inputs import MediaItem
 from reasoning_engine.multimodal.processing import MediaProcessor
 from reasoning_engine.outputs import RequestOutput

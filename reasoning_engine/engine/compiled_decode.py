@@ -1,51 +1,30 @@
 """torch.compile for CPU decode steps.
 
-On a CPU, a decode step of a small model spends a good part of its time outside the matrix products: some 35 small
-ops per layer (norms, rotary, cache write, attention, activation, residual adds) cost a few microseconds of dispatch
-each, for a few hundred values. Inductor fuses them into a handful of generated C++ loops per layer. The torch
-mixture-of-experts loop stays one opaque op (`reasoning_engine::fused_moe`), as its trip count depends on the routing.
-
-The matrix products, LM head included, go to Inductor as well: the graphs are compiled with weight freezing, so
-every linear weight becomes a constant of the graph, repacked once, and those for up to MAX_SEQS sequences with
-max-autotune, so each product's kernel is chosen by timing Inductor's generated C++ GEMM against the library one at
-its own shape. For one row the generated kernel reads the weights ~1.5x faster than oneDNN does here, and a decode
-step of one sequence is bound by that read. The graphs multiply the plain weights that packed layers keep for them
-(layers/linear.py) and hold repacked copies besides: on the 87M-parameter benchmark model (350 MB of weights) the
-compiled engine took 1.5 GiB more memory than the eager one.
-
-Pure decode steps take this path, a hybrid model's too (its linear-attention state addressed by tensors alone,
-layers/linear_attention.DecodeStateMetadata); prefill chunks, draft verification and steps that return intermediate
+A CPU decode step of a small model spends much of its time outside the matrix products, in dozens of small ops per
+layer (norms, rotary, cache write, attention, activation, residual adds) that Inductor fuses into a few generated
+loops. Only pure decode steps take this path, a hybrid model's too (its linear-attention state addressed by tensors
+alone, layers/linear_attention.DecodeStateMetadata); prefill chunks, draft verification and steps that return intermediate
 layers (EAGLE-3) run eagerly.
-Steps of up to MAX_SEQS sequences are bound by reading the weights, and run the max-autotune graphs: on the benchmark model (benchmarks/cpu_decode.py, 2 threads) compiled decoding ran 2.37x and 2.34x eager for
-one sequence (two runs, benchmarks/results/cpu_decode_guards_cpu_2026-12-02.md). Larger steps are bound by arithmetic
-and run a third graph, compiled without max-autotune: there Inductor's weight freezing packs each linear weight for
-oneDNN, as the eager path does (layers/linear.py), where the generated GEMM kernels were slower (an earlier
-max-autotune graph over 2 to 32 sequences was 0.7x eager at 32,
-benchmarks/results/cpu_decode_compiled_cpu_2026-12-02.md).
-What the third graph gains is everything around the products: norms, rotary, activations and the attention.
 
-Every graph attends through `decode_attention` (kernels/attention.py; the step's metadata says `fused_decode`): loops
-that read the paged cache in place, where the eager path gathers copies of each sequence's keys and values and lays
-the keys out for a matrix product. At 32 sequences that attention took a third of an eager step.
+- Three graphs, compiled when the engine starts, not during the first requests: one sequence (torch always
+  specialises sizes 0 and 1), 2 to MAX_SEQS, and more; each whole (fullgraph) with dynamic shapes, for any context
+  length, so steps never recompile.
+- Weights are frozen into the graphs. The two small graphs use max-autotune: each product's kernel is picked by timing
+  Inductor's generated C++ GEMM against the library's, and for one row the generated kernel reads the weights faster,
+  which is what such a step is bound by. The large graph, bound by arithmetic, keeps oneDNN's packed products as the
+  eager path does (layers/linear.py) and gains the fused ops around them. The graphs multiply the plain weights that
+  packed layers keep for them, so compiled decoding holds more memory than eager.
+- Attention reads the paged cache in place (`kernels.attention.decode_attention`, the step's metadata says
+  `fused_decode`) instead of gathering copies of each sequence's keys and values.
+- The mixture-of-experts loop stays one opaque op (`reasoning_engine::fused_moe`): its trip count depends on the routing.
+- Dynamo's guards on the model are dropped (`guard_filter_fn`): the model is fixed once the engine is built and its
+  weights are graph constants anyway; the guards on the batch, which pick the graph, stay.
+- Inductor's pattern rewrites are off: the matmul-softmax-matmul one failed on attention with dynamic shapes
+  (torch 2.13); weight freezing's packing does not depend on them.
 
-The step is compiled as one graph (fullgraph) with dynamic shapes: one graph for a single sequence (torch always
-specialises sizes 0 and 1), one for 2 to MAX_SEQS and one for more, all for any context length, so steps do not
-recompile. The runner compiles the three (those max_num_seqs lets a step use) when the engine starts (226 s for the
-benchmark model on 2 cores with Inductor's cache cold, most of it timing the GEMM kernels), not during the first
-requests.
-Dynamo guards each call of a compiled function: before it runs a graph it checks that everything the graph read
-still holds, some 1,500 checks here, nearly all on the model (module types, attributes such as head counts, hooks,
-the ids of the bound caches). The model is fixed once the engine is built, and its weights are constants of the
-frozen graphs anyway, so those guards are dropped (`guard_filter_fn`); the ones on the batch, which pick between
-the one-sequence graph and the 2-to-MAX_SEQS one, stay. On the benchmark model a one-sequence step (~9 ms) through
-torch.compile took 1.1 ms longer than the same compiled code called directly with all guards, 0.3 ms with the
-model's dropped (medians of 12 alternations).
-Inductor's pattern rewrites are off: the one that turns matmul-softmax-matmul into fused attention failed on the
-gather path's attention with dynamic shapes (torch 2.13), when the graphs still attended that way. Weight freezing's
-packing of the linear layers does not depend on them.
-
-In float32 the compiled steps give the eager tokens (tests/engine/test_compiled_decode.py). In bfloat16 they round
-differently (fused loops keep float32 intermediates), as any compiled forward does.
+In float32 the compiled steps give the eager tokens (tests/engine/test_compiled_decode.py); in bfloat16 they round
+differently (fused loops keep float32 intermediates), as any compiled forward does. The measurements behind these
+choices are in docs/measurements.md.
 """
 
 from __future__ import annotations

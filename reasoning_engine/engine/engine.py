@@ -25,7 +25,7 @@ from reasoning_engine.engine.state_cache import StateCache
 from reasoning_engine.engine.tuning import EngineTuner
 from reasoning_engine.models.chat_templates import bundled_chat_template
 from reasoning_engine.multimodal.inputs import MediaItem
-from reasoning_engine.multimodal.processing import load_media_processor
+from reasoning_engine.multimodal.processors import load_media_processor
 from reasoning_engine.outputs import CompletionOutput, RequestOutput
 from reasoning_engine.sampling_params import SamplingParams
 from reasoning_engine.speculative.decoder import TEXT_METHODS, SpeculativeConfig, SpeculativeDecoder
@@ -108,7 +108,6 @@ class LLMEngine:
         self.think_start_id = self._token_id("<think>")
         self.think_end_id = self._token_id("</think>")
         self.model_config.max_model_len = config.max_model_len
-        self.model_config.think_start_token_id = self.think_start_id
         self.model_config.think_end_token_id = self.think_end_id
         self.num_preemptions = 0
         self._grammars: GrammarCompiler | None = None
@@ -443,8 +442,7 @@ class LLMEngine:
             elif self.spec.config.method in TEXT_METHODS:
                 # text proposers say how far they are confident, so each request drafts up to the longest that could
                 # pay (its cap), then the goodput-optimal part of each real draft is verified; the cap spares the
-                # proposer's work where no draft would be verified (a suffix tree growing 8-token drafts for 32
-                # requests took ~18 ms of a ~125 ms step on the bundled model)
+                # proposer's work where no draft would be verified
                 caps = self.tuner.draft_caps(asking, limits, self.schedulers)
                 limits = [min(n, c) for n, c in zip(limits, caps)]
 

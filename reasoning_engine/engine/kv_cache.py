@@ -353,18 +353,6 @@ class BlockManager:
             count += 1
         return count
 
-    def reset_prefix_cache(self) -> None:
-        for pool in self.pools:
-            for block, key in enumerate(pool.block_keys):
-                if key is not None and pool.ref_counts[block] == 0:
-                    del self.group_cached[pool.block_group[block]][key]
-                    pool.block_keys[block] = None
-                    if block in pool.protected_free:
-                        del pool.protected_free[block]
-                        pool.free_queue[block] = None
-        self.protected = {key: p for key, p in self.protected.items()
-                          if any(key in cached for cached in self.group_cached)}
-
     def _take(self, group: int, block: int) -> None:
         pool = self.group_pool[group]
         if pool.ref_counts[block] == 0:

@@ -144,11 +144,6 @@ class StateCache:
             self.snapshots[key] = slot
         self.pending.clear()
 
-    def reset(self) -> None:
-        """Drop every snapshot (reset_prefix_cache)."""
-        for key in list(self.snapshots):
-            self._drop(key)
-
     def _drop(self, key: bytes) -> None:
         self.turn_ends.discard(key)
         self.free.append(self.snapshots.pop(key))

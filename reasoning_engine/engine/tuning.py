@@ -192,9 +192,8 @@ class EngineTuner:
 
     def expected_step(self, requests: list[Request], schedulers: list[Scheduler]) -> StepShape:
         """The next step as expected before its drafts are chosen: the decoding requests' one token each and the
-        prefill chunks the schedulers will likely add (on the bundled model at 32 requests, a quarter of the steps
-        carried one, and drafts beside a chunk cost differently from drafts beside decodes alone); with no
-        schedulers, the decodes alone."""
+        prefill chunks the schedulers will likely add (drafts beside a chunk cost differently from drafts beside
+        decodes alone); with no schedulers, the decodes alone."""
         chunks = [chunk for chunk in (self._next_chunk(s) for s in schedulers) if chunk is not None]
         decode_context = sum(r.num_tokens + 1 for r in requests)
         return StepShape(len(requests) + sum(n for n, _ in chunks), len(requests) + len(chunks),

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from reasoning_engine.batch import ForwardBatch
-from reasoning_engine.cache_groups import CacheGroup, num_pools, single_group
+from reasoning_engine.cache_groups import (CacheGroup, cache_bytes, num_pools, pool_block_bytes, shared_cache_layers,
+                                           single_group, state_bytes)
 from reasoning_engine.config import EngineConfig
 from reasoning_engine.engine.compiled_decode import CompiledDecode
 from reasoning_engine.engine.cuda_graph import CudaGraphRunner, cuda_graphs_enabled
@@ -132,40 +133,6 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def cache_bytes_per_token(layers: Sequence[torch.nn.Module], dtype: torch.dtype) -> int:
-    """Bytes one token takes in the caches of these attention layers."""
-    size = torch.tensor([], dtype=dtype).element_size()
-    return sum(torch.Size(shape).numel() * size for attn in layers for shape in attn.cache_shape(1, 1))
-
-
-def shared_cache_layers(layers: Sequence[torch.nn.Module], groups: Sequence[CacheGroup],
-                        pool: int = 0) -> list[list[torch.nn.Module]]:
-    """Per cache tensor j of block pool `pool`, the layers that share it: the j-th layer of every group in the pool
-    (cache_groups.py)."""
-    shared: list[list[torch.nn.Module]] = []
-    for group in groups:
-        if group.pool != pool:
-            continue
-        for j, index in enumerate(group.layers):
-            if j == len(shared):
-                shared.append([])
-            shared[j].append(layers[index])
-    return shared
-
-
-def cache_bytes_per_block(members: Sequence[torch.nn.Module], dtype: torch.dtype, block_size: int) -> int:
-    """Bytes one block takes in a cache position shared by `members`: the largest member's."""
-    size = torch.tensor([], dtype=dtype).element_size()
-    return max(sum(torch.Size(shape).numel() for shape in m.cache_shape(1, block_size)) for m in members) * size
-
-
-def pool_bytes_per_block(layers: Sequence[torch.nn.Module], groups: Sequence[CacheGroup], dtype: torch.dtype,
-                         block_size: int) -> list[int]:
-    """Bytes one block of each pool takes in the caches of these attention layers."""
-    return [sum(cache_bytes_per_block(members, dtype, block_size)
-                for members in shared_cache_layers(layers, groups, pool)) for pool in range(num_pools(list(groups)))]
-
-
 def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_step_tokens: int) -> int:
     """The most blocks sliding groups of `window` in their own pool hold at once: every sequence its window's
     blocks, the one the window starts in and the one its step's last token straddles into, plus the blocks of the
@@ -247,7 +214,7 @@ class ModelWorker:
         scratch = self.max_draft_tokens + 1 if self.max_draft_tokens else 0
         snapshots = 0
         if c.enable_prefix_caching:
-            per_token = cache_bytes_per_token(self.model.attention_layers(), c.dtype)
+            per_token = cache_bytes(self.model.attention_layers(), c.dtype)
             if c.kv_cache_memory is not None:
                 budget = c.kv_cache_memory
             elif c.kv_cache_blocks is not None:
@@ -271,9 +238,7 @@ class ModelWorker:
         return self._state_bytes(self.num_state_slots + 1 + self.config.max_num_seqs * self.state_scratch_per_seq)
 
     def _state_bytes(self, slots: int) -> int:
-        size = torch.tensor([], dtype=self.config.dtype).element_size()
-        return sum(torch.Size(shape).numel() * (torch.tensor([], dtype=dtype).element_size() if dtype else size)
-                   for layer in self.linear_layers for shape, dtype in layer.state_shapes(slots))
+        return state_bytes(self.linear_layers, self.config.dtype, slots)
 
     def allocate_states(self) -> None:
         slots = self.num_state_slots + 1 + self.config.max_num_seqs * self.state_scratch_per_seq
@@ -305,8 +270,8 @@ class ModelWorker:
         """Bytes one block of each pool costs on this rank: its cache tensors' rows, and in pool 0 the draft
         models' caches, which mirror its block ids."""
         c = self.config
-        per_block = pool_bytes_per_block(self.model.attention_layers(), self.cache_groups, c.dtype, c.block_size)
-        per_block[0] += c.block_size * sum(cache_bytes_per_token(m.attention_layers(), c.dtype)
+        per_block = pool_block_bytes(self.model.attention_layers(), self.cache_groups, c.dtype, c.block_size)
+        per_block[0] += c.block_size * sum(cache_bytes(m.attention_layers(), c.dtype)
                                            for m in self.draft_models.values())
         return per_block
 

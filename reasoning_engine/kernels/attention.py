@@ -10,10 +10,9 @@ Qmax x L work instead of Qmax x L): such a step is split into parts, each long c
 (one query each) together as a decode step, and the other short queries (draft trees being verified, short chunks)
 together (`MixedAttentionMetadata`); the parts' outputs are scattered back into the step's token order. A
 verification step where a few of 32 sequences draft 8 tokens thus costs about what 32 decodes do, not what 32
-sequences of 9 queries do (on the bundled model, 2 CPU cores: 6.8 ms instead of 17.3 ms, against 4.9 ms for the
-decodes alone). Decoding sequences of very different lengths are split the same way, by power of two of their length,
-when padding them all to the longest would more than double the keys gathered: one 1500-token context among 16 short
-ones made every decode gather 1500 keys per layer (SmolLM2-135M, 2 CPU cores: 520-740 ms steps against ~100 ms).
+sequences of 9 queries do. Decoding sequences of very different lengths are split the same way, by power of two of
+their length, when padding them all to the longest would more than double the keys gathered (one long context among
+short ones would make every decode gather its length). Measurements: docs/measurements.md.
 
 `decode_attention` is the same computation for decode steps written for Inductor to fuse; the metadata's
 `fused_decode` makes `paged_attention` and `paged_latent_attention` call it instead of gathering, which
@@ -268,9 +267,8 @@ def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Torch
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor,
                      valid: torch.Tensor | None, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence as loops Inductor fuses: keys and values are loaded through `kv_index` inside the score
-    and output reductions, so nothing is gathered into a copy and no key layout is made for a matrix product. The
-    gather path spends most of a decode step's attention on those copies (at 32 sequences on the benchmark model, ~2/3
-    of 3.3 ms per layer). Scores keep all heads of a position side by side ([B, L, H]), so the max, the exponent and
+    and output reductions, so nothing is gathered into a copy and no key layout is made for a matrix product: the
+    gather path spends most of a decode step's attention on those copies. Scores keep all heads of a position side by side ([B, L, H]), so the max, the exponent and
     the sums over positions vectorise across heads; the padding mask is one flag per position, broadcast over heads;
     the output is normalised once, after its sum. Run eagerly it builds [B, L, H, D] products: it is meant to be
     traced into a compiled graph (engine/compiled_decode.py).

@@ -7,10 +7,9 @@ rank's input columns and sums the partial products with one all-reduce. The voca
 (`VocabParallelEmbedding`, `ParallelLMHead`), padded to a multiple of the rank count.
 
 A decode step multiplies one row (or a few) by every weight matrix, so on a CPU its speed is how fast the weights
-stream from memory. On our 2-core benchmark machine torch's float32 matrix-vector path reads ~15-20 GB/s; the same
-product through oneDNN, with the weight reordered once into its blocked layout, reads ~20-27 GB/s (~1.4x), is also
-faster up to a few dozen rows and about even for long prefills (benchmarks/cpu_linear.py,
-benchmarks/results/cpu_decode_packed_cpu_2026-11-30.md).
+stream from memory. The same product through oneDNN, with the weight reordered once into its blocked layout, reads
+them faster than torch's float32 matrix-vector path, is also faster up to a few dozen rows and about even for long
+prefills (benchmarks/cpu_linear.py, benchmarks/results/cpu_decode_packed_cpu_2026-11-30.md).
 oneDNN ships inside torch's CPU builds; these are the ops Inductor's weight freezing uses for the same purpose.
 
 A compiled graph cannot carry oneDNN's opaque blocked tensor. For `compile_decode` (engine/compiled_decode.py) a

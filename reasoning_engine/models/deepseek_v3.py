@@ -21,8 +21,9 @@ from reasoning_engine.layers.indexer import Indexer
 from reasoning_engine.layers.moe import Experts, GatedMLP, Router, SparseMoE
 from reasoning_engine.layers.rotary import RotaryEmbedding, yarn_softmax_scale
 from reasoning_engine.models.base import CausalLM, DecoderLayer, WeightTarget, column_split, mlp_target, row_split, rows
-from reasoning_engine.models.quantization import expert_quant, parse_quant_config
+from reasoning_engine.models.quantization import expert_quant
 from reasoning_engine.parallel import Parallel
+from reasoning_engine.quant_config import parse_quant_config
 
 
 def _is_moe_layer(config: ModelConfig, index: int) -> bool:

@@ -59,8 +59,9 @@ from reasoning_engine.models.base import (
     mlp_target,
     row_split,
 )
-from reasoning_engine.models.quantization import expert_quant, parse_quant_config
+from reasoning_engine.models.quantization import expert_quant
 from reasoning_engine.parallel import Parallel
+from reasoning_engine.quant_config import parse_quant_config
 
 # official checkpoint names -> this module's, applied in order (after the "model." prefix is dropped)
 _RENAMES = [

@@ -26,8 +26,9 @@ from reasoning_engine.layers.attention import GQAttention
 from reasoning_engine.layers.moe import ExpertQuant, Experts, Router, SparseMoE
 from reasoning_engine.layers.rotary import RotaryEmbedding
 from reasoning_engine.models.base import CausalLM, DecoderLayer, Split, WeightTarget, column_split, gqa_target
-from reasoning_engine.models.quantization import expert_quant, parse_quant_config
+from reasoning_engine.models.quantization import expert_quant
 from reasoning_engine.parallel import Group, Parallel
+from reasoning_engine.quant_config import parse_quant_config
 
 
 class BiasedExperts(Experts):

@@ -19,8 +19,9 @@ from reasoning_engine.layers.attention import GQAttention
 from reasoning_engine.layers.moe import Experts, Router, SparseMoE
 from reasoning_engine.layers.rotary import RotaryEmbedding
 from reasoning_engine.models.base import CausalLM, DecoderLayer, WeightTarget, column_split, expert_target, gqa_target
-from reasoning_engine.models.quantization import expert_quant, parse_quant_config
+from reasoning_engine.models.quantization import expert_quant
 from reasoning_engine.parallel import Parallel
+from reasoning_engine.quant_config import parse_quant_config
 
 _EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 

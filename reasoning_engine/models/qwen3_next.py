@@ -24,8 +24,9 @@ from reasoning_engine.layers.norm import OffsetRMSNorm
 from reasoning_engine.layers.rotary import RotaryEmbedding
 from reasoning_engine.models.base import (CausalLM, DecoderLayer, Split, WeightTarget, column_split, mlp_target,
                                           row_split, rows)
-from reasoning_engine.models.quantization import expert_quant, parse_quant_config
+from reasoning_engine.models.quantization import expert_quant
 from reasoning_engine.parallel import Parallel
+from reasoning_engine.quant_config import parse_quant_config
 
 
 class GatedAttention(GQAttention):

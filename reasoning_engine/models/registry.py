@@ -54,7 +54,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, m
     with random weights from config.json alone ("dummy"). With `keep_plain_weights` (for compiled decode graphs)
     packed linear layers keep their plain weights as well."""
     from reasoning_engine.models.dummy import init_dummy_weights
-    from reasoning_engine.models.quantization import parse_quant_config
+    from reasoning_engine.quant_config import parse_quant_config
     from reasoning_engine.models.weights import iter_checkpoint_tensors
 
     if load_format not in ("auto", "dummy"):

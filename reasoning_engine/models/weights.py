@@ -32,12 +32,12 @@ from tqdm.auto import tqdm
 from reasoning_engine.kernels.fused_moe import dequantize_mxfp4
 from reasoning_engine.models.quantization import (
     INT4_PACK_FACTOR,
-    QuantConfig,
     dequantize_fp8_block,
     dequantize_fp8_channel,
     dequantize_int4_pack,
     e8m0_exponents,
 )
+from reasoning_engine.quant_config import QuantConfig
 
 logger = logging.getLogger(__name__)
 

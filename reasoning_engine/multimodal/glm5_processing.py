@@ -21,7 +21,6 @@ compares them), per image:
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from reasoning_engine.multimodal.inputs import MediaItem, content_hash
-from reasoning_engine.multimodal.processing import PixelSettings, ProcessedImage, VideoSettings, rgb_pixels
+from reasoning_engine.multimodal.processing import PixelSettings, ProcessedImage, VideoSettings, load_json, rgb_pixels
 
 IMAGE_TOKEN = "<|image|>"
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -167,8 +166,8 @@ class Glm5MediaProcessor:
     def from_model_dir(cls, folder: Path, config: dict[str, Any], tokenizer: Any) -> Glm5MediaProcessor:
         """Settings from processor_config.json's `image_processor`, else preprocessor_config.json, else the class
         defaults with the patch and merge sizes of config.json's vision_config."""
-        combined = _load_json(folder / "processor_config.json") or {}
-        single = _load_json(folder / "preprocessor_config.json") or {}
+        combined = load_json(folder / "processor_config.json") or {}
+        single = load_json(folder / "preprocessor_config.json") or {}
         if "image_processor" in combined:
             cfg, where = combined["image_processor"], "processor_config.json image_processor"
         elif single:
@@ -232,7 +231,3 @@ class Glm5MediaProcessor:
             items.append(MediaItem("image", content_hash(pixels, grid), len(ids), length, pixels, grid))
             ids.extend([token] * length)
         return ids, items
-
-
-def _load_json(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.is_file() else None

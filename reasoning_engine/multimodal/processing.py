@@ -1,5 +1,5 @@
 """Kimi K2.5 media preprocessing: pixel patches and grids computed here, placeholder runs spliced into ids
-(`load_media_processor` also finds GLM-5.3-Flash's, multimodal/glm5_processing.py).
+(multimodal/processors.py picks it or GLM-5.3-Flash's, multimodal/glm5_processing.py).
 
 The chat template leaves one `<|media_pad|>` per image and one `<|kimi_k25_video_placeholder|>` per video in the
 prompt. `MediaProcessor.expand` turns those token ids into exactly what transformers' `Kimi_K25Processor` produces
@@ -242,7 +242,7 @@ def _check_rows(rows: torch.Tensor, grid: tuple[int, int, int], settings: PixelS
                          f"[{frames * grid_h * grid_w}, channels, {patch}, {patch}]")
 
 
-def _load_json(path: Path) -> dict[str, Any] | None:
+def load_json(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
@@ -355,7 +355,7 @@ class MediaProcessor:
         `tokenizer` to avoid loading it twice.
         """
         folder = Path(path)
-        config = _load_json(folder / "config.json") or {}
+        config = load_json(folder / "config.json") or {}
         if config.get("model_type") != "kimi_k25" or not config.get("vision_config"):
             return None
         if tokenizer is None:
@@ -363,9 +363,9 @@ class MediaProcessor:
 
             tokenizer = AutoTokenizer.from_pretrained(str(folder))
 
-        combined = _load_json(folder / "processor_config.json") or {}
-        image_file = _load_json(folder / "preprocessor_config.json") or {}
-        video_file = _load_json(folder / "video_preprocessor_config.json") or {}
+        combined = load_json(folder / "processor_config.json") or {}
+        image_file = load_json(folder / "preprocessor_config.json") or {}
+        video_file = load_json(folder / "video_preprocessor_config.json") or {}
         defaults = _from_vision_config(config["vision_config"])
         hub_image, hub_video = _from_media_proc_cfg(image_file.get("media_proc_cfg") or {})
         if "image_processor" in combined:
@@ -501,19 +501,3 @@ class MediaProcessor:
             else:
                 ids.append(token)
         return ids, items
-
-
-def load_media_processor(path: str | Path, tokenizer: Any | None = None) -> Any:
-    """The checkpoint's media preprocessing: Kimi K2.5's (`MediaProcessor`), GLM-5.3-Flash's
-    (multimodal/glm5_processing.py, images only), or None for a model without a vision tower."""
-    folder = Path(path)
-    config = _load_json(folder / "config.json") or {}
-    if config.get("model_type") != "glm5_next" or not config.get("vision_config"):
-        return MediaProcessor.from_model_dir(folder, tokenizer)
-    from reasoning_engine.multimodal.glm5_processing import Glm5MediaProcessor  # it imports this module
-
-    if tokenizer is None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    return Glm5MediaProcessor.from_model_dir(folder, config, tokenizer)

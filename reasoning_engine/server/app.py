@@ -199,7 +199,7 @@ BUNDLED_MODEL_NAME = "tiny-reasoner"
 
 def default_model_name(model_config: ServedModelConfig) -> str:
     """The checkpoint folder's name; the bundled model's folder is a generic `assets`, so it gets its own name."""
-    from reasoning_engine.tiny import BUNDLED_MODEL_DIR
+    from reasoning_engine.config import BUNDLED_MODEL_DIR
 
     path = getattr(model_config, "path", None)
     if path is not None and Path(path).resolve() == Path(BUNDLED_MODEL_DIR).resolve():

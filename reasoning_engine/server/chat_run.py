@@ -50,6 +50,18 @@ class Choice:
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def api_finish_reason(self) -> str | None:
+        """The finish reason the APIs report: "tool_calls" where a choice that stopped called tools."""
+        if self.parser is not None and self.parser.tool_calls and self.finish_reason == "stop":
+            return "tool_calls"
+        return self.finish_reason
+
+    def reasoning_tokens(self, serving: OpenAIServing) -> int:
+        """Generated tokens inside the thinking (serving.reasoning_tokens)."""
+        reasoning = self.parser.reasoning if self.parser else None
+        return serving.reasoning_tokens(reasoning, self.token_ids, "".join(self.reasoning))
+
 
 @dataclass
 class ChoiceUpdate:
@@ -168,15 +180,15 @@ class ChatRun:
                 details[name] = sum(per_prompt.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": details,
-                "completion_tokens_details": {"reasoning_tokens": sum(self.serving.reasoning_tokens(c)
+                "completion_tokens_details": {"reasoning_tokens": sum(c.reasoning_tokens(self.serving)
                                                                       for c in self.choices)}}
 
     def _record(self, finished_ok: bool) -> None:
-        reasons = [(self.serving.finish_reason(c) or "abort") if finished_ok or c.done else "abort"
+        reasons = [(c.api_finish_reason or "abort") if finished_ok or c.done else "abort"
                    for c in self.choices]
         self.timer.finish(time.monotonic(), sum(self.prompt_tokens),
                           sum(len(c.token_ids) for c in self.choices),
-                          sum(self.serving.reasoning_tokens(c) for c in self.choices), reasons)
+                          sum(c.reasoning_tokens(self.serving) for c in self.choices), reasons)
 
 
 def _finite(logprob: float | None) -> float:

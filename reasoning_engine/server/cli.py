@@ -232,7 +232,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def _bundled_model_missing() -> str | None:
     """The message to print when no MODEL was given and the bundled model's files are absent."""
     try:
-        from reasoning_engine.tiny import BUNDLED_MODEL_DIR
+        from reasoning_engine.config import BUNDLED_MODEL_DIR
     except ImportError:
         return "the bundled tiny model is not part of this installation; pass a checkpoint folder: serve MODEL"
     if not (Path(BUNDLED_MODEL_DIR) / "config.json").is_file():

@@ -50,7 +50,7 @@ def chat_stream(serving: OpenAIServing, req: ChatCompletionRequest, model: str, 
                     yield chunk(choice.index, answer, logprobs=logprobs)
                     logprobs = []
                 if update.finished:
-                    yield chunk(choice.index, {}, serving.finish_reason(choice), logprobs=logprobs)
+                    yield chunk(choice.index, {}, choice.api_finish_reason, logprobs=logprobs)
 
     return _event_stream(chunks(), run, base, usage=bool(req.stream_options and req.stream_options.include_usage))
 
@@ -77,7 +77,7 @@ async def chat_full(serving: OpenAIServing, req: ChatCompletionRequest, model: s
                                       "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
         choices.append({"index": choice.index, "message": message,
                         "logprobs": {"content": choice.logprobs} if req.logprobs else None,
-                        "finish_reason": serving.finish_reason(choice), "stop_reason": choice.stop_reason})
+                        "finish_reason": choice.api_finish_reason, "stop_reason": choice.stop_reason})
     return {"id": engine_requests.ids[0], "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": run.usage()}
 

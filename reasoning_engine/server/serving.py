@@ -11,7 +11,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from reasoning_engine.engine.engine import PromptType
 from reasoning_engine.multimodal.chat import extract_media
@@ -41,13 +41,10 @@ from reasoning_engine.server.protocol import (
     ResponseFormat,
     VideoPart,
 )
-from reasoning_engine.server.reasoning_parsers import initial_mode
+from reasoning_engine.server.reasoning_parsers import ReasoningParser, initial_mode
 from reasoning_engine.server.token_bytes import TokenBytes
 from reasoning_engine.server.tool_grammar import ToolSchemaError, answer_tag, bad_tool_schema, tool_call_tag
 from reasoning_engine.structured.params import StructuredOutputsParams
-
-if TYPE_CHECKING:
-    from reasoning_engine.server.chat_run import Choice
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "min_tokens")
@@ -469,11 +466,6 @@ class OpenAIServing:
                               param="tools")
         return choice != "none"
 
-    def finish_reason(self, choice: Choice) -> str | None:
-        if choice.parser is not None and choice.parser.tool_calls and choice.finish_reason == "stop":
-            return "tool_calls"
-        return choice.finish_reason
-
     # ---- completions ------------------------------------------------------------------------------------
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
@@ -534,18 +526,17 @@ class OpenAIServing:
         ids = {m: _single_token_id(self.tokenizer, m) for m in TOOL_PARSERS[self.tool_parser].call_markers()}
         return {m: i for m, i in ids.items() if i is not None}
 
-    def reasoning_tokens(self, choice: Choice) -> int:
-        """Generated tokens inside the thinking, `</think>` included; by token id where the markers are single
-        tokens, else by re-encoding the thinking text."""
-        parser = choice.parser.reasoning if choice.parser else None
+    def reasoning_tokens(self, parser: ReasoningParser | None, token_ids: list[int], reasoning: str) -> int:
+        """Generated tokens inside the thinking, `</think>` included: by token id where the markers are single
+        tokens, else by re-encoding the thinking text (`reasoning`)."""
         if parser is None or not parser.had_reasoning:
             return 0
         if parser.in_reasoning:
-            return len(choice.token_ids)
-        for position, token in enumerate(choice.token_ids):
+            return len(token_ids)
+        for position, token in enumerate(token_ids):
             if token in self._reasoning_end_ids:
                 return position + (1 if token == self._think_end_id else 0)
-        return len(self.tokenizer.encode("".join(choice.reasoning), add_special_tokens=False))
+        return len(self.tokenizer.encode(reasoning, add_special_tokens=False))
 
     def token_text(self, token_id: int, logprob: Logprob | None) -> str:
         if logprob is not None and logprob.decoded_token is not None:

@@ -38,8 +38,7 @@ TEXT_METHODS = ("ngram", "lookup", "suffix")
 MODEL_METHODS = ("mtp", "eagle3")
 METHODS = (*TEXT_METHODS, *MODEL_METHODS, "hybrid")
 # while serving, the proposer's store is saved at most this often, and only after it learned something: a server that
-# dies unannounced loses at most this much learning (a save takes ~45 ms at the suffix store's 500k-token cap on 2 CPU
-# cores, a stall of one step)
+# dies unannounced loses at most this much learning, and a save stalls the engine for about a step
 SAVE_EVERY_S = 300.0
 
 ProposeItem = tuple[str, Sequence[int], int]  # (request id, its tokens, draft budget)

@@ -26,7 +26,7 @@ BASE_INVERSE = pow(BASE, -1, 1 << 64)
 BULK_MIN = 64  # appends at least this long (prompts, finished outputs) hash with numpy
 SEGMENT_SHIFT = 32
 OFFSET_MASK = (1 << SEGMENT_SHIFT) - 1
-INDEX_BUDGET = 4096  # context tokens one step may index before drafting (suffix: ~4.5 ms on 2 CPU cores)
+INDEX_BUDGET = 4096  # context tokens one step may index before drafting (a few milliseconds: docs/measurements.md)
 
 
 def power(n: int) -> int:
@@ -271,9 +271,8 @@ class ContextStore:
     rebuild of the whole conversation's index into dropping the few tokens that differ and appending the new ones.
 
     A context is indexed at its first `get` or `sync`, not at `start`: a request that never drafts (in a batch where
-    drafting does not pay) never pays for indexing its prompt (~1.1 us a token for the suffix proposer's 8 orders on
-    agent prompts, on 2 CPU cores), and a request that does pays it in a step that drafts, where the adaptive gate
-    counts it against drafting.
+    drafting does not pay) never pays for indexing its prompt, and a request that does pays it in a step that drafts,
+    where the adaptive gate counts it against drafting.
     """
 
     def __init__(self, orders: Sequence[int], reuse_capacity: int = 64, reuse_max_tokens: int = 131_072) -> None:
@@ -364,11 +363,8 @@ def propose_within_budget(contexts: ContextStore, propose: Callable[[str, Sequen
     """One step's drafts, indexing at most `budget` new context tokens.
 
     A request's first draft indexes its whole context, and with drafting gated off at large batches (or held back by
-    a batch cap) many requests come to their first draft in the same step, a stall every running request waits
-    through: in-process at 32 requests with ~1500-token agent prompts on the bundled model (median decode step
-    17 ms), the suffix proposer's longest decode step of a run was 27-159 ms without a budget (over 150 ms in 2 of 8
-    runs) and 26-42 ms with one; for 32 requests with 1500-token prompts (random tokens) coming to their first draft
-    together, ngram's indexing took 50-90 ms and lookup's 90-125 ms without one. A request that needs more than the
+    a batch cap) many requests come to their first draft in the same step: without a budget, a stall of several
+    decode steps that every running request waits through (docs/measurements.md). A request that needs more than the
     step has left drafts at a later step; the step's first request always goes, so a prompt longer than the budget
     still gets its turn.
     """

@@ -41,7 +41,7 @@ from reasoning_engine.models.base import (
     vocab_target,
 )
 from reasoning_engine.models import deepseek_v3, glm4_moe
-from reasoning_engine.models.quantization import parse_quant_config
+from reasoning_engine.quant_config import parse_quant_config
 from reasoning_engine.models.weights import LazyTensor, checkpoint_files, iter_checkpoint_tensors
 from reasoning_engine.parallel import Parallel
 

@@ -33,7 +33,7 @@ from reasoning_engine.layers.norm import OffsetRMSNorm
 from reasoning_engine.layers.rotary import RotaryEmbedding
 from reasoning_engine.models.base import CausalLM, WeightTarget, load_parameters, materialize, packed_targets
 from reasoning_engine.models.qwen3_next import full_attention_layer, map_layer_weight
-from reasoning_engine.models.quantization import parse_quant_config
+from reasoning_engine.quant_config import parse_quant_config
 from reasoning_engine.models.weights import checkpoint_files, iter_checkpoint_tensors
 from reasoning_engine.parallel import Parallel
 

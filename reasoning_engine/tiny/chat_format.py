@@ -36,6 +36,8 @@ MEDIA_PAD = "<|media_pad|>"
 # Kimi K2.5's image placeholder; the engine widens the pad token to one per merged image patch.
 IMAGE_PLACEHOLDER = f"{MEDIA_BEGIN}image{MEDIA_CONTENT}{MEDIA_PAD}{MEDIA_END}"
 
+# Lower-case words that start a segment right after a special token in rendered chats.
+BARE_WORDS = ["user", "assistant", "system", "tool", "functions"]
 # Removed by skip_special_tokens: the turn structure.
 SPECIAL_TOKENS = [PAD, IM_END, IM_USER, IM_ASSISTANT, IM_SYSTEM, IM_MIDDLE]
 # Added (special) by the vision training to the text model's tokenizer, after all the others.

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from reasoning_engine.tiny.chat_format import (
+    BARE_WORDS,
     IM_END,
     THINK_END,
     TOOL_CALL_ARG_BEGIN,
@@ -25,13 +26,12 @@ from reasoning_engine.tiny.chat_format import (
     TOOL_CALLS_END,
     render_chat,
 )
-from reasoning_engine.tiny.tokenizer import BARE_WORDS
 
 TRAIN_SEED = 1235
 EVAL_SEED = 98765
 
 # Lower-case words for letter counting. Words holding a pair that the tokenizer merges outside quotes (see
-# tokenizer.BARE_WORDS) are dropped by letter_count_words(), so every quoted word is spelled one letter per token.
+# chat_format.BARE_WORDS) are dropped by letter_count_words(), so every quoted word is spelled one letter per token.
 WORDS = """
 apple banana cherry grape lemon mango melon orange peach pear plum berry strawberry blueberry raspberry kiwi
 lime papaya coconut carrot onion garlic pepper celery radish turnip spinach lettuce cabbage broccoli pumpkin

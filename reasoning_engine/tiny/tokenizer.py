@@ -23,18 +23,18 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from reasoning_engine.tiny.chat_format import (
+    BARE_WORDS,
     CHAT_TEMPLATE,
     IM_END,
     PAD,
     SPECIAL_TOKENS,
     TEXT_CONTROL_TOKENS,
 )
+from reasoning_engine.tiny.data import training_sample
 
 # One digit | optional single non-alphanumeric char + letters | punctuation run not touching a following letter |
 # whitespace (GPT-2 style: a run's last space joins the next piece).
 PIECE_PATTERN = r"\p{N}|[^\p{L}\p{N}]?\p{L}+| ?[^\s\p{L}\p{N}]+(?!\p{L})|\s+(?!\S)|\s+"
-# Lower-case words that start a segment right after a special token in rendered chats.
-BARE_WORDS = ["user", "assistant", "system", "tool", "functions"]
 VOCAB_SIZE = 1024
 
 
@@ -150,8 +150,6 @@ def save_tokenizer(tok: Tokenizer, out_dir: Path, model_max_length: int) -> None
 
 def corpus_for_vocab(num_samples: int, seed: int) -> list[str]:
     """Rendered training conversations (prompt + completion) used to pick the merges."""
-    from reasoning_engine.tiny.data import training_sample
-
     rng = random.Random(seed)
     out = []
     for _ in range(num_samples):

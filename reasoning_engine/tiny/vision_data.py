@@ -350,8 +350,8 @@ def training_image_sample(rng: random.Random) -> Sample:
 
 
 def eval_image_samples(per_task: int = 100, seed: int = VISION_EVAL_SEED) -> list[Sample]:
-    """Fresh pictures (the development figures: the training program's style, another seed) with the questions as
-    the issue asks them: the circle's colour, the number of squares, the shape on the left."""
+    """Fresh pictures (the development figures: the training program's style, another seed) with the questions the
+    eval asks: the circle's colour, the number of squares, the shape on the left."""
     rng = random.Random(seed)
     out = []
     for _ in range(per_task):

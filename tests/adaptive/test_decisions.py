@@ -1,5 +1,5 @@
 """The adaptive engine's parts on their own: cost model, acceptance, goodput draft lengths, token budgets, return-gap
-retention, CUDA-graph buckets and the state file (issue: adaptive optimisation)."""
+retention, CUDA-graph buckets and the state file."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from reasoning_engine.adaptive.acceptance import (AcceptanceModel, PositionCounts, ProposedDrafts, column_quantiles,
-                                                  expected_tokens)
+from reasoning_engine.adaptive.acceptance import AcceptanceModel, PositionCounts, ProposedDrafts, column_quantiles
 from reasoning_engine.adaptive.batching import ChunkCost, LatencyTargets, token_budget
 from reasoning_engine.adaptive.controller import (PROBE_EVERY, PROBE_LENGTH, PROBE_SHARE, REALISM_PRIOR,
                                                   AdaptiveController, DraftAsk, choose_graph_batch_sizes)
@@ -297,7 +296,6 @@ def test_acceptance_counts_per_position_and_prior_from_the_class() -> None:
     fresh = model.rates("new", "suffix", "agent", 4)
     assert all(rate > 0.75 for rate in fresh)  # a new request of a known kind starts high
     assert model.rates("new", "suffix", "chat", 4)[0] == pytest.approx(0.5)  # an unknown kind: no prior
-    assert expected_tokens([1.0, 1.0], 2) == 3.0 and expected_tokens([0.5, 0.5], 2) == 1.75
 
 
 def test_a_class_of_one_failed_draft_weighs_as_one_draft() -> None:

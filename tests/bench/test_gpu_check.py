@@ -154,6 +154,7 @@ def test_tensor_parallel_section_comes_last_when_asked(gpu_check: ModuleType) ->
     assert "tensor parallel" not in gpu_check.run_steps(skip_tests=True, skip_e2e=False)
 
 
+@pytest.mark.slow
 def test_adaptive_section_runs_every_configuration_without_the_server_stack(tmp_path: Path) -> None:
     """The adaptive-vs-static section on the dry-run plan (CPU, 1 and 4 requests), with the server's packages
     unimportable as on the GPU machine: a row per level, a ratio target per level, and every configuration's greedy
@@ -234,6 +235,7 @@ def test_report_targets_are_replaced_by_name(gpu_check: ModuleType) -> None:
     assert report.targets == [("adaptive at 16", "1.20x", "PASS"), ("other", "1", "PASS")]
 
 
+@pytest.mark.slow
 def test_sigterm_keeps_the_rows_measured_and_names_the_section_it_stopped(tmp_path: Path) -> None:
     """The whole script under a stage's `timeout`: SIGTERM to its process group (the orchestrator and the section
     worker) while the kernel table is being measured. The report keeps the rows the worker wrote and records the

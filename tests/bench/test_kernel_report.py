@@ -1,5 +1,5 @@
 """benchmarks/kernel_report.py on CPU: a handful of real ahead-of-time compiles for sm_90 and sm_100 (the decode
-attention at the CUDA-graph path's 128k bound, which spilled 32 KB a thread before issue #30, and the batch-1 INT4
+attention at the CUDA-graph path's 128k bound, which once spilled 32 KB a thread, and the batch-1 INT4
 MoE), the occupancy and roofline arithmetic, and the --measure path through the interpreter."""
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
                            "--date", "2026-12-02", *args], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_compiles_decode_kernels_for_hopper_and_blackwell(tmp_path: Path) -> None:
     only = "^(kimi-tp8 (mla decode b1 ctx128k graph|moe w4a16 t1)|kimi-ep8 mla decode b1 ctx128k graph)$"
     proc = _run(tmp_path, "--only", only, "--json", "--jobs", "2", "--no-launch-count")
@@ -61,6 +62,7 @@ def test_compiles_decode_kernels_for_hopper_and_blackwell(tmp_path: Path) -> Non
     assert json.loads(again.stdout.strip().splitlines()[-1]) == report_json
 
 
+@pytest.mark.slow
 def test_measure_runs_through_the_interpreter_without_a_gpu(tmp_path: Path) -> None:
     proc = _run(tmp_path, "--measure", "--only", "^moonlight mla decode b1 ctx1k eager$", "--no-launch-count")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -175,6 +177,7 @@ def test_sass_main_loop_counts_the_innermost_streaming_loop(kernel_report: Modul
     assert not straight["loop"] and straight["instructions"] == 10  # one pass: every instruction but NOPs and `BRA .`
 
 
+@pytest.mark.slow
 def test_issue_bound_fraction_of_a_compiled_kernel() -> None:
     """One real compile for sm_90 (Moonlight's bf16 down GEMM at batch 1): its main loop is found in the SASS, holds
     mma.sync or wgmma, and the issue-bound fraction is a share of the bandwidth in (0, 1]."""

@@ -86,7 +86,7 @@ ATTENTION_KERNELS = {"_decode_partial_kernel", "_decode_reduce_kernel", "_latent
 
 
 def test_moe_layer_launches_14_in_decode_and_verification(launch_count: ModuleType) -> None:
-    """Issue #58's bound is 14 per MoE layer for decode and verification steps: a Moonlight-structured MoE layer
+    """The bound is 14 per MoE layer for decode and verification steps: a Moonlight-structured MoE layer
     launches 14 kernels in a decode step (the residual adds, routing arithmetic, sort, concatenations, casts and
     shared-expert tail fused; only the matmuls stay torch ops) and as many in a verification step (n-gram draft), whose
     attention is the latent split kernel and its merge (a copy here: the 61-token context fits one slice) and whose

@@ -1,4 +1,4 @@
-"""The adaptive engine in the engine (issue: adaptive optimisation): exact outputs, KV retention for agent sessions,
+"""The adaptive engine in the engine: exact outputs, KV retention for agent sessions,
 latency-aware budgets, state across restarts."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""KV cache groups (issue #57): one block pool for a hybrid model's full and sliding-window layers. gpt-oss's sliding
+"""KV cache groups: one block pool for a hybrid model's full and sliding-window layers. gpt-oss's sliding
 layers give back the blocks that fell out of their window, take only the window's blocks on a prefix hit, and every
 engine feature (chunked prefill, prefix caching, n > 1, preemption, aborts, speculative decoding with tree drafts)
 keeps its tokens and leaks no block."""
@@ -239,7 +239,7 @@ def test_random_stress_leaks_no_block_and_keeps_the_tokens(tiny_checkpoint: Call
     assert all(used == 0 for used in engine.block_manager.group_used)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
 def test_gpt_oss_padded_static_decode_reads_each_groups_tables(tiny_checkpoint: Callable[[str], object],
                                                                backend: str) -> None:
     """The CUDA-graph decode path's static buffers (run without capture, as on CPU) hold each group's slots and

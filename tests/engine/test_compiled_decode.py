@@ -1,4 +1,4 @@
-"""compile_decode (issue #3): CPU decode steps through torch.compile give the tokens of eager decoding, for a dense
+"""compile_decode: CPU decode steps through torch.compile give the tokens of eager decoding, for a dense
 model and for DeepSeek's MLA + mixture-of-experts; the three graphs (one sequence, 2-4 sequences, more) are compiled
 when the engine starts and serve every later step without recompiling; a packed linear layer compiles through the
 plain weight it keeps; the opaque MoE op agrees with its eager definition; bad combinations are rejected."""
@@ -41,6 +41,7 @@ def _compiles() -> int:
 
 # dense GQA; MLA with a low-rank query and MoE; MLA without one (the attention shape Inductor's rewrite broke);
 # INT4 experts through the opaque MoE op
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama_dir", "deepseek_dir", "deepseek_v2", "kimi_k2_int4"])
 def test_compiled_decode_matches_eager(family: str, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue(family) if family.endswith("_dir") else request.getfixturevalue("tiny_checkpoint")(family).path

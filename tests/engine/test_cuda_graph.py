@@ -1,4 +1,4 @@
-"""CUDA graphs for decode batches (issue #7) and verification batches (issue #58): bucket sizes, when graphs are used,
+"""CUDA graphs for decode batches and verification batches: bucket sizes, when graphs are used,
 and that the padded static-buffer decode and verification paths give the same greedy tokens as eager steps.
 
 The padded path also runs without capture (`CudaGraphRunner(..., capture=False)`): the same static buffers, padding
@@ -96,7 +96,7 @@ def test_graph_bucket_config_is_validated(llama_dir: Path) -> None:
     assert dataclasses.replace(config, cuda_graph_draft_lengths=()).cuda_graph_draft_lengths == ()
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.slow), "torch"])
 @pytest.mark.parametrize("family", ["llama_dir", "deepseek_dir"])
 def test_padded_static_decode_matches_eager(family: str, backend: str, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue(family)
@@ -171,7 +171,7 @@ def _record_buckets(graphs: CudaGraphRunner) -> list[tuple[int, int, int, tuple[
     return served
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.slow), "torch"])
 @pytest.mark.parametrize("family", ["llama_dir", "deepseek_dir"])
 def test_padded_static_verify_matches_eager(family: str, backend: str, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue(family)

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 (issue #59) through what the engine does: prefix hits at block boundaries inside unfinished compressed
+"""DeepSeek-V4 through what the engine does: prefix hits at block boundaries inside unfinished compressed
 windows, preemption and recompute in a cache too small for the batch, n > 1, and lossless speculative decoding
 (chains; trees are cut to their first path). Every run is checked against the same model run plainly (one request
 at a time, no prefix cache, no drafts), which tests/models/test_deepseek_v4.py checks against transformers."""
@@ -95,6 +95,7 @@ def test_draft_trees_are_cut_to_their_first_path() -> None:
     assert chain.token_ids == [5, 6, 8] and chain.parents == [-1, 0, 1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(data_parallel_size=2, enable_expert_parallel=True)],
                          ids=["tp2", "dp2_ep"])
 def test_tensor_and_data_parallel_equal_one_process(path: str, plain, parallel: dict) -> None:

@@ -1,4 +1,4 @@
-"""Tensor, expert and data parallelism on CPU (gloo): N ranks give one process's tokens (issue: distributed serving).
+"""Tensor, expert and data parallelism on CPU (gloo): N ranks give one process's tokens.
 
 Every case runs batched mixed-length prompts on a KV cache small enough to force preemption, against the same
 checkpoint in one process: greedy tokens equal, logprobs within 1e-4 relative. Ranks start as child processes (mp),
@@ -103,6 +103,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant,tp,ep,dp", CASES, ids=[f"{v}-tp{t}{'-ep' if e else ''}-dp{d}" for v, t, e, d in CASES])
 def test_ranks_give_one_process_tokens(one_process, variant: str, tp: int, ep: bool, dp: int) -> None:
     path, reference = one_process(variant)
@@ -118,6 +119,7 @@ def test_ranks_give_one_process_tokens(one_process, variant: str, tp: int, ep: b
     _assert_same(outs, reference)
 
 
+@pytest.mark.slow
 def test_data_parallel_requests_follow_their_cached_prefix(tiny_checkpoint) -> None:
     """A prompt goes to the replica holding most of it in cache, even when that replica is the busier one; without
     a hit, to the least loaded. The cache is looked up under the prompt's cache_salt: the same prompt under another
@@ -154,6 +156,7 @@ BUNDLED = dict(dtype="float32", device="cpu", block_size=8, kv_cache_blocks=32, 
 BUNDLED_PARAMS = SamplingParams(temperature=0.0, max_tokens=100)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,parallel", [
     ("mtp", dict(tensor_parallel_size=2)),
     ("mtp", dict(data_parallel_size=2, enable_expert_parallel=True)),
@@ -171,6 +174,7 @@ def test_speculative_decoding_under_parallelism(bundled_reference, method: str, 
     assert stats.num_preemptions > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(data_parallel_size=2, enable_expert_parallel=True)],
                          ids=["tp2", "dp2-ep"])
 def test_seeded_samples_thinking_budget_and_logprobs_under_parallelism(bundled_reference, parallel: dict) -> None:
@@ -189,6 +193,7 @@ def test_seeded_samples_thinking_budget_and_logprobs_under_parallelism(bundled_r
                                                                            rel=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant,ep", [("deepseek_v3", True), ("qwen3_next", False)])
 def test_each_rank_holds_and_reads_only_its_share(tiny_checkpoint, variant: str, ep: bool) -> None:
     """TP 2 (with the experts EP 2, or split too): each rank's weights are the replicated parts plus half of the
@@ -236,6 +241,7 @@ def test_bad_parallel_settings_fail_at_start_naming_the_option(tiny_checkpoint, 
         LLM(path, **{**TIGHT, **kwargs})
 
 
+@pytest.mark.slow
 def test_hybrid_draft_trees_under_tensor_parallelism(tiny_checkpoint) -> None:
     """Draft trees (in n-gram's place, drafts that know the answer: some accepted whole, some in part, never the
     first branch) verified on two ranks, each holding half of every linear-attention layer's heads with their live
@@ -293,6 +299,7 @@ def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         subprocess.run([*ray, "stop", "--force"], env=env, capture_output=True)
 
 
+@pytest.mark.slow
 def test_ray_executor_places_the_ranks_in_a_placement_group(one_process, ray_cluster: str,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     path, reference = one_process("deepseek_v3")
@@ -310,6 +317,7 @@ def test_ray_executor_places_the_ranks_in_a_placement_group(one_process, ray_clu
     assert ray.available_resources().get("CPU") == 2
 
 
+@pytest.mark.slow
 def test_two_nodes_on_loopback(one_process) -> None:
     """`serve --nnodes 2 --node-rank 1` runs the second node's rank; node 0 is this process's engine."""
     path, reference = one_process("deepseek_v3")
@@ -350,6 +358,7 @@ def no_rank_left() -> Iterator[None]:
     assert not leftovers, f"rank processes left behind: {leftovers}"
 
 
+@pytest.mark.slow
 def test_ranks_started_from_a_thread_outlive_it_and_a_ctrl_c(one_process, no_rank_left,
                                                              caplog: pytest.LogCaptureFixture) -> None:
     """An LLM built in a thread that then ends keeps its ranks (they live as long as this process), a Ctrl-C that
@@ -373,6 +382,7 @@ def test_ranks_started_from_a_thread_outlive_it_and_a_ctrl_c(one_process, no_ran
     assert _distributed_warnings(caplog) == []
 
 
+@pytest.mark.slow
 def test_a_dropped_llm_releases_its_ranks_and_process_group(one_process, no_rank_left) -> None:
     """`del llm` without shutdown(): its ranks end and the process group goes, so the next distributed LLM of the
     process starts (it was refused) and gives the same tokens."""
@@ -390,6 +400,7 @@ def test_a_dropped_llm_releases_its_ranks_and_process_group(one_process, no_rank
     _assert_same(first, reference)
 
 
+@pytest.mark.slow
 def test_the_server_engine_stops_its_ranks_in_order(one_process, no_rank_left,
                                                      caplog: pytest.LogCaptureFixture) -> None:
     """AsyncLLM (the server's engine) builds the engine in its own thread and ends that thread before stopping
@@ -412,6 +423,7 @@ def test_the_server_engine_stops_its_ranks_in_order(one_process, no_rank_left,
     assert _distributed_warnings(caplog) == []
 
 
+@pytest.mark.slow
 def test_killing_the_driver_process_takes_its_ranks_down(one_process) -> None:
     """SIGKILL leaves the driver no time to stop anything: its ranks notice that its process ended and end."""
     path, _ = one_process("llama")
@@ -435,6 +447,7 @@ def test_killing_the_driver_process_takes_its_ranks_down(one_process) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_processes_ray_starts_from_a_passing_thread_outlive_it() -> None:
     """ray.init() starts a local cluster whose processes get Linux's parent-death signal from the starting thread
     (Ray's own preexec function): the engine starts it from a thread that lasts as long as this process."""

@@ -1,4 +1,4 @@
-"""Engine core: batching, preemption, chunked prefill, prefix caching, aborts, n > 1 (issue: engine core)."""
+"""Engine core: batching, preemption, chunked prefill, prefix caching, aborts, n > 1."""
 
 from __future__ import annotations
 

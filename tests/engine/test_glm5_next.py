@@ -1,4 +1,4 @@
-"""GLM-5.3-Flash (issue #59) through what the engine does: prefix hits at block boundaries inside unfinished index
+"""GLM-5.3-Flash through what the engine does: prefix hits at block boundaries inside unfinished index
 pools (blocks of 2 tokens, pools of 4) with the KDA state restored from a snapshot, preemption and recompute in a
 cache too small for the batch, n > 1, lossless speculative decoding (chains), aborts, tensor and data parallelism.
 Every run is checked against the same model run plainly (one request at a time, no prefix cache, no drafts), which

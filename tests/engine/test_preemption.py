@@ -1,5 +1,5 @@
 """Preemption under memory pressure: n > 1 groups, prompt logprobs and prefix-cache statistics survive it, and random
-mixes of requests always finish with every block back (issue: defects found as a new user)."""
+mixes of requests always finish with every block back."""
 
 from __future__ import annotations
 

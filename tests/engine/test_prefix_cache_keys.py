@@ -1,4 +1,4 @@
-"""Prefix-cache keys (issue #55): each full block is named by SHA-256 over an unambiguous encoding of its parent's key,
+"""Prefix-cache keys: each full block is named by SHA-256 over an unambiguous encoding of its parent's key,
 its tokens, its media and (through the first block) the prompt's cache_salt, so no crafted prompt takes another's KV;
 prompts share cached blocks only under equal salts. Engine-level cases run the bundled model."""
 
@@ -115,19 +115,16 @@ def _generate(llm: LLM, tokens: list[int], salt: str | None = None, params: Samp
 def test_blocks_that_collided_under_pythons_hash_keep_their_own_kv(llm: LLM) -> None:
     assert COLLIDING_A != COLLIDING_B and hash(tuple(COLLIDING_A)) == hash(tuple(COLLIDING_B))
     tail = [20, 30, 40]
-    llm.engine.block_manager.reset_prefix_cache()
-    b_alone = _generate(llm, COLLIDING_B + tail).outputs[0].token_ids
-    llm.engine.block_manager.reset_prefix_cache()
-    a = _generate(llm, COLLIDING_A + tail)
-    b = _generate(llm, COLLIDING_B + tail)
+    b_alone = _generate(llm, COLLIDING_B + tail, "b alone").outputs[0].token_ids  # a salt of its own: nothing to hit
+    a = _generate(llm, COLLIDING_A + tail, "a then b")
+    b = _generate(llm, COLLIDING_B + tail, "a then b")
     assert a.outputs[0].token_ids != b_alone  # so reading A's KV would show
     assert b.num_cached_tokens == 0
     assert b.outputs[0].token_ids == b_alone
 
 
 def test_cache_salt_shares_blocks_only_under_the_same_salt(llm: LLM) -> None:
-    prompt = list(range(300, 340))  # two full blocks and a tail
-    llm.engine.block_manager.reset_prefix_cache()
+    prompt = list(range(300, 340))  # two full blocks and a tail, sent by no other test
     runs = [(salt, _generate(llm, prompt, salt)) for salt in ("tenant-a", "tenant-a", "tenant-b", None, None)]
     assert [(salt, out.num_cached_tokens) for salt, out in runs] == [
         ("tenant-a", 0), ("tenant-a", 32), ("tenant-b", 0), (None, 0), (None, 32)]

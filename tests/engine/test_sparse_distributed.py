@@ -13,6 +13,7 @@ from .test_distributed import GREEDY, TIGHT, _assert_same, _prompts
 CASES = [("deepseek_v32", 2, False, 1), ("glm_moe_dsa", 1, True, 2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant,tp,ep,dp", CASES, ids=[f"{v}-tp{t}{'-ep' if e else ''}-dp{d}" for v, t, e, d in CASES])
 def test_ranks_give_one_process_tokens(tiny_checkpoint, variant: str, tp: int, ep: bool, dp: int) -> None:
     path = tiny_checkpoint(variant).path

@@ -14,6 +14,7 @@ from reasoning_engine.kernels import triton_attention
 # gpt_oss: sinks and sliding windows (of 8) through the Triton attention kernels, expert biases, the clamped SwiGLU
 # and MXFP4 experts through the Triton MoE. MLA (deepseek_v3): the test with drafts and chunks below, whose steps
 # include every kind this one has
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3_moe", "llama", "minimax_m2", "minimax_m2_as_saved", "glm4_moe",
                                   "glm4_moe_as_saved", "gpt_oss", "gpt_oss_mxfp4"])
 def test_triton_backend_matches_torch_greedy(name: str, tiny_checkpoint, device: str) -> None:

@@ -134,6 +134,7 @@ def test_triton_sparse_mla_matches_reference(context_lens, query_lens, dtype, de
     assert_close(got, want, scale=2.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
 def test_triton_backend_matches_torch_greedy(name: str, tiny_checkpoint, device: str) -> None:
     """End to end with index_topk 8: prompts past it, so the prefill and every decode step attend sparsely through

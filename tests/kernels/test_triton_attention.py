@@ -250,6 +250,7 @@ def _decode(kind, q, caches, batch):
     return triton_attention.paged_latent_attention(q, caches[0], 32, batch, meta, 0.2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gqa", "mla", "mla_latent"])
 def test_decode_is_bitwise_batch_and_graph_invariant(device, kind):
     """A sequence's bf16 decode output is the same bits alone, in a batch with shorter and much longer sequences

@@ -1,4 +1,4 @@
-"""The Triton path's greedy tokens depend on the request alone (issue #30): a request gives the same tokens alone and
+"""The Triton path's greedy tokens depend on the request alone: a request gives the same tokens alone and
 in a batch with shorter and longer ones, and the padded static-shape decode path (what a CUDA graph replays; run here
 without capture, the kernels getting the graph's static arguments) gives the eager path's tokens. Decode slices are
 shortened to 8 tokens so that these short contexts are split into many slices the merge has to combine; the bitwise
@@ -15,6 +15,8 @@ from reasoning_engine import LLM, SamplingParams
 from reasoning_engine.engine.cuda_graph import CudaGraphRunner
 from reasoning_engine.kernels import triton_attention
 from char_models import mixed_prompts
+
+pytestmark = pytest.mark.slow  # whole engines through the Triton interpreter
 
 SPLIT_TOKENS = 8
 

@@ -282,6 +282,7 @@ def test_split_k_gives_the_same_bits(device, monkeypatch, method, tokens):
     assert rel_error(split, ref) < 1e-2
 
 
+@pytest.mark.slow
 def test_int4_exponent_trick_is_exact(device):
     """The kernel's INT4 values (codes ORed into a float's mantissa, the bias subtracted, inputs reordered to match)
     are exactly q for every code and activation dtype: one-hot activations through a GEMM of unit scales recover

@@ -33,6 +33,7 @@ def _rank(rank: int, port: int, dtype: torch.dtype, out: dict) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sharded_rms_norm_equals_the_unsplit_norm(dtype: torch.dtype) -> None:
     x, weight = _inputs()

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 (issue #59) against transformers 5.25 on a tiny random checkpoint written by its save_pretrained (the
+"""DeepSeek-V4 against transformers 5.25 on a tiny random checkpoint written by its save_pretrained (the
 official tensor names): every attention kind (sliding, compressed sparse with its lightning indexer, heavily
 compressed), hash-routed and sqrtsoftplus MoE layers, four hyper-connection streams, YaRN on the compressed
 layers. Prompts cross many rate-4 and rate-16 row boundaries and the 8-token window, prefilled in chunks that end

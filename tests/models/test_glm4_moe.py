@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 import torch
 
+from reasoning_engine.cache_groups import cache_bytes
 from reasoning_engine.config import load_model_config
 from reasoning_engine.models.glm4_moe import Glm4MoeForCausalLM, rotary_dim
+from reasoning_engine.models.registry import FAMILIES
 
 # GLM-4.5-Air's config.json fields (sizes shrunk)
 HUB = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True, "head_dim": 32,
@@ -71,4 +73,6 @@ def test_glm4_moe_lite_runs_as_deepseek_v3_with_its_layer_pattern(tmp_path: Path
     config = _config(tmp_path, "lite", lite)
     assert config.family == "deepseek_v3" and config.is_mla
     assert config.raw["mlp_layer_types"] == ["dense", "sparse", "sparse"]  # Glm4MoeLiteConfig's default
-    assert config.kv_cache_bytes_per_token(torch.bfloat16) == (32 + 8) * 2 * 3
+    with torch.device("meta"):
+        model = FAMILIES[config.family](config, 64)
+    assert cache_bytes(model.attention_layers(), torch.bfloat16) == (32 + 8) * 2 * 3  # latent and rope key per layer

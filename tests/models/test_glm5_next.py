@@ -1,4 +1,4 @@
-"""GLM-5.3-Flash (issue #59) against transformers 5.25 on a tiny random checkpoint written by its save_pretrained (the
+"""GLM-5.3-Flash against transformers 5.25 on a tiny random checkpoint written by its save_pretrained (the
 image-text wrapper, official tensor names): KDA layers with the lower-bounded forget gate, NoPE DSA layers whose
 indexer scores pools of 4 tokens (keeping 2 and the query's unfinished pool) with a second layer sharing the first's
 choice, four hyper-connection streams, clamped SwiGLU experts. Prompts cross many pools and blocks and attend

@@ -103,6 +103,7 @@ def test_mxfp4_experts_split_over_tensor_ranks_in_whole_groups(tiny_checkpoint: 
         LLM(str(tiny_checkpoint("gpt_oss_mxfp4").path), dtype="float32", device="cpu", tensor_parallel_size=2)
 
 
+@pytest.mark.slow
 def test_compiled_decode_matches_eager(tiny_checkpoint: Callable[[str], TinyCheckpoint]) -> None:
     """compile_decode: sinks and windows through `decode_attention`, the biased MXFP4 experts through the opaque MoE
     op (one graph, no break), decoding past the window; the tokens and logprobs of eager decoding."""

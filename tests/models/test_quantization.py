@@ -7,13 +7,12 @@ import torch
 
 from reasoning_engine.layers.moe import ExpertQuant
 from reasoning_engine.models.quantization import (
-    QuantConfig,
     dequantize_fp8_block,
     dequantize_fp8_channel,
     expert_quant,
     dequantize_int4_pack,
-    parse_quant_config,
 )
+from reasoning_engine.quant_config import QuantConfig, parse_quant_config
 
 from .quant_writer import (
     FP8_QUANTIZATION_CONFIG,

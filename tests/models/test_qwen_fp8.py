@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from reasoning_engine.layers.moe import Experts
-from reasoning_engine.models.quantization import parse_quant_config
+from reasoning_engine.quant_config import parse_quant_config
 
 from .checkpoints import TinyCheckpoint
 from .st_files import read_tensors

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from reasoning_engine.models.quantization import parse_quant_config
+from reasoning_engine.quant_config import parse_quant_config
 from reasoning_engine.models.weights import check_shape, count_checkpoint_tensors, iter_checkpoint_weights
 
 from .checkpoints import VARIANTS, TinyCheckpoint

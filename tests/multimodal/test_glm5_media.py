@@ -1,4 +1,4 @@
-"""GLM-5.3-Flash's images (issue #59) against transformers on one tiny checkpoint (tests/multimodal/glm5_checkpoint.py):
+"""GLM-5.3-Flash's images against transformers on one tiny checkpoint (tests/multimodal/glm5_checkpoint.py):
 our preprocessing equals `Glm5NextImageProcessor` bit for bit (images under the token minimum, over the budget, with
 transparency), our vision tower `Glm5NextModel.get_image_features` (torch and Triton attention), and image prompts
 through the engine give transformers' expanded prompt, logits and greedy tokens, also prefilled in chunks that cut an

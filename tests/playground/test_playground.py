@@ -18,6 +18,8 @@ from server.helpers import metric_value, wait_for
 
 from .helpers import ARTIFACTS, ROOT, Served
 
+pytestmark = pytest.mark.slow  # a browser against a live server
+
 ABORTS = "reasoning_engine:request_success_total"
 RUNNING = "reasoning_engine:num_requests_running"
 KV_USAGE = "reasoning_engine:kv_cache_usage_perc"

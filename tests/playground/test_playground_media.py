@@ -17,6 +17,8 @@ from server.helpers import save_random_checkpoint
 
 from .helpers import ARTIFACTS, BUNDLED, Served
 
+pytestmark = pytest.mark.slow  # a browser against a live server
+
 
 @pytest.fixture(scope="module")
 def kimi_served(serve: Callable[..., Served], tmp_path_factory: pytest.TempPathFactory) -> Served:
@@ -62,7 +64,7 @@ def test_attached_image_is_sent_shown_and_answered(page: Page, kimi_served: Serv
 
 
 def test_no_image_control_for_a_text_model(page: Page, serve: Callable[..., Served], tmp_path: Path) -> None:
-    # a random text-only checkpoint: the bundled model has a vision tower since issue #26
+    # a random text-only checkpoint: the bundled model has a vision tower
     connected(page, serve(model=str(save_random_checkpoint(tmp_path / "text_model"))))
     expect(page.locator("#attach")).to_be_hidden()
     expect(page.locator("#attachments")).to_be_hidden()

@@ -299,7 +299,7 @@ def test_encoder_cache_metrics(client: openai.OpenAI, server: str) -> None:
 
 @pytest.fixture(scope="module")
 def text_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A text-only model (a tiny random llama; the bundled model has a vision tower since issue #26), in-process."""
+    """A text-only model (a tiny random llama; the bundled model has a vision tower), in-process."""
     from reasoning_engine.engine.async_engine import AsyncLLM
 
     model = save_random_checkpoint(tmp_path_factory.mktemp("random_kimi_llama"))

@@ -1,4 +1,4 @@
-"""The server over a distributed engine (issue: distributed serving): `serve --tensor-parallel-size 2` of the bundled
+"""The server over a distributed engine: `serve --tensor-parallel-size 2` of the bundled
 model answers the unmodified openai client as one process does; a killed rank fails the in-flight request with an
 error and the server exits non-zero within 30 s, leaving no process behind; SIGTERM stops every rank."""
 
@@ -25,6 +25,8 @@ from reasoning_engine.engine.async_engine import AsyncLLM
 from reasoning_engine.server.app import ServerConfig, build_app
 
 from .helpers import LiveServer, alive, child_pids, stream_chat, wait_for
+
+pytestmark = pytest.mark.slow  # servers over ranks in subprocesses
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=512, kv_cache_blocks=96, block_size=16)

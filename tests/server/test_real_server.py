@@ -280,7 +280,7 @@ def test_serve_without_bundled_model_says_so(monkeypatch: pytest.MonkeyPatch, tm
                                              capsys: pytest.CaptureFixture[str]) -> None:
     from reasoning_engine.server import cli
 
-    monkeypatch.setattr("reasoning_engine.tiny.BUNDLED_MODEL_DIR", tmp_path, raising=False)
+    monkeypatch.setattr("reasoning_engine.config.BUNDLED_MODEL_DIR", tmp_path)
     assert cli.main(["serve"]) == 2
     assert "bundled tiny model" in capsys.readouterr().err
 

@@ -293,7 +293,7 @@ def forced_tag(*tools: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_forced_calls_hold_what_the_model_wrote_and_nothing_else(http: httpx.Client, engine: Any) -> None:
-    """#55: a forced call's strings took any marker, and the model (which would not call a tool here) wrote
+    """A forced call's strings took any marker, and the model (which would not call a tool here) wrote
     `</think>` inside its argument string: the parser dropped it, or at `<|tool_call_end|>` cut the call and spilled
     the rest as content and a second call. Now the arguments are exactly what the model wrote (the raw tokens),
     with no marker, nothing is outside the calls, and a call cut by max_tokens is a prefix the grammar allows."""

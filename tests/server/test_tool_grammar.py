@@ -268,8 +268,9 @@ def chat_tools() -> list[dict[str, Any]]:
             for n, p in FORCED_TOOLS.items()]
 
 
+@pytest.mark.slow
 def test_forced_chat_calls_of_a_random_model_are_calls_only_and_end(forced: tuple[str, httpx.Client]) -> None:
-    """#55: under tool_choice "required" or a named tool, every choice of a randomly sampled random model (n=3,
+    """Under tool_choice "required" or a named tool, every choice of a randomly sampled random model (n=3,
     several seeds, parallel calls on and off, thinking on and off) is calls only: each parses, its arguments valid
     against its tool's schema, no content, and the turn ends after them (finish_reason "tool_calls", not the token
     limit). A call opener the model writes inside its thinking is thinking: the engine holds only what follows
@@ -307,6 +308,7 @@ def test_forced_chat_calls_of_a_random_model_are_calls_only_and_end(forced: tupl
         assert streamed == whole, (fmt, seed)
 
 
+@pytest.mark.slow
 def test_forced_responses_and_messages_calls_of_a_random_model_end(forced: tuple[str, httpx.Client]) -> None:
     """The Responses API's tool_choice "required" / named function and Anthropic's {"type": "any"} / {"type":
     "tool"}: the output is function calls / tool_use blocks only, valid against the schema, and the turn ends."""
@@ -340,7 +342,7 @@ WHERE = "properties.xs.uniqueItems"
 
 
 def test_unenforceable_schemas_are_400s_naming_the_keyword_on_every_api(fake_server: Any) -> None:
-    """#55: a schema keyword the grammar does not enforce is refused wherever a schema constrains the output, the
+    """A schema keyword the grammar does not enforce is refused wherever a schema constrains the output, the
     error naming the keyword's path in each API's own terms (Responses' flat tools, Anthropic's input_schema)."""
     _, url = fake_server("hi")
     user = [{"role": "user", "content": "x"}]

@@ -187,6 +187,7 @@ def test_greedy_output_equals_plain_decoding(target_dir: Path, tmp_path: Path, c
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+@pytest.mark.slow
 def test_tensor_parallel_output_equals_plain_decoding(target_dir: Path, tmp_path: Path) -> None:
     """The head whole on both ranks, beside a target split over two (it reads the target's split embedding and
     whole intermediate features); a cache small enough to preempt."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import pytest
 import torch
 from tokenizers import Tokenizer
 
@@ -67,6 +68,7 @@ def test_layer0_head0_starts_on_the_previous_token() -> None:
     assert torch.isfinite(logits).all() and torch.isfinite(mtp).all()
 
 
+@pytest.mark.slow
 def test_a_few_steps_write_a_loadable_checkpoint(tmp_path: Path) -> None:
     """...and leave the caller's torch thread count as it was (the run sets its own): a test session that trained
     ran every later test oversubscribed."""

@@ -120,7 +120,7 @@ def _stop(run: ChatRun, reply: Reply) -> tuple[str, str | None]:
         return ("model_context_window_exceeded" if reply.clamped else "max_tokens"), None
     if isinstance(choice.stop_reason, str):
         return "stop_sequence", choice.stop_reason
-    if run.serving.finish_reason(choice) == "tool_calls":
+    if choice.api_finish_reason == "tool_calls":
         return "tool_use", None
     return "end_turn", None
 

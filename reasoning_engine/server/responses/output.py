@@ -151,7 +151,7 @@ class ResponseRun:
                 for event in self.output.feed(parsed):
                     yield event
                 if update.finished:
-                    incomplete = self.serving.finish_reason(update.choice) == "length"
+                    incomplete = update.choice.api_finish_reason == "length"
                     for event in self.output.finish(incomplete):
                         yield event
                     self.body["status"] = "incomplete" if incomplete else "completed"

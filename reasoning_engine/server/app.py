@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -64,6 +64,7 @@ from reasoning_engine.server.routing import json_body, serve_prepared, session_k
 from reasoning_engine.server.serving import OpenAIServing, check_tool_results, placeholder_messages
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T", TokenizeRequest, DetokenizeRequest)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_MEDIA_MAX_BYTES = 20 * 1024 * 1024
 DEFAULT_MEDIA_FETCH_TIMEOUT_S = 10.0
@@ -361,12 +362,17 @@ def _register_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
     async def completions(request: Request) -> Response:
         return await openai_request(request, CompletionRequest, "cmpl")
 
-    @app.post("/tokenize", responses=errors(400, 404))
-    async def tokenize(request: Request) -> Response:
-        req = await json_body(request, TokenizeRequest)
+    async def tokenizer_request(request: Request, model: type[T]) -> T:
+        """The body of a /tokenize or /detokenize request, for this model, which must have a tokenizer."""
+        req = await json_body(request, model)
         serving.check_model(req.model)
         if tokenizer is None:
             raise bad_request("this model has no tokenizer")
+        return req
+
+    @app.post("/tokenize", responses=errors(400, 404))
+    async def tokenize(request: Request) -> Response:
+        req = await tokenizer_request(request, TokenizeRequest)
         if req.messages is not None:
             refs = serving.media_refs(req.messages)
             rendered = render_chat(tokenizer, placeholder_messages(req.messages, refs), tools=req.tools,
@@ -382,10 +388,7 @@ def _register_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.post("/detokenize", responses=errors(400, 404))
     async def detokenize(request: Request) -> Response:
-        req = await json_body(request, DetokenizeRequest)
-        serving.check_model(req.model)
-        if tokenizer is None:
-            raise bad_request("this model has no tokenizer")
+        req = await tokenizer_request(request, DetokenizeRequest)
         if any(t < 0 or t >= serving.vocab_size for t in req.tokens):
             raise bad_request(f"token ids must be in [0, {serving.vocab_size})", param="tokens")
         return JSONResponse({"prompt": tokenizer.decode(req.tokens)})

@@ -7,6 +7,7 @@ import torch
 from kernel_asserts import assert_close
 from test_engine_backends import greedy_by_backend
 
+from reasoning_engine import LLM, SamplingParams
 from reasoning_engine.kernels import compressed_attention, triton_compressed_attention
 
 BLOCKS, BLOCK_ROWS = 9, 8
@@ -102,3 +103,19 @@ def test_engine_triton_backend_matches_torch_on_deepseek_v4(tiny_checkpoint, dev
     outs = greedy_by_backend(tiny_checkpoint("deepseek_v4").path, device, prompts, 6)
     assert outs["triton"] == outs["torch"]
     assert 0 in seen and max(seen) >= 2, seen
+
+
+@pytest.mark.slow
+def test_engine_triton_backend_matches_torch_with_drafts_and_chunks(tiny_checkpoint, device: str) -> None:
+    """deepseek_v4 with suffix speculation and a 24-token budget: steps mix decodes, drafts verified across
+    compression boundaries and a 45-token prompt in chunks; the Triton backend gives torch's tokens."""
+    prompts = [[3, 17, 9, 42] * 6, [7, 1, 30], [5 + (i * 7) % 90 for i in range(45)]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(tiny_checkpoint("deepseek_v4").path, dtype="float32", device=device, kernel_backend=backend,
+                  block_size=4, max_num_batched_tokens=24, adaptive=False,
+                  speculative_config={"method": "suffix", "num_speculative_tokens": 4})
+        outs[backend] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        assert llm.engine.stats().spec_decode["accepted_tokens"] > 0  # drafts were verified and kept
+    assert outs["triton"] == outs["torch"]

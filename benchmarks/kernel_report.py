@@ -4,7 +4,7 @@ and report what the GPU would see: registers, spills and shared memory per kerne
 Triton), the occupancy they allow, and, for the decode kernels, the bytes they move against the memory roofline.
 
     python benchmarks/kernel_report.py [--targets sm_90,sm_100] [--only REGEX] [--json] [--out DIR | --no-write]
-                                       [--date D] [--jobs N] [--cache-dir DIR] [--measure] [--budget-s S]
+                                       [--date D] [--tag T] [--jobs N] [--cache-dir DIR] [--measure] [--budget-s S]
 
 How: each case calls a kernel module's public function (the same one the layers call) on `meta` tensors of the real
 shapes while `JITFunction.run` is replaced by a recorder, so the launches (grid, arguments, constexprs, num_warps)
@@ -18,7 +18,9 @@ Shapes: decode batches 1, 8, 64 at contexts 1k, 32k and 128k, eager (launch size
 CUDA graph replays it (sized by max_model_len = 128k); prefill chunks of 2048 and 8192 tokens; speculative
 verification (8 sequences x 4 tokens, and a mixed step: 8 decodes, 2 draft trees and a 2k chunk; contexts 32k and 128k); Kimi under TP=8 (8 heads, experts' intermediate 256) and EP=8 with
 data-parallel attention (64 heads, 48 whole experts), and Moonlight-16B-A3B (16 heads, 64 experts, bf16 and INT4).
-K2.6's text model has K2.5's shapes. `decode_path` marks kernels launched on every decode step (speculative
+K2.6's text model has K2.5's shapes. DeepSeek-V4-Flash (its published config, transformers' DeepseekV4Config
+defaults): each attention layer kind (sliding window 128, CSA 4:1 with top-512, HCA 128:1) through the compressed
+attention kernel on 64 heads (one GPU) and 8 (TP 8), and the DSA indexer kernel at its index shapes (64 x 128). `decode_path` marks kernels launched on every decode step (speculative
 verification included); `launched` is False for kernels the engine does not call yet (the Triton sampling:
 layers/sampler.py uses torch there).
 
@@ -34,7 +36,7 @@ achieved bandwidth, and lists the registers and spills of the kernels the driver
 `--measure` runs the same cases through Triton's interpreter instead of compiling (a check of the script: the
 timings mean nothing), so use it with a narrow `--only`.
 
-The markdown report goes to DIR/kernel_report_<device>_<date>.md (default benchmarks/results; <device>: cpu_aot for
+The markdown report goes to DIR/kernel_report_<device>_<date>[_<tag>].md (default benchmarks/results; <device>: cpu_aot for
 compiles alone, the GPU's name with --measure on one, cpu_interpreted without), written once the compiles are done and
 rewritten after every shape --measure times, so a run stopped at its time limit keeps every number it took. With
 `--json` the last line of stdout is a JSON list, one record per kernel, target and shape: kernel, target, shape, model,
@@ -597,6 +599,117 @@ def dsa_cases() -> list[Case]:
     return cases
 
 
+@dataclass(frozen=True)
+class V4Shapes:
+    """DeepSeek-V4-Flash's attention (transformers' DeepseekV4Config defaults, the published V4-Flash config): one
+    K = V row of `head_dim` per token, a sliding `window`, compressed rows at `csa_rate` (the indexer keeps
+    `index_topk`, scoring with `index_heads` x `index_dim`) and `hca_rate` (all attended)."""
+
+    name: str
+    heads: int  # query heads on one rank (64 on one GPU or with data-parallel attention, 8 under TP 8)
+    head_dim: int = 512
+    window: int = 128
+    csa_rate: int = 4
+    hca_rate: int = 128
+    index_heads: int = 64
+    index_dim: int = 128
+    index_topk: int = 512
+
+
+V4_FLASH = V4Shapes("v4-flash", heads=64)
+V4_FLASH_TP8 = V4Shapes("v4-flash-tp8", heads=8)
+V4_KINDS = ("sliding", "csa", "hca")
+
+
+def _v4_keys(v4: V4Shapes, kind: str, position: int) -> tuple[int, int]:
+    """(window rows, compressed rows) a query at `position` attends to in a layer of `kind`."""
+    window = min(v4.window, position + 1)
+    finished = (position + 1) // (v4.csa_rate if kind == "csa" else v4.hca_rate)
+    rows = {"sliding": 0, "csa": min(v4.index_topk, finished), "hca": finished}[kind]
+    return window, rows
+
+
+def _v4_attention_traffic(v4: V4Shapes, batch: int, ctx: int, kind: str) -> Traffic:
+    """Minimum: each query's window and compressed rows once, its query in and output out. Modelled: every program
+    (a block of up to 16 heads of one query) reads all of them; programs of one query share them through L2 at best."""
+    from reasoning_engine.kernels import triton_compressed_attention as tca
+
+    window, rows = _v4_keys(v4, kind, ctx - 1)
+    row_bytes = v4.head_dim * BF16
+    io = batch * v4.heads * 2 * row_bytes
+    programs = batch * -(-v4.heads // tca._HEAD_BLOCK)
+    return Traffic(batch * (window + rows) * row_bytes + io,
+                   {"_compressed_attention_kernel": (programs * (window + rows) * row_bytes + io, programs)})
+
+
+def v4_attention_case(v4: V4Shapes, kind: str, tokens: int, context: int, decode_path: bool) -> Case:
+    """One layer of `kind` through `triton_compressed_attention.compressed_attention`: decode (one query per
+    sequence of `context` tokens) or a prefill chunk of `tokens` after `context` (each query its own window and
+    rows). Addressing as `compressed_attention.prepare_compressed` builds it (random blocks: the kernel gathers)."""
+    def build(device: str) -> tuple[Callable[[], Any], Callable[[list[Launch]], Traffic] | None]:
+        import torch
+
+        from reasoning_engine.kernels import triton_compressed_attention as tca
+
+        n = tokens  # query tokens
+        last = context + (0 if decode_path else tokens) - 1
+        window, rows = _v4_keys(v4, kind, last)
+        window_blocks = n * -(-v4.window // BLOCK_SIZE) + 1
+        cache = torch.randn(window_blocks, BLOCK_SIZE, v4.head_dim, dtype=torch.bfloat16, device=device)
+        address = lambda width, blocks, per: (  # noqa: E731
+            torch.randint(0, blocks, (n, width), device=device), torch.randint(0, per, (n, width), device=device),
+            torch.ones(n, width, dtype=torch.bool, device=device))
+        q = torch.randn(n, v4.heads, v4.head_dim, dtype=torch.bfloat16, device=device)
+        sinks = torch.randn(v4.heads, dtype=torch.bfloat16, device=device)
+        kwargs = {}
+        if rows:
+            rate = v4.csa_rate if kind == "csa" else v4.hca_rate
+            per = max(1, BLOCK_SIZE // rate)
+            row_blocks = -(-(last + 1) // max(BLOCK_SIZE, rate)) * (n if decode_path else 1) + 1
+            kwargs = dict(zip(("row_block", "row_offset", "row_valid"), address(rows, row_blocks, per)))
+            kwargs["row_cache"] = torch.randn(row_blocks, per, v4.head_dim, dtype=torch.bfloat16, device=device)
+        run = lambda: tca.compressed_attention(q, cache, *address(window, window_blocks, BLOCK_SIZE), sinks,  # noqa: E731
+                                               v4.head_dim**-0.5, **kwargs)
+        return run, (lambda _: _v4_attention_traffic(v4, tokens, context, kind)) if decode_path else None
+
+    shape = f"b{tokens} ctx{_k(context)}" if decode_path else f"chunk{_k(tokens)} after {_k(context)}"
+    return Case(v4.name, f"v4 {kind} attention", shape, decode_path, build)
+
+
+def v4_indexer_case(v4: V4Shapes, tokens: int, context: int, decode_path: bool) -> Case:
+    """The DSA indexer kernel at V4-Flash's indexer shapes (64 heads x 128): CSA's scores over the finished 4:1 rows
+    of a `context`-token sequence (context / 4 positions)."""
+    def build(device: str) -> tuple[Callable[[], Any], None]:
+        import torch
+
+        from reasoning_engine.kernels import triton_sparse_attention as tsa
+
+        rows = context // v4.csa_rate
+        fb, num_blocks = (_decode_batch(tokens, rows, False, device) if decode_path
+                          else _ragged_batch(rows, [tokens // v4.csa_rate], False, device))
+        keys = torch.randn(num_blocks, BLOCK_SIZE, v4.index_dim, dtype=torch.bfloat16, device=device)
+        q = torch.randn(fb.num_tokens, v4.index_heads, v4.index_dim, dtype=torch.bfloat16, device=device)
+        weights = torch.randn(fb.num_tokens, v4.index_heads, dtype=torch.float32, device=device)
+        return (lambda: tsa.indexer_scores(q, weights, keys, fb, 0, fb.num_tokens)), None
+
+    shape = f"b{tokens} ctx{_k(context)}" if decode_path else f"chunk{_k(tokens)} after {_k(context)}"
+    return Case(v4.name, "v4 csa indexer (dsa kernel)", shape, decode_path, build)
+
+
+def v4_cases() -> list[Case]:
+    """DeepSeek-V4-Flash's attention kernels: each layer kind's attention at decode (batches 1, 8, 64; 32k and 128k
+    contexts) and in a 2k chunk after 30k, on one GPU's 64 heads and TP 8's 8; the DSA indexer at its index shapes."""
+    cases: list[Case] = []
+    for v4 in (V4_FLASH, V4_FLASH_TP8):
+        for kind in V4_KINDS:
+            contexts = (32768,) if kind == "sliding" else (32768, 131072)  # a window's work does not grow
+            cases += [v4_attention_case(v4, kind, b, ctx, True) for b in DECODE_BATCHES for ctx in contexts]
+            cases.append(v4_attention_case(v4, kind, 2048, 30720, False))
+    cases += [v4_indexer_case(V4_FLASH, b, ctx, True) for b in DECODE_BATCHES for ctx in (32768, 131072)]
+    cases.append(v4_indexer_case(V4_FLASH, 2048, 30720, False))
+    return cases
+
+
 GPT_OSS_HEADS, GPT_OSS_KV_HEADS, GPT_OSS_HEAD_DIM, GPT_OSS_WINDOW = 64, 8, 64, 128  # gpt-oss-120b on one GPU
 
 
@@ -685,6 +798,7 @@ def all_cases() -> list[Case]:
               vision_attention_case([16384], "1 image x 16384 patches")]
     cases += dsa_cases()
     cases += gpt_oss_cases()
+    cases += v4_cases()
     return cases
 
 
@@ -772,7 +886,7 @@ def compile_job(launch: Launch, target: Target) -> CompileJob:
                       attrs=attrs, options=dict(options.__dict__), arch=target.arch, source_key=launch.fn.cache_key)
 
 
-RESULT_VERSION = 2  # of a cached compile result's fields (2: the SASS main loop)
+RESULT_VERSION = 3  # of a cached compile result's fields (2: the SASS main loop; 3: loops moving no memory left out)
 _PTXAS = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
@@ -903,7 +1017,7 @@ def mma_kind(opcodes: list[str]) -> str:
 def sass_main_loop(sass: str) -> dict[str, Any]:
     """The main loop of a kernel from its SASS (cuobjdump --dump-sass): loops are backward branches; the main one is
     the innermost loop moving the most global-memory bytes (ties: the longest), which for a streaming kernel is the
-    hottest; a kernel with no loop is one pass, counted whole. Returns its warp-instructions per iteration (NOPs left
+    hottest; a kernel with no loop that moves global memory is one pass, counted whole. Returns its warp-instructions per iteration (NOPs left
     out), the global bytes per warp its loads and stores request per iteration (None when it uses bulk/TMA copies,
     whose sizes SASS does not show), the mma kind of the whole kernel and of the loop, and the loop's span."""
     code = []  # (address, opcode, operands)
@@ -928,7 +1042,8 @@ def sass_main_loop(sass: str) -> dict[str, Any]:
                 "mma": mma_kind([op for op, _ in body]), "span": f"{start:#x}-{end:#x}"}
 
     innermost = [(a, b) for a, b in loops if not any((c, d) != (a, b) and a <= c and d <= b for c, d in loops)]
-    candidates = [span(a, b) for a, b in innermost]
+    # a loop that moves no global memory (a barrier wait, as for a tcgen05 mma on sm_100) is not the main loop
+    candidates = [c for c in (span(a, b) for a, b in innermost) if c["bulk"] or c["global_bytes"]]
     if candidates:
         main = max(candidates, key=lambda c: (c["bulk"] or bool(c["global_bytes"]), c["global_bytes"] or 0, c["instructions"]))
         main["loop"] = True
@@ -955,6 +1070,8 @@ def streamed_tile_bytes(kernel: str, kwargs: dict[str, Any]) -> float | None:
     if kernel in ("_decode_partial_kernel", "_prefill_kernel") and {"BLOCK_N", "D1"} <= set(kwargs):
         width = get("D1") + get("D2", 0) + (0 if get("V_FROM_K", True) else get("DV", 0))
         return get("BLOCK_N") * width * BF16
+    if kernel == "_compressed_attention_kernel" and {"BLOCK_N", "D"} <= set(kwargs):
+        return get("BLOCK_N") * get("D") * BF16  # the gathered K = V rows (values are the keys' tile)
     return None
 
 
@@ -1065,7 +1182,7 @@ def loaded_kernels() -> list[str]:
 
     lines = []
     for module in ("triton_attention", "triton_moe", "triton_norm", "triton_rotary", "triton_sampling",
-                   "triton_sparse_attention", "triton_vision_attention"):
+                   "triton_sparse_attention", "triton_vision_attention", "triton_compressed_attention"):
         mod = importlib.import_module(f"reasoning_engine.kernels.{module}")
         for name, fn in sorted(vars(mod).items()):
             for caches in getattr(fn, "device_caches", {}).values():
@@ -1265,6 +1382,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="folder of the markdown report")
     parser.add_argument("--no-write", action="store_true", help="do not write the markdown report")
     parser.add_argument("--date", default=datetime.date.today().isoformat())
+    parser.add_argument("--tag", default="", help="appended to the report's file name (a partial report beside the full one)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
                         / "reasoning_engine" / "kernel_report")
@@ -1318,7 +1436,7 @@ def main(argv: list[str] | None = None) -> int:
         measured_on = torch.cuda.get_device_name() if gpu else "CPU through Triton's interpreter (a check of the script)"
     device, slug = describe_device(args.measure, torch.cuda.get_device_name() if gpu else None)
     command = "python benchmarks/kernel_report.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    path = args.out / f"kernel_report_{slug}_{args.date}.md"
+    path = args.out / f"kernel_report_{slug}_{args.date}{'_' + args.tag if args.tag else ''}.md"
 
     def write_report() -> None:
         """The whole report as it stands, replaced atomically: after the compiles, after every measured shape."""

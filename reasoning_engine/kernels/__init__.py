@@ -4,6 +4,7 @@ whose functions take the same arguments, so a layer picks its implementation onc
 | family    | torch reference        | Triton                    |
 |-----------|------------------------|---------------------------|
 | attention | `attention.py`         | `triton_attention.py`     |
+| compressed_attention | `compressed_attention.py` | `triton_compressed_attention.py` |
 | moe       | `fused_moe.py`         | `triton_moe.py`           |
 | norm      | `norm.py`              | `triton_norm.py`          |
 | rotary    | `rotary.py`            | `triton_rotary.py`        |
@@ -31,6 +32,7 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 
 _MODULES = {
     "attention": ("attention", "triton_attention"),
+    "compressed_attention": ("compressed_attention", "triton_compressed_attention"),
     "moe": ("fused_moe", "triton_moe"),
     "norm": ("norm", "triton_norm"),
     "rotary": ("rotary", "triton_rotary"),
@@ -45,7 +47,7 @@ def triton_available() -> bool:
 
 
 def kernel_module(family: str, backend: str) -> ModuleType:
-    """The module implementing `family` ("attention", "moe", "norm", "rotary", "sampling") for `backend`
+    """The module implementing `family` (a key of `_MODULES`: "attention", "moe", ...) for `backend`
     ("torch" or "triton"); imported on first use so Triton is loaded only when asked for."""
     if family not in _MODULES:
         raise ValueError(f"unknown kernel family {family!r}; expected one of {sorted(_MODULES)}")

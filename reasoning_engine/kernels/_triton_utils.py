@@ -45,6 +45,19 @@ def mma(a, b, MODE: tl.constexpr):
     return out
 
 
+@triton.jit
+def online_softmax_step(m_i, l_i, acc, s, v, MODE: tl.constexpr):
+    """Fold a tile of base-2 scores s [M, N] (-inf where masked) and its values v [N, D] into a running softmax
+    (m_i: row maxima, l_i: sums of exp2(s - m_i), acc: the weighted values, float32); returns the new triple. A row
+    still at m_i = -inf whose tile is all -inf gets NaN: start m_i from a sink, or give each row a score first."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, MODE)
+    return m_new, l_i, acc
+
+
 def num_warps_for(block_elems: int) -> int:
     """Warps for a program whose widest tile has `block_elems` elements: enough threads to cover it in a few passes."""
     return 1 if block_elems <= 256 else 2 if block_elems <= 1024 else 4 if block_elems <= 4096 else 8

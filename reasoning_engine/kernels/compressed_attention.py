@@ -140,6 +140,21 @@ def select_rows(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visi
     return index.masked_fill_(scores.gather(1, index) == float("-inf"), -1)
 
 
+def compressed_attention(q: torch.Tensor, window_cache: torch.Tensor, window_block: torch.Tensor,
+                         window_offset: torch.Tensor, window_valid: torch.Tensor, sinks: torch.Tensor, scale: float,
+                         row_cache: torch.Tensor | None = None, row_block: torch.Tensor | None = None,
+                         row_offset: torch.Tensor | None = None, row_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """One layer's attention for every query token: its window rows (window_cache[window_block, window_offset],
+    [T, W]) then its compressed rows (row_cache[row_block, row_offset], [T, R]: every finished row for HCA, the
+    indexer's picks for CSA), masked by the `*_valid` flags, in one softmax with the sink. q [T, H, D] -> [T, H, D]
+    (the value of a row is the row itself). Gathers the keys and calls `sink_attention`."""
+    keys, valid = read_rows(window_cache, window_block, window_offset), window_valid
+    if row_cache is not None:
+        keys = torch.cat([keys, read_rows(row_cache, row_block, row_offset)], dim=1)
+        valid = torch.cat([valid, row_valid], dim=1)
+    return sink_attention(q, keys, valid, sinks, scale)
+
+
 def sink_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor,
                    scale: float) -> torch.Tensor:
     """Multi-query attention whose values are its keys: q [T, H, D], keys [T, K, D] (each query's own), valid [T, K]

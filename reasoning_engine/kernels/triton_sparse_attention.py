@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from reasoning_engine.batch import ForwardBatch
-from reasoning_engine.kernels._triton_utils import dot_mode, mma, num_warps_for, pow2
+from reasoning_engine.kernels._triton_utils import dot_mode, mma, num_warps_for, online_softmax_step, pow2
 from reasoning_engine.kernels.sparse_attention import select_topk, token_sequences
 from reasoning_engine.kernels.triton_attention import (
     TritonAttentionMetadata,
@@ -132,12 +132,7 @@ def _sparse_mla_kernel(
         k2 = tl.load(rows[:, None] + D1 + d2[None, :], mask=ok[:, None] & (d2 < D2)[None, :], other=0.0)
         s = mma(q1, tl.trans(k1), PRECISION) + mma(q2, tl.trans(k2), PRECISION)
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + mma(p.to(k1.dtype), k1, PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, k1, PRECISION)
     out = acc / l_i[:, None]
     tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + d1[None, :], out.to(out_ptr.dtype.element_ty),
              mask=h_ok[:, None] & (d1 < D1)[None, :])

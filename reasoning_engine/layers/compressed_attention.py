@@ -23,6 +23,7 @@ from torch import nn
 
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.kernels import compressed_attention as ops
+from reasoning_engine.kernels import kernel_module
 from reasoning_engine.kernels.rotary import rotate_tail_interleaved
 from reasoning_engine.layers.hyper_connection import rms_normalise
 from reasoning_engine.layers.linear import row_parallel
@@ -131,7 +132,11 @@ class GroupedLinear(nn.Module):
 class DeepseekV4Attention(nn.Module):
     """One layer of `kind` (sliding_attention, compressed_sparse_attention or heavily_compressed_attention). Under
     tensor parallelism a rank keeps 1 / tp of the heads and of the output groups (their sinks, q_b_proj rows, o_a_proj
-    groups, o_b_proj columns); the latent row, the compressors and the indexer are whole on every rank."""
+    groups, o_b_proj columns); the latent row, the compressors and the indexer are whole on every rank. The
+    attention itself (window and compressed rows, one softmax with the sink) is `ops.compressed_attention` of the
+    kernel backend (`kernel_family`); the compressors and the indexer run in torch."""
+
+    kernel_family = "compressed_attention"
 
     def __init__(self, kind: str, hidden_size: int, num_heads: int, head_dim: int, q_lora_rank: int, o_groups: int,
                  o_lora_rank: int, rotary: RotaryEmbedding, eps: float, rate: int | None = None,
@@ -155,6 +160,7 @@ class DeepseekV4Attention(nn.Module):
         self.o_a_proj = GroupedLinear(num_heads * head_dim // o_groups, o_lora_rank, groups)
         self.o_b_proj = row_parallel(o_groups * o_lora_rank, hidden_size, False, tp)
         self.rotary = rotary
+        self.ops = kernel_module(self.kernel_family, "torch")
         self.scale = head_dim**-0.5
         self.compressor: Compressor | None = None
         self.indexer: LightningIndexer | None = None
@@ -187,16 +193,14 @@ class DeepseekV4Attention(nn.Module):
         caches = self.window.caches
         block, offset = slots // caches[0].shape[1], slots % caches[0].shape[1]
         ops.write_rows(caches[0], block, offset, kv)
-        keys = ops.read_rows(caches[0], meta.window_block, meta.window_offset)
-        valid = meta.window_valid
+        picked = {}  # the compressed rows each query attends to, as (block, offset, valid) in the row cache
         if self.compressor is not None:
             addr = meta.rates[self.rate_key]
             rows = self.rows.caches
             ops.write_rows(caches[1], block, offset, self.compressor.project(x))
             ops.write_rows(rows[0], addr.row_block, addr.row_offset, self.compressor.compress(caches[1], addr, self.rotary))
             if self.indexer is None:  # HCA: every finished row
-                extra = ops.read_rows(rows[0], addr.visible_block, addr.visible_offset)
-                extra_valid = addr.visible
+                picked = dict(row_block=addr.visible_block, row_offset=addr.visible_offset, row_valid=addr.visible)
             else:
                 ops.write_rows(caches[2], block, offset, self.indexer.compressor.project(x))
                 ops.write_rows(rows[1], addr.row_block, addr.row_offset,
@@ -204,10 +208,10 @@ class DeepseekV4Attention(nn.Module):
                 index_keys = ops.read_rows(rows[1], addr.visible_block, addr.visible_offset)
                 chosen = self.indexer.select(x, q_resid, cos, sin, index_keys, addr.visible)
                 pick = chosen.clamp(min=0)
-                extra = ops.read_rows(rows[0], addr.visible_block.gather(1, pick), addr.visible_offset.gather(1, pick))
-                extra_valid = chosen >= 0
-            keys = torch.cat([keys, extra], dim=1)
-            valid = torch.cat([valid, extra_valid], dim=1)
-        out = ops.sink_attention(q, keys, valid, self.sinks, self.scale)
+                picked = dict(row_block=addr.visible_block.gather(1, pick), row_offset=addr.visible_offset.gather(1, pick),
+                              row_valid=chosen >= 0)
+            picked["row_cache"] = rows[0]
+        out = self.ops.compressed_attention(q, caches[0], meta.window_block, meta.window_offset, meta.window_valid,
+                                            self.sinks, self.scale, **picked)
         out = rotate_tail_interleaved(out, cos, -sin)
         return self.o_b_proj(self.o_a_proj(out.reshape(t, -1)))

@@ -218,3 +218,39 @@ def kernel_report_target_fraction(record: dict) -> float:
     clock, over its bandwidth."""
     rate = record["loop_bytes"] / (record["loop_instructions"] * record["num_warps"]) * 4 * 132 * 1.98e9
     return min(1.0, rate / 4.8e12)
+
+
+def test_a_wait_loop_moving_no_memory_is_not_the_main_loop(kernel_report: ModuleType) -> None:
+    """A one-pass kernel whose only backward branch spins on a barrier (sm_100 waits so for a tcgen05 mma) is one
+    pass counted whole, not a loop of a few instructions moving nothing (an issue-bound fraction of 0)."""
+    waiting = SASS.replace("@!P2 BRA 0x100", "@!P2 BRA 0x170").replace("BRA.U !UP0, 0x10", "@!P3 BRA 0x170")
+    waiting = waiting.replace("/*0170*/", "/*0170*/                   SYNCS.PHASECHK.TRANS64 P3, [UR4], RZ ;\n        /*0178*/")
+    loop = kernel_report.sass_main_loop(waiting)
+    assert not loop["loop"] and loop["global_bytes"] == 2 * 16 * 32 + 16 * 32
+
+
+def test_deepseek_v4_flash_cases(kernel_report: ModuleType) -> None:
+    """V4-Flash's attention per layer kind on 64 and 8 heads, decode and a chunk, and the DSA indexer at its index
+    shapes; the keys a query reads: window 128, CSA's top 512 of the 4:1 rows, every 128:1 row."""
+    ops = {(c.model, c.op) for c in kernel_report.all_cases()}
+    for model in ("v4-flash", "v4-flash-tp8"):
+        assert {(model, f"v4 {kind} attention") for kind in ("sliding", "csa", "hca")} <= ops
+    assert ("v4-flash", "v4 csa indexer (dsa kernel)") in ops
+    v4 = kernel_report.V4_FLASH
+    assert kernel_report._v4_keys(v4, "csa", 131071) == (128, 512)
+    assert kernel_report._v4_keys(v4, "hca", 131071) == (128, 1024)
+    assert kernel_report._v4_keys(v4, "sliding", 5) == (6, 0)
+
+
+@pytest.mark.slow
+def test_compiles_the_deepseek_v4_attention_kernel(tmp_path: Path) -> None:
+    """The compressed-attention kernel at V4-Flash's shapes (head_dim 512, 64 heads, CSA's 512 picked rows) compiles
+    for sm_90 and sm_100 without spills, and its main loop streams the gathered rows (an issue-bound fraction)."""
+    proc = _run(tmp_path, "--only", "^v4-flash v4 csa attention b8 ctx128k$", "--json", "--no-write", "--no-launch-count")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = json.loads(proc.stdout.strip().splitlines()[-1])["records"]
+    assert {r["target"] for r in records} == {"sm_90", "sm_100"}
+    for r in records:
+        assert r["kernel"] == "_compressed_attention_kernel" and "error" not in r, r
+        assert r["spill_bytes"] == 0 and r["shared_bytes"] <= r["shared_limit"], r
+        assert r["main_loop"] and r["loop_bytes_source"] == "tile shape" and 0 < r["issue_bound_fraction"] <= 1, r

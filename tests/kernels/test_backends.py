@@ -8,6 +8,7 @@ from reasoning_engine.kernels import kernel_module
 
 SHARED = {
     "attention": ["write_kv_cache", "paged_attention", "paged_latent_attention"],
+    "compressed_attention": ["compressed_attention"],
     "moe": ["noaux_tc_router", "moe_align_block_size", "fused_moe"],
     "norm": ["rms_norm", "fused_add_rms_norm"],
     "rotary": ["apply_rotary"],

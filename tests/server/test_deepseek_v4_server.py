@@ -98,3 +98,15 @@ def test_a_named_tool_comes_back_as_an_anthropic_tool_use(live: LiveServer) -> N
     partial = "".join(e["delta"]["partial_json"] for e in events
                       if e.get("type") == "content_block_delta" and e["delta"]["type"] == "input_json_delta")
     assert json.loads(partial) == use["input"]
+
+
+def test_thinking_by_default_is_reasoning_content(client: openai.OpenAI) -> None:
+    """No switch: the prompt opens `<think>`, so what the model writes first is its reasoning, streamed and not;
+    switched off, it is the answer."""
+    kwargs = dict(model="dsv4", messages=QUESTION, temperature=0, max_tokens=16)
+    message = client.chat.completions.create(**kwargs).choices[0].message
+    streamed = stream_chat(client, **kwargs)
+    assert message.reasoning_content and streamed["order"][0] == "reasoning"
+    assert (streamed["reasoning"], streamed["content"]) == (message.reasoning_content, message.content or "")
+    off = client.chat.completions.create(**kwargs, extra_body=NO_THINKING).choices[0].message
+    assert off.content and not getattr(off, "reasoning_content", None)

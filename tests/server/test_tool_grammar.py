@@ -77,8 +77,8 @@ def parsed(fmt: str, text: str) -> tuple[str, list[tuple[str, Any]]]:
 # the marker that ends a call in each format (hermes scans its JSON, so only the grammar keeps its tag out)
 CALL_ENDS = {"kimi_k2": "<|tool_call_end|>", "glm45": "</tool_call>", "glm47": "</tool_call>",
              "minimax_m2": "</invoke>", "deepseek_v3": "<｜tool▁call▁end｜>", "deepseek_v31": "<｜tool▁call▁end｜>",
-             "deepseek_v32": "</｜DSML｜invoke>", "deepseek_v4": "</｜DSML｜invoke>", "gpt_oss": "<|call|>", "qwen3_coder": "</parameter>",
-             "qwen3_xml": "</function>"}
+             "deepseek_v32": "</｜DSML｜invoke>", "deepseek_v4": "</｜DSML｜invoke>", "gpt_oss": "<|call|>",
+             "qwen3_coder": "</parameter>", "qwen3_xml": "</function>"}
 
 
 @pytest.mark.parametrize("fmt", sorted(CALL_SYNTAXES))

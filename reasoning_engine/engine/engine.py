@@ -38,7 +38,7 @@ PromptType = str | list[int] | dict[str, Any]
 
 def load_tokenizer(path: str | Path, model_type: str | None = None) -> Any:
     """The checkpoint's HF tokenizer, or None for a folder without tokenizer files (token-id prompts only). A
-    tokenizer without a chat template gets ours for its model type where we have one (DeepSeek-V3.2)."""
+    tokenizer without a chat template gets ours for its model type where we have one (DeepSeek-V3.2, V4)."""
     folder = Path(path)
     if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None

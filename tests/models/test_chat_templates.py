@@ -1,7 +1,8 @@
-"""DeepSeek-V3.2's prompt format, which the release publishes as a Python encoder (encoding/encoding_dsv32.py)
-rather than a Jinja template: our template writes the encoder's text (the expected strings below spell out the
-published format by hand), the tokenizer of a deepseek_v32 checkpoint without a template gets it at load, the
-server renders and parses with it, and `LLM.chat` takes OpenAI-style (JSON string) tool-call arguments with it."""
+"""DeepSeek-V3.2's and V4's prompt formats, which the releases publish as Python encoders (encoding/encoding_dsv32.py,
+encoding/encoding_dsv4.py) rather than Jinja templates: our templates write the encoders' text (the expected strings
+below spell out the published formats by hand), the tokenizer of a deepseek_v32 / deepseek_v4 checkpoint without a
+template gets its template at load, the server renders and parses with it, and `LLM.chat` takes OpenAI-style (JSON
+string) tool-call arguments with it."""
 
 from __future__ import annotations
 
@@ -52,6 +53,11 @@ AGENT_TURN = [
     {"role": "tool", "tool_call_id": "call_2", "content": "12:00"},
 ]
 
+TWO_TURNS = [{"role": "system", "content": "You are a helpful assistant."},
+             {"role": "user", "content": "hello"},
+             {"role": "assistant", "content": "Hello! I am DeepSeek.", "reasoning_content": "thinking..."},
+             {"role": "user", "content": "1+1=?"}]
+
 
 def save_deepseek_v32_tokenizer(folder: Path, chat_template: str | None = None) -> Path:
     """One token per printable character (and the two full-width marks DSML and the specials use) plus
@@ -94,10 +100,7 @@ def test_a_template_only_where_the_checkpoint_ships_none(tmp_path: Path, tokeniz
 
 
 def test_chat_mode_closes_every_turns_thinking(tokenizer: Any) -> None:
-    messages = [{"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": "hello"},
-                {"role": "assistant", "content": "Hello! I am DeepSeek.", "reasoning_content": "thinking..."},
-                {"role": "user", "content": "1+1=?"}]
+    messages = TWO_TURNS
     want = (f"{BOS}You are a helpful assistant.<｜User｜>hello<｜Assistant｜></think>Hello! I am DeepSeek.{EOS}"
             "<｜User｜>1+1=?<｜Assistant｜>")
     assert render(tokenizer, messages) == want + "</think>"
@@ -171,3 +174,86 @@ def test_control_tokens_typed_in_a_message_stay_text(tokenizer: Any) -> None:
     user, eos = tokenizer.convert_tokens_to_ids(["<｜User｜>", EOS])
     assert ids.count(user) == 1 and eos not in ids
     assert tokenizer.decode(ids) == f"{BOS}<｜User｜>hi{EOS}<｜User｜>x<｜Assistant｜></think>"
+
+
+# DeepSeek-V4 (encoding/encoding_dsv4.py): calls in a `tool_calls` block, tool results as user-turn blocks, thinking
+# on unless switched off
+V4_TOOLS_SECTION = (
+    "\n\n## Tools\n\nYou have access to a set of tools to help answer the user's question. You can invoke tools by "
+    f'writing a "<{D}tool_calls>" block like the following:\n\n<{D}tool_calls>\n<{D}invoke name="$TOOL_NAME">\n'
+    f'<{D}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{D}parameter>\n...\n</{D}invoke>\n'
+    f'<{D}invoke name="$TOOL_NAME2">\n...\n</{D}invoke>\n</{D}tool_calls>\n\nString parameters should be '
+    'specified as is and set `string="true"`. For all other types (numbers, booleans, arrays, objects), pass the '
+    'value in JSON format and set `string="false"`.\n\nIf thinking_mode is enabled (triggered by <think>), you MUST '
+    "output your complete reasoning inside <think>...</think> BEFORE any tool calls or final response.\n\nOtherwise, "
+    "output directly after </think> with tool calls or final response.\n\n### Available Tool Schemas\n\n" +
+    json.dumps(WEATHER["function"]) + "\n" + json.dumps(CLOCK["function"]) +
+    "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n")
+V4_CALLS = DSML_CALLS.replace("function_calls>", "tool_calls>")
+V4_RESULTS = "<｜User｜><tool_result>Sunny</tool_result>\n\n<tool_result>12:00</tool_result><｜Assistant｜>"
+MAX_EFFORT = (
+    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\nYou MUST be very thorough in your thinking and "
+    "comprehensively decompose the problem to resolve the root cause, rigorously stress-testing your logic against "
+    "all potential paths, edge cases, and adversarial scenarios.\nExplicitly write out your entire deliberation "
+    "process, documenting every intermediate step, considered alternative, and rejected hypothesis to ensure "
+    "absolutely no assumption is left unchecked.\n\n")
+
+
+@pytest.fixture(scope="module")
+def v4_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return load_tokenizer(save_deepseek_v32_tokenizer(tmp_path_factory.mktemp("dsv4_tok")), "deepseek_v4")
+
+
+def test_v4_gets_its_own_template(v4_tokenizer: Any) -> None:
+    assert v4_tokenizer.chat_template == bundled_chat_template("deepseek_v4")
+    assert "tool_calls>" in v4_tokenizer.chat_template and "function_calls>" not in v4_tokenizer.chat_template
+
+
+def test_v4_thinks_unless_switched_off(v4_tokenizer: Any) -> None:
+    """Thinking is V4's default (vLLM's too); `thinking` / `enable_thinking` false or reasoning_effort "none" turn it
+    off. Only the last user turn opens it, earlier turns' reasoning is dropped, and effort "max" adds the
+    encoder's preamble in thinking mode only."""
+    messages = TWO_TURNS
+    want = (f"You are a helpful assistant.<｜User｜>hello<｜Assistant｜></think>Hello! I am DeepSeek.{EOS}"
+            "<｜User｜>1+1=?<｜Assistant｜>")
+    assert render(v4_tokenizer, messages) == f"{BOS}{want}<think>"
+    assert render(v4_tokenizer, messages, thinking=True) == f"{BOS}{want}<think>"
+    for off in ({"thinking": False}, {"enable_thinking": False}, {"reasoning_effort": "none"},
+                {"thinking": False, "reasoning_effort": "max"}):
+        assert render(v4_tokenizer, messages, **off) == f"{BOS}{want}</think>", off
+    assert render(v4_tokenizer, messages, reasoning_effort="max") == f"{BOS}{MAX_EFFORT}{want}<think>"
+    assert render(v4_tokenizer, messages, reasoning_effort="high") == f"{BOS}{want}<think>"
+
+
+def test_v4_tools_calls_and_results(v4_tokenizer: Any) -> None:
+    """Tools in the system message; with tools every turn keeps its thinking; tool results join one user turn in
+    the order of their calls (whatever order they came in), and a user message after them joins it too."""
+    prefix = f"{BOS}You are terse.{V4_TOOLS_SECTION}<｜User｜>Weather in Paris, and the time?<｜Assistant｜>"
+    assert render(v4_tokenizer, AGENT_TURN, [WEATHER, CLOCK]) == (
+        f"{prefix}<think>Two tools.</think>{V4_CALLS}{EOS}{V4_RESULTS}<think>")
+    swapped = [*AGENT_TURN[:3], AGENT_TURN[4], AGENT_TURN[3], {"role": "user", "content": "Thanks."}]
+    assert render(v4_tokenizer, swapped, [WEATHER, CLOCK], thinking=False) == (
+        f"{prefix}</think>{V4_CALLS}{EOS}{V4_RESULTS.removesuffix('<｜Assistant｜>')}\n\nThanks.<｜Assistant｜></think>")
+    # no system message: the tools open the prompt on their own; arguments that are not an object are one string
+    odd = [AGENT_TURN[1], {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "[1, 2]"}}]}]
+    assert render(v4_tokenizer, odd, [WEATHER, CLOCK], thinking=False) == (
+        f"{BOS}{V4_TOOLS_SECTION}<｜User｜>Weather in Paris, and the time?<｜Assistant｜></think>\n\n<{D}tool_calls>\n"
+        f'<{D}invoke name="get_time">\n<{D}parameter name="arguments" string="true">[1, 2]</{D}parameter>\n'
+        f"</{D}invoke>\n</{D}tool_calls>{EOS}")
+
+
+def test_v4_server_renders_and_parses_its_calls_back(v4_tokenizer: Any) -> None:
+    """render_chat gives the template's tokens with thinking open (no switch given), and the deepseek_v4 parsers read
+    the calls the template writes for an earlier turn back as the same calls."""
+    from reasoning_engine.server.protocol import ToolDef
+
+    rendered = render_chat(v4_tokenizer, AGENT_TURN, tools=[ToolDef(**WEATHER), ToolDef(**CLOCK)], template_kwargs={})
+    assert v4_tokenizer.decode(rendered.token_ids) == render(v4_tokenizer, AGENT_TURN, [WEATHER, CLOCK])
+    assert rendered.tail.endswith("</tool_result><｜Assistant｜><think>") and rendered.thinking_requested is None
+    parser = build_output_parser("deepseek_v4", "deepseek_v4", prompt_tail=rendered.tail, thinking_requested=None,
+                                 tools_active=True, drop=(EOS,))
+    parser.feed("Two tools.</think>" + V4_CALLS + EOS)
+    parser.finish()
+    assert [(c.name, json.loads(c.arguments)) for c in parser.tool_calls] == [
+        ("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]

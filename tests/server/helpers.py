@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import socket
 import string
 import threading
 import time
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -255,3 +256,23 @@ def bundled_model_fixtures(model: str | None = None, max_model_len: int = 1024) 
         return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
     return engine, server, client
+
+
+
+def tiny_chat_engine(source: Path, folder: Path, save_tokenizer: Callable[[Path], int]) -> Any:
+    """An AsyncLLM (CPU, float32, 4096 positions) over a copy in `folder` of the tiny random checkpoint `source`,
+    serving chats through the one-token-per-character tokenizer `save_tokenizer` writes there (it returns the
+    tokenizer's end-of-turn id): that id becomes the checkpoint's (its own is a character here), and positions are
+    enough for a chat template's tools block."""
+    from reasoning_engine.engine.async_engine import AsyncLLM
+
+    shutil.copytree(source, folder)
+    eos_token_id = save_tokenizer(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(eos_token_id=eos_token_id, max_position_embeddings=4096)
+    (folder / "config.json").write_text(json.dumps(config))
+    generation = folder / "generation_config.json"
+    if generation.is_file():
+        generation.write_text(json.dumps({**json.loads(generation.read_text()), "eos_token_id": eos_token_id}))
+    return AsyncLLM(model=str(folder), device="cpu", dtype="float32", max_model_len=4096, kv_cache_blocks=512,
+                    block_size=16, max_num_seqs=4)

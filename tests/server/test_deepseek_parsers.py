@@ -1,5 +1,5 @@
-"""DeepSeek-V3.1 / V3.2 output parsers as pure units (tests/server/test_parsers.py's pattern): thinking on and off,
-then V3.1's tool-call tokens or V3.2's DSML blocks, fed every way a stream can split the text."""
+"""DeepSeek-V3.1 / V3.2 / V4 output parsers as pure units (tests/server/test_parsers.py's pattern): thinking on and
+off, then V3.1's tool-call tokens or V3.2's and V4's DSML blocks, fed every way a stream can split the text."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ V31_MARKERS = ["<think>", "</think>", "<｜tool▁calls▁begin｜>", "<｜tool�
                "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", EOS]
 DSML_MARKERS = ["<think>", "</think>", "<｜DSML｜function_calls>", "</｜DSML｜function_calls>", "<｜DSML｜invoke",
                 "</｜DSML｜invoke>", "<｜DSML｜parameter", "</｜DSML｜parameter>", EOS]
+DSML_V4_MARKERS = [*DSML_MARKERS[:2], "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>", *DSML_MARKERS[4:]]
 
 
 def v3_calls(*calls: tuple[str, str]) -> str:
@@ -40,8 +41,9 @@ def dsml_invoke(name: str, **params: tuple[str, bool]) -> str:
     return f'<｜DSML｜invoke name="{name}">\n{body}</｜DSML｜invoke>\n'
 
 
-def dsml_block(*invokes: str) -> str:
-    return "\n\n<｜DSML｜function_calls>\n" + "".join(invokes) + f"</｜DSML｜function_calls>{EOS}"
+def dsml_block(*invokes: str, block: str = "function_calls") -> str:
+    """V3.2's block (`function_calls`), or V4's (`tool_calls`)."""
+    return f"\n\n<｜DSML｜{block}>\n" + "".join(invokes) + f"</｜DSML｜{block}>{EOS}"
 
 
 def run(pieces: list[str], reasoning: str, tool: str, **kwargs: Any) -> Result:
@@ -118,6 +120,36 @@ def test_auto_selection() -> None:
     assert resolve_tool_parser("auto", "glm_moe_dsa", set(), None) == "glm45"
 
 
+def test_v4_dsml_calls_in_a_tool_calls_block() -> None:
+    """DeepSeek-V4 writes V3.2's invokes in a `tool_calls` block: typed the same way, however the stream splits;
+    V3.2's `function_calls` block is text to V4's parser, and V4's is text to V3.2's."""
+    calls = (dsml_invoke("get_weather", city=("Paris <b>\n", True), days=("2", False), tags=('["a"]', False)),
+             dsml_invoke("get_time"))
+    text = "Weather first.</think>Checking." + dsml_block(*calls, block="tool_calls")
+    r = check_all(text, "deepseek_v4", "deepseek_v4", DSML_V4_MARKERS, prompt_tail="<｜Assistant｜><think>")
+    assert (r.reasoning, r.content) == ("Weather first.", "Checking.\n\n")
+    assert [(c["name"], json.loads(c["arguments"])) for c in r.calls] == [
+        ("get_weather", {"city": "Paris <b>\n", "days": 2, "tags": ["a"]}), ("get_time", {})]
+    v32 = "Checking." + dsml_block(*calls)
+    assert run([v32], "deepseek_v4", "deepseek_v4", prompt_tail="</think>").calls == []
+    assert run([text], "deepseek_v3", "deepseek_v32", prompt_tail="<think>").calls == []
+    # thinking off: all content, the calls still parsed; a call cut off keeps what streamed
+    r = run(["No thinking.<think>x</think>" + dsml_block(calls[1], block="tool_calls")], "deepseek_v4",
+            "deepseek_v4", prompt_tail="<｜Assistant｜><think>", thinking=False)
+    assert (r.reasoning, r.content, [c["name"] for c in r.calls]) == ("", "No thinking.x\n\n", ["get_time"])
+    cut = '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="search">\n<｜DSML｜parameter name="q" string="true">dee'
+    r = run([cut], "deepseek_v4", "deepseek_v4", prompt_tail="</think>")
+    assert r.calls[0]["name"] == "search" and json.loads(r.calls[0]["arguments"]) == {"q": "dee"}
+
+
+def test_auto_picks_v4s_formats() -> None:
+    """A deepseek_v4 checkpoint (no chat template, as released): V4's DSML calls and V3.2's thinking."""
+    vocab = {"<think>", "</think>", "<｜User｜>", "<｜Assistant｜>"}
+    assert resolve_reasoning_parser("auto", "deepseek_v4", vocab) == "deepseek_v4"
+    assert resolve_tool_parser("auto", "deepseek_v4", vocab, None) == "deepseek_v4"
+    assert resolve_tool_parser("auto", "deepseek_v32", vocab, None) == "deepseek_v32"
+
+
 def test_v3_fenced_calls_stream_without_their_fences() -> None:
     """R1-0528 thinks, then calls with a json fence around each call's arguments; every split of the stream gives
     the same calls, and no fence reaches the arguments (the last characters wait in case they are the fence)."""
@@ -146,10 +178,10 @@ def written(fmt: str, *calls: tuple[str, dict]) -> str:
         return v31_calls(*calls).removesuffix(EOS)
     invokes = (dsml_invoke(name, **{key: (value, True) if isinstance(value, str) else (json.dumps(value), False)
                                     for key, value in args.items()}) for name, args in calls)
-    return dsml_block(*invokes).removesuffix(EOS)
+    return dsml_block(*invokes, block="tool_calls" if fmt == "deepseek_v4" else "function_calls").removesuffix(EOS)
 
 
-@pytest.mark.parametrize("fmt", ["deepseek_v3", "deepseek_v31", "deepseek_v32"])
+@pytest.mark.parametrize("fmt", ["deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4"])
 def test_tool_grammar_holds_what_the_parser_reads(fmt: str) -> None:
     """tool_choice required / named and strict tools: the grammar accepts two calls as the encoding writes them
     (which the parser reads back, the arguments valid), one call when parallel_tool_calls is false, the calls after
@@ -187,8 +219,8 @@ def test_tool_grammar_holds_what_the_parser_reads(fmt: str) -> None:
         assert not accepts(auto, "Let me check." + written(fmt, ("get_weather", bad)))
     assert not accepts(required, "The weather is fine.")
     # a marker the parser would end the call at stays out of a string
-    marker = "</｜DSML｜invoke>" if fmt == "deepseek_v32" else "<｜tool▁call▁end｜>"
+    marker = "</｜DSML｜invoke>" if fmt in ("deepseek_v32", "deepseek_v4") else "<｜tool▁call▁end｜>"
     assert not accepts(required, written(fmt, ("search", {"query": f"a{marker}b"})))
-    if fmt == "deepseek_v32":
+    if fmt in ("deepseek_v32", "deepseek_v4"):
         assert not accepts(required, good.removeprefix("\n\n"))  # the encoding's blank line opens the answer
         assert not accepts(required, good.replace('string="true">Oslo', 'string="false">"Oslo"'))

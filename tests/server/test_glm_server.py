@@ -5,7 +5,6 @@ in GLM's XML format (the glm_xml grammar), which the server returns as OpenAI to
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import pytest
 
 from reasoning_engine.server.app import ServerConfig, build_app
 
-from .helpers import LiveServer, stream_chat
+from .helpers import LiveServer, stream_chat, tiny_chat_engine
 from .test_glm_parsers import save_glm_tokenizer
 
 WEATHER = {"type": "function", "function": {
@@ -35,21 +34,8 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from reasoning_engine.engine.async_engine import AsyncLLM
-
-    folder = Path(tmp_path_factory.mktemp("glm_served")) / "glm"
-    shutil.copytree(tiny_checkpoint("glm4_moe").path, folder)
-    tokenizer = save_glm_tokenizer(folder)
-    config = json.loads((folder / "config.json").read_text())
-    config["eos_token_id"] = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config["max_position_embeddings"] = 4096  # one token per character: the template's tools block alone is ~1k
-    (folder / "config.json").write_text(json.dumps(config))
-    generation = folder / "generation_config.json"  # the random checkpoint's own end id is a character here
-    if generation.is_file():
-        kept = json.loads(generation.read_text())
-        generation.write_text(json.dumps({**kept, "eos_token_id": config["eos_token_id"]}))
-    llm = AsyncLLM(model=str(folder), device="cpu", dtype="float32", max_model_len=4096, kv_cache_blocks=512,
-                   block_size=16, max_num_seqs=4)
+    llm = tiny_chat_engine(tiny_checkpoint("glm4_moe").path, Path(tmp_path_factory.mktemp("glm_served")) / "glm",
+                           lambda folder: save_glm_tokenizer(folder).convert_tokens_to_ids("<|endoftext|>"))
     yield llm
     llm.shutdown_sync()
 

@@ -44,7 +44,7 @@ def written(fmt: str, args: dict[str, str]) -> str:
         body = "".join(f'<parameter name="{k}">{v}</parameter>\n' for k, v in args.items())
     elif fmt in ("qwen3_coder", "qwen3_xml"):
         body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args.items())
-    elif fmt == "deepseek_v32":
+    elif fmt in ("deepseek_v32", "deepseek_v4"):
         body = "\n".join(f'<｜DSML｜parameter name="{k}" string="true">{v}</｜DSML｜parameter>' for k, v in args.items())
     else:
         body = json.dumps(args, ensure_ascii=False)
@@ -77,8 +77,8 @@ def parsed(fmt: str, text: str) -> tuple[str, list[tuple[str, Any]]]:
 # the marker that ends a call in each format (hermes scans its JSON, so only the grammar keeps its tag out)
 CALL_ENDS = {"kimi_k2": "<|tool_call_end|>", "glm45": "</tool_call>", "glm47": "</tool_call>",
              "minimax_m2": "</invoke>", "deepseek_v3": "<｜tool▁call▁end｜>", "deepseek_v31": "<｜tool▁call▁end｜>",
-             "deepseek_v32": "</｜DSML｜invoke>", "gpt_oss": "<|call|>", "qwen3_coder": "</parameter>",
-             "qwen3_xml": "</function>"}
+             "deepseek_v32": "</｜DSML｜invoke>", "deepseek_v4": "</｜DSML｜invoke>", "gpt_oss": "<|call|>",
+             "qwen3_coder": "</parameter>", "qwen3_xml": "</function>"}
 
 
 @pytest.mark.parametrize("fmt", sorted(CALL_SYNTAXES))
@@ -98,7 +98,8 @@ def test_no_string_in_a_call_holds_a_marker_the_parsers_act_on(fmt: str) -> None
         assert parsed(fmt, written(fmt, args)) != ("", [("search", args)])
 
 
-@pytest.mark.parametrize("fmt", ["kimi_k2", "hermes", "glm45", "minimax_m2", "deepseek_v32", "qwen3_coder"])
+@pytest.mark.parametrize("fmt", ["kimi_k2", "hermes", "glm45", "minimax_m2", "deepseek_v32", "deepseek_v4",
+                                 "qwen3_coder"])
 def test_length_bounds_hold_beside_the_marker_exclusion(fmt: str) -> None:
     """xgrammar drops a filtered string's length bounds: they become a pattern that cannot open a marker (the
     characters that start a marker that fits are left out; a string shorter than every marker keeps them)."""

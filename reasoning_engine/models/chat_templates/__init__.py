@@ -1,8 +1,9 @@
 """Chat-template facts below the server, shared by `LLM.chat` and the OpenAI server.
 
-- Templates for checkpoints that ship none: DeepSeek-V3.2 publishes its prompt format as a Python encoder
-  (encoding/encoding_dsv32.py) instead of a Jinja template, so `deepseek_v32.jinja` here writes the same text and
-  the tokenizer gets it at load (a template the checkpoint ships, or `--chat-template`, still wins).
+- Templates for checkpoints that ship none: DeepSeek-V3.2 and DeepSeek-V4 publish their prompt formats as Python
+  encoders (encoding/encoding_dsv32.py, encoding/encoding_dsv4.py) instead of Jinja templates, so
+  `deepseek_v32.jinja` and `deepseek_v4.jinja` here write the same text and the tokenizer gets theirs at load (a
+  template the checkpoint ships, or `--chat-template`, still wins).
 - Earlier tool calls' arguments: OpenAI clients send them as JSON strings, but some templates walk them as a
   mapping (`arguments.items()`, `arguments|items`); such templates get them decoded, as vLLM passes them.
 """
@@ -14,7 +15,7 @@ import re
 from importlib import resources
 from typing import Any
 
-_BUNDLED = {"deepseek_v32": "deepseek_v32.jinja"}
+_BUNDLED = {"deepseek_v32": "deepseek_v32.jinja", "deepseek_v4": "deepseek_v4.jinja"}
 
 
 def bundled_chat_template(model_type: str | None) -> str | None:

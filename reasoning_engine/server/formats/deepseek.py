@@ -9,6 +9,9 @@ Calls:
 - deepseek_v32 (DeepSeek-V3.2's DSML): `\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="NAME">\n<｜DSML｜parameter
   name="K" string="true|false">V</｜DSML｜parameter>...</｜DSML｜invoke>\n</｜DSML｜function_calls>`: a raw string value
   (`true`) or JSON (`false`); the grammar writes parameters and invokes one a line, as V3.2's encoding does.
+- deepseek_v4 (DeepSeek-V4-Flash / Pro): V3.2's DSML invokes and parameters in a `<｜DSML｜tool_calls>` block instead
+  of `<｜DSML｜function_calls>` (the release's encoding/encoding_dsv4.py and its README; vLLM's `deepseek_v4` tool
+  parser says the same). Its thinking is V3.2's: `deepseek_v4` names the same reasoning format as `deepseek_v3`.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class DeepSeekV31ToolParser(MarkerStateParser):
 DSML_CALLS_BEGIN, DSML_CALLS_END = "<｜DSML｜function_calls>", "</｜DSML｜function_calls>"
 DSML_INVOKE_BEGIN, DSML_INVOKE_END = "<｜DSML｜invoke name=", "</｜DSML｜invoke>"
 DSML_PARAMETER_BEGIN, DSML_PARAMETER_END = "<｜DSML｜parameter name=", "</｜DSML｜parameter>"
+DSML_V4_CALLS_BEGIN, DSML_V4_CALLS_END = "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>"
 _DSML_HEADER = re.compile(r'\s*"(?P<name>[^"]*)"(?:\s+string="(?P<string>true|false)")?\s*')
 
 
@@ -190,25 +194,43 @@ class DeepSeekV32ToolParser(InvokeTagsToolParser):
         self._value = ""
 
 
+class DeepSeekV4ToolParser(DeepSeekV32ToolParser):
+    """DeepSeek-V4's DSML: V3.2's invokes and parameters, read the same way, in a `<｜DSML｜tool_calls>` ...
+    `</｜DSML｜tool_calls>` block."""
+
+    start_markers = (DSML_V4_CALLS_BEGIN,)
+    markers = (DSML_V4_CALLS_BEGIN, DSML_V4_CALLS_END)
+
+
 def _auto_reasoning(model: ModelTraits) -> str | None:
     if not model.model_type.startswith("deepseek") or "</think>" not in model.vocab:
         return None
-    return "deepseek_v3" if model.model_type == "deepseek_v32" else "deepseek_r1"
+    return {"deepseek_v32": "deepseek_v3", "deepseek_v4": "deepseek_v4"}.get(model.model_type, "deepseek_r1")
 
 
 def _auto_tools(model: ModelTraits) -> str | None:
     """V3.1's template (kept by V3.2-Exp) writes NAME<｜tool▁sep｜>{json}; V3-0324's and R1-0528's
-    `function<｜tool▁sep｜>NAME` and a json fence; V3.2 itself ships no template and writes DSML."""
+    `function<｜tool▁sep｜>NAME` and a json fence; V3.2 and V4 ship no template and write DSML, V4 in a
+    `tool_calls` block."""
     if not model.model_type.startswith("deepseek"):
         return None
     if DEEPSEEK_CALL_BEGIN in model.chat_template:
         return "deepseek_v3" if "```json" in model.chat_template else "deepseek_v31"
-    return "deepseek_v32" if model.model_type == "deepseek_v32" else None
+    return {"deepseek_v32": "deepseek_v32", "deepseek_v4": "deepseek_v4"}.get(model.model_type)
+
+
+def _dsml_syntax(block_begin: str, block_end: str) -> CallSyntax:
+    """DSML calls in a block between these tags: the arguments as `<｜DSML｜parameter name="K" string="true|false">V
+    </｜DSML｜parameter>` lines, strings raw (`true`), other values JSON (`false`); the block after a blank line."""
+    return CallSyntax(trigger=block_begin, open=f"{block_begin}\n", close=f"\n{block_end}", separator="\n",
+                      call_end=f"\n{DSML_INVOKE_END}", begin=lambda name: f'{DSML_INVOKE_BEGIN}"{name}">\n',
+                      content=xml_arguments("deepseek_xml"), lead="\n\n")
 
 
 FAMILY = Family(
     reasoning={"deepseek_r1": ReasoningFormat("deepseek_r1", starts_in_reasoning=True),
-               "deepseek_v3": ReasoningFormat("deepseek_v3")},
+               "deepseek_v3": ReasoningFormat("deepseek_v3"),
+               "deepseek_v4": ReasoningFormat("deepseek_v4")},  # V3.2's thinking, by the name vLLM's flag takes
     tools={
         # V3-0324's and R1-0528's header: the call's type, the name on its own line, a json fence
         "deepseek_v3": ToolFormat(DeepSeekV3ToolParser, CallSyntax(
@@ -218,12 +240,8 @@ FAMILY = Family(
         "deepseek_v31": ToolFormat(DeepSeekV31ToolParser, CallSyntax(
             trigger=DEEPSEEK_CALLS_BEGIN, open=DEEPSEEK_CALLS_BEGIN, close=DEEPSEEK_CALLS_END, separator="",
             call_end=DEEPSEEK_CALL_END, begin=lambda name: f"{DEEPSEEK_CALL_BEGIN}{name}{DEEPSEEK_SEP}")),
-        # the arguments as `<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>` lines: strings raw
-        # (`true`), other values JSON (`false`)
-        "deepseek_v32": ToolFormat(DeepSeekV32ToolParser, CallSyntax(
-            trigger=DSML_CALLS_BEGIN, open=f"{DSML_CALLS_BEGIN}\n", close=f"\n{DSML_CALLS_END}", separator="\n",
-            call_end=f"\n{DSML_INVOKE_END}", begin=lambda name: f'{DSML_INVOKE_BEGIN}"{name}">\n',
-            content=xml_arguments("deepseek_xml"), lead="\n\n")),
+        "deepseek_v32": ToolFormat(DeepSeekV32ToolParser, _dsml_syntax(DSML_CALLS_BEGIN, DSML_CALLS_END)),
+        "deepseek_v4": ToolFormat(DeepSeekV4ToolParser, _dsml_syntax(DSML_V4_CALLS_BEGIN, DSML_V4_CALLS_END)),
     },
     auto_reasoning=_auto_reasoning,
     auto_tools=_auto_tools,

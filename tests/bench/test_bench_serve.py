@@ -30,7 +30,7 @@ from reasoning_engine.tiny import BUNDLED_MODEL_DIR
 
 from .checkpoint import build_checkpoint
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]  # slow: benchmark runs against live servers
 BUDGET = '{"thinking_token_budget": 8}'
 
 

@@ -10,6 +10,8 @@ import torch
 
 from .scripts import load_script
 
+pytestmark = pytest.mark.slow  # whole decode steps counted through the interpreter
+
 
 @pytest.fixture(scope="module")
 def launch_count() -> ModuleType:

@@ -11,6 +11,8 @@ import torch
 from reasoning_engine import LLM, SamplingParams
 from reasoning_engine.speculative.draft import Draft
 
+pytestmark = pytest.mark.slow  # whole engines of one family
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 V4 = dict(dtype="float32", device="cpu", block_size=8)
 

@@ -13,6 +13,8 @@ import torch
 
 from reasoning_engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # whole engines of one family
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 GLM = dict(dtype="float32", device="cpu", block_size=2)
 

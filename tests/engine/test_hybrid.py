@@ -19,6 +19,8 @@ from reasoning_engine.engine.worker import StepInput
 
 from .test_cuda_graph import _record_buckets, _record_sizes
 
+pytestmark = pytest.mark.slow  # whole hybrid-model engines
+
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 BS = 8

@@ -17,7 +17,7 @@ from reasoning_engine import LLM, SamplingParams
 from .st_files import read_tensors, write_tensors
 from .test_parity import reference_greedy, reference_logits
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # slow: a whole family against transformers
 
 LENGTHS = (3, 17, 40, 70)
 STEPS = 32

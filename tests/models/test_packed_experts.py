@@ -33,7 +33,7 @@ STORED_PARTS = {"kimi_k2_int4": ("weight_packed", "weight_scale"), "deepseek_v3_
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # slow: packed experts of every format
 
 
 @pytest.fixture(scope="module")

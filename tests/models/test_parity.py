@@ -15,7 +15,7 @@ MAX_TOKENS = 32
 Loaded = tuple[TinyCheckpoint, object, torch.nn.Module]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # slow: every family against transformers
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,8 @@ from reasoning_engine.server.app import ServerConfig, build_app
 
 from .helpers import LiveServer, sse_events, stream_chat, tiny_chat_engine
 
+pytestmark = pytest.mark.slow  # a whole family served
+
 CONVERT = {"type": "function", "function": {
     "name": "convert", "description": "Convert a length.",
     "parameters": {"type": "object", "required": ["unit", "n"],

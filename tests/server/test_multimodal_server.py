@@ -37,6 +37,8 @@ from reasoning_engine.server.app import ServerConfig, build_app
 
 from .helpers import LiveServer, metric_value, run_coroutine, save_random_checkpoint, wait_for
 
+pytestmark = pytest.mark.slow  # servers decoding media
+
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 6
 MEDIA_MAX_BYTES = 64 * 1024

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
@@ -23,6 +24,8 @@ from reasoning_engine.server.app import ServerConfig, build_app
 
 from .fake_engine import FakeEngine
 from .helpers import save_kimi_tokenizer
+
+pytestmark = pytest.mark.slow  # schemathesis over every operation
 
 CASES_PER_ROUTE = 30
 # Left out: whether every schema-valid request is accepted. The APIs' rules across fields and messages (a tool result

@@ -25,6 +25,8 @@ from reasoning_engine.server.app import ServerConfig, build_app
 
 from .helpers import LiveServer, metric_value, save_random_checkpoint, stream_chat, wait_for
 
+pytestmark = pytest.mark.slow  # servers in subprocesses
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

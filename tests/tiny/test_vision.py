@@ -39,6 +39,8 @@ from reasoning_engine.tiny.vision_data import (
 )
 from reasoning_engine.tiny.vision_heldout import CANVASES, heldout_samples
 
+pytestmark = pytest.mark.slow  # the bundled model over drawn pictures
+
 
 @pytest.fixture(scope="module")
 def llm():

@@ -11,8 +11,9 @@ cache (bfloat16 by default), measured on real weights:
 - the scale granularity, decided by measurement (`--granularity`): the same teacher-forced text with the cache's
   values rounded through e4m3 at other granularities (emulated: quantised and dequantised into the bfloat16 cache as
   they are written) - one scale for the whole tensor (1.0, vLLM's default without calibration), per token and head
-  (what kv_cache_dtype="fp8" stores), per 16 channels (4x the scale bytes) - beside the bfloat16 cache's own noise
-  floor (the same text prefilled in chunks of 128 tokens instead of whole).
+  (what kv_cache_dtype="fp8" stores), per 16 channels (4x the scale bytes), all without the engine's rotation of
+  queries and keys (layers/attention.py) - beside the bfloat16 cache's own noise floor (the same text prefilled in
+  chunks of 128 tokens instead of whole).
 
     /work/heavy python benchmarks/kv_fp8_accuracy.py --out benchmarks/results/kv_fp8_accuracy_cpu_2026-12-07
 """
@@ -156,8 +157,9 @@ def report(data: dict) -> str:
     t, c, b = data["smollm2_text"], data["capacity"], data["bundled_eval"]
     lines = [f"# FP8 KV cache accuracy and capacity ({data['date']}, {data['machine']})", "",
              f"Command: `{data['command']}`", "",
-             f"Cache: float8 e4m3 rows with a bfloat16 scale per token and head (MLA: per token, rotary key in "
-             f"bfloat16), against the {data['dtype']} cache; model compute in {data['dtype']}.", "",
+             f"Cache: float8 e4m3 rows with a bfloat16 scale per token and head, GQA's queries and keys rotated by a "
+             f"Hadamard matrix (MLA: a scale per token, rotary key in bfloat16), against the {data['dtype']} cache; "
+             f"model compute in {data['dtype']}.", "",
              "## SmolLM2-135M-Instruct, teacher-forced over real text", "",
              "| positions | top-1 agreement | perplexity bf16 | perplexity fp8 | ratio |", "|---|---|---|---|---|",
              f"| {t['positions']} ({t['sequences']} sequences of <= {data['seq_len']}) | {t['top1_agreement']:.2%} | "
@@ -169,7 +171,8 @@ def report(data: dict) -> str:
                      f"{row['capacity_ratio']:.3f} |")
     if "granularity" in data:
         g = data["granularity"]
-        lines += ["", f"## Scale granularity (SmolLM2, {g['positions']} positions, emulated rounding)", "",
+        lines += ["", f"## Scale granularity (SmolLM2, {g['positions']} positions, emulated rounding, keys not "
+                  "rotated)", "",
                   "| cache | top-1 agreement | perplexity ratio |", "|---|---|---|"]
         for name, row in g["variants"].items():
             lines.append(f"| {name} | {row['top1_agreement']:.2%} | {row['perplexity_ratio']:.4f} |")

@@ -133,14 +133,14 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def use_fp8_cache(layers: Sequence[torch.nn.Module]) -> None:
+def use_fp8_cache(layers: Sequence[torch.nn.Module], device: torch.device) -> None:
     """Switch these attention layers' caches to FP8 rows (kv_cache_dtype="fp8"); a layer whose cache is not plain
     K/V or latent rows (DeepSeek-V4's compressed rows) is refused, naming the setting."""
     for layer in layers:
         if not hasattr(layer, "use_fp8_cache"):
             raise ValueError(f"kv_cache_dtype='fp8' is not supported by {type(layer).__name__} layers (their caches "
                              "are not plain K/V or MLA latent rows); use kv_cache_dtype='auto'")
-        layer.use_fp8_cache()
+        layer.use_fp8_cache(device)
 
 
 def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_step_tokens: int) -> int:
@@ -178,7 +178,7 @@ class ModelWorker:
         self.aux_layers = sorted({i for m in self.draft_models.values() for i in m.aux_layers})
         if config.kv_cache_dtype == "fp8":
             for model in (self.model, *self.draft_models.values()):
-                use_fp8_cache(model.attention_layers())
+                use_fp8_cache(model.attention_layers(), config.device)
         self.cache_groups = self.model.cache_groups()
         self.pool_blocks: list[int] = []  # blocks per pool (cache_groups.py); each pool's padding block is its count
         self.num_blocks = 0  # pool 0's (group 0's, which draft models mirror)

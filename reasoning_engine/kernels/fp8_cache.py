@@ -66,5 +66,18 @@ def dequantize_rows(rows: torch.Tensor, quantized: int, dtype: torch.dtype) -> t
     return values.to(dtype)
 
 
+def key_rotation(head_dim: int) -> torch.Tensor:
+    """An orthonormal [head_dim, head_dim] Walsh-Hadamard matrix (block-diagonal where head_dim is not a power of
+    two: blocks of the largest power of two dividing it). GQA's queries and keys are both multiplied by it before the
+    keys are cached in FP8: q.k is unchanged, and a few large channels (RoPE's slow pairs carry most of a key's
+    magnitude) are spread over the row, so e4m3's rounding error in q.k no longer follows them (the rotation idea
+    of QuaRot, Ashkboos et al., 2024)."""
+    block = head_dim & -head_dim
+    hadamard = torch.ones(1, 1)
+    while hadamard.shape[0] < block:
+        hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)], 0)
+    return torch.block_diag(*[hadamard / block**0.5] * (head_dim // block))
+
+
 def is_fp8_cache(cache: torch.Tensor) -> bool:
     return cache.dtype == torch.uint8

@@ -9,8 +9,10 @@ projection sums the ranks' partial products. MLA's latent is shared by every hea
 latent of its requests (the known cost of MLA under TP, which data-parallel attention avoids).
 
 `use_fp8_cache()` (kv_cache_dtype="fp8") makes a layer's K/V or latent cache rows e4m3 bytes with a scale each
-(kernels/fp8_cache.py): GQA's keys and values per token and head, MLA's latent per token with its rotary key kept in
-bfloat16. `cache_dtypes` says each cache tensor's dtype for the worker that allocates them.
+(kernels/fp8_cache.py): GQA's keys and values per token and head, its queries and keys rotated alike first
+(`fp8_cache.key_rotation`: q.k unchanged, the keys' large channels spread before rounding), MLA's latent per token
+with its rotary key kept in bfloat16. `cache_dtypes` says each cache tensor's dtype for the worker that allocates
+them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import nn
 
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.kernels import kernel_module
-from reasoning_engine.kernels.fp8_cache import row_bytes
+from reasoning_engine.kernels.fp8_cache import key_rotation, row_bytes
 from reasoning_engine.layers.indexer import Indexer, PooledIndexer
 from reasoning_engine.layers.linear import row_parallel
 from reasoning_engine.layers.norm import RMSNorm, ShardedRMSNorm
@@ -63,9 +65,11 @@ class GQAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.fp8_cache = False
+        self.key_rotation: torch.Tensor | None = None  # [head_dim, head_dim] with an FP8 cache
 
-    def use_fp8_cache(self) -> None:
+    def use_fp8_cache(self, device: torch.device) -> None:
         self.fp8_cache = True
+        self.key_rotation = key_rotation(self.head_dim).to(device)
 
     def cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
         row = row_bytes(self.head_dim) if self.fp8_cache else self.head_dim
@@ -91,6 +95,9 @@ class GQAttention(nn.Module):
         elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
+        if self.key_rotation is not None:  # in float32: the keys are rounded once, to e4m3, when written
+            k = k.float() @ self.key_rotation
+            q = (q.float() @ self.key_rotation).to(q.dtype)
         batch = batch.group(self.cache_group)
         self.ops.write_kv_cache(self.k_cache, k, batch.slot_mapping)
         self.ops.write_kv_cache(self.v_cache, v, batch.slot_mapping)
@@ -143,7 +150,7 @@ class MLAttention(nn.Module):
         # GLM-5's "shared" layers attend to the tokens an earlier layer's indexer chose (a tuple: not a submodule)
         self.shared_indexer: tuple[Indexer | PooledIndexer, ...] = ()
 
-    def use_fp8_cache(self) -> None:
+    def use_fp8_cache(self, device: torch.device) -> None:
         """The latent in e4m3 with a scale per token, the rotary key in bfloat16; the indexer's keys (DeepSeek
         Sparse Attention) stay in the model's dtype."""
         self.fp8_cache = True

@@ -13,6 +13,7 @@ import torch
 from reasoning_engine import LLM, SamplingParams
 from reasoning_engine.engine.arguments import build_engine_config
 from reasoning_engine.engine.worker import ModelWorker
+from reasoning_engine.kernels.fp8_cache import key_rotation
 from reasoning_engine.tiny.data import EVAL_SEED, check_answer, eval_samples
 from reasoning_engine.tiny.eval import parse_completion
 
@@ -58,6 +59,26 @@ def test_prefix_hits_speculation_and_preemption_keep_fp8_outputs(bundled_fp8: LL
     assert small.engine.stats().num_preemptions > 0
     for llm in (bundled_fp8, drafted, small):
         assert llm.engine.stats().kv_cache_usage == 0.0
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 80, 16])
+def test_key_rotation_is_orthonormal(head_dim: int) -> None:
+    rotation = key_rotation(head_dim).double()
+    assert torch.allclose(rotation @ rotation.T, torch.eye(head_dim, dtype=torch.float64), atol=1e-6)
+    assert rotation.abs().min() > 0 or head_dim & (head_dim - 1)  # a power of two: every entry +-1/sqrt(d)
+
+
+def test_gqa_fp8_cache_scores_the_prompt_as_the_float_cache_does(llama_dir: Path) -> None:
+    """Prompt logprobs and greedy tokens of a GQA model with an FP8 cache stay within e4m3's rounding of the float32
+    cache's, through prefill chunks and decodes."""
+    prompt = {"prompt_token_ids": [3 + (i * 11) % 60 for i in range(90)]}
+    params = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=0, logprobs=0)
+    outs = {kv: LLM(str(llama_dir), dtype="float32", kv_cache_dtype=kv, max_num_batched_tokens=32,
+                    kv_cache_memory="8MiB").generate([prompt], params)[0] for kv in ("auto", "fp8")}
+    want = torch.tensor([next(iter(e.values())).logprob for e in outs["auto"].prompt_logprobs[1:]])
+    got = torch.tensor([next(iter(e.values())).logprob for e in outs["fp8"].prompt_logprobs[1:]])
+    assert (got - want).abs().max() < 0.05 * want.abs().max(), (got - want).abs().max()
+    assert outs["fp8"].outputs[0].token_ids == outs["auto"].outputs[0].token_ids
 
 
 def _gqa_config(tmp_path: Path, llama_dir: Path, head_dim: int) -> Path:

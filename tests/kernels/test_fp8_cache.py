@@ -137,3 +137,36 @@ def test_fp8_sparse_latent_attention_matches_the_dequantised_cache(device):
     got = triton_sparse_attention.sparse_latent_attention(q, kv_cache, 32, batch,
                                                           triton_attention.prepare_attention(batch, 16), 0.3, selected)
     assert_close(got, want, scale=2.0)
+
+
+def test_gqa_layer_rotates_queries_and_keys_alike_and_rounds_less_for_it():
+    """A GQA layer whose keys carry a few large channels (as RoPE'd keys of real models do): its FP8-cache output
+    stays close to the float cache's, closer than without the rotation (same caches, keys unrotated), which needs the
+    queries rotated exactly as the keys are."""
+    from reasoning_engine.layers.attention import GQAttention
+    from reasoning_engine.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(0)
+    layer = GQAttention(64, 4, 2, 32, RotaryEmbedding(32, 10000.0, None, 256, 256))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+        layer.qkv_proj.weight[4 * 32: 4 * 32 + 2].mul_(20)  # two loud key channels in kv head 0 ...
+        layer.qkv_proj.weight[:2].mul_(5)  # ... read by loud query channels
+    batch, num_blocks = make_batch([0, 9], [21, 4], 4, "cpu")
+    batch.attn_metadata = attention.prepare_attention(batch, 4)
+    x = torch.randn(batch.num_tokens, 64)
+
+    def run(fp8: bool, rotate: bool) -> torch.Tensor:
+        layer.fp8_cache, layer.key_rotation = False, None
+        if fp8:
+            layer.use_fp8_cache(torch.device("cpu"))
+            layer.key_rotation = layer.key_rotation if rotate else None
+        shapes = layer.cache_shape(num_blocks, 4)
+        layer.bind_cache([torch.zeros(s, dtype=d) for s, d in zip(shapes, layer.cache_dtypes(torch.float32))])
+        with torch.no_grad():
+            return layer(batch.positions, x, batch)
+
+    want = run(False, False)
+    rotated, plain = ((run(True, rotate) - want).norm() / want.norm() for rotate in (True, False))
+    assert rotated < 0.06 and rotated < 0.8 * plain, (rotated, plain)

@@ -57,8 +57,29 @@ def test_prefix_hits_speculation_and_preemption_keep_fp8_outputs(bundled_fp8: LL
     small = LLM(kv_cache_dtype="fp8", kv_cache_blocks=12, max_model_len=96, enable_prefix_caching=False)
     assert [o.outputs[0].token_ids for o in small.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)] == want
     assert small.engine.stats().num_preemptions > 0
+    sampled = bundled_fp8.generate([{"prompt_token_ids": prompts[3]}],
+                                   SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True))
+    assert len(sampled[0].outputs) == 3
     for llm in (bundled_fp8, drafted, small):
         assert llm.engine.stats().kv_cache_usage == 0.0
+
+
+@pytest.mark.slow
+def test_triton_kernels_read_the_fp8_cache_as_torch_does(llama_dir: Path) -> None:
+    """The engine on the Triton kernels (the interpreter without a GPU) gives the torch path's greedy tokens over
+    FP8 caches: MLA (the bundled model) with suffix drafts and chunks past 16 tokens in the same steps, so the latent
+    split, prefill and decode kernels all read it; GQA (the tiny Llama)."""
+    prompts = [[3, 17, 9, 42] * 3, [7, 1, 30], [5 + (i * 7) % 40 for i in range(40)]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for model, extra in ((None, {"speculative_config": {"method": "suffix", "num_speculative_tokens": 4}}),
+                         (str(llama_dir), {})):
+        outs = {}
+        for backend in ("torch", "triton"):
+            llm = LLM(model, dtype="float32", kernel_backend=backend, block_size=4, kv_cache_dtype="fp8",
+                      kv_cache_memory="8MiB", adaptive=False, max_num_batched_tokens=24, **extra)
+            outs[backend] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                          params)]
+        assert outs["triton"] == outs["torch"], model
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 80, 16])

@@ -143,6 +143,17 @@ def use_fp8_cache(layers: Sequence[torch.nn.Module], device: torch.device) -> No
         layer.use_fp8_cache(device)
 
 
+def check_fp8_kernels(config: EngineConfig) -> None:
+    """The Triton kernels convert e4m3 to bf16 in hardware, which GPUs of compute capability 8.9 on (Ada, Hopper,
+    Blackwell) have: an older GPU is refused with an error naming the settings that work there."""
+    if config.kernel_backend == "triton" and config.device.type == "cuda":
+        capability = torch.cuda.get_device_capability(config.device)
+        if tuple(capability) < (8, 9):
+            raise ValueError(f"kv_cache_dtype='fp8' with kernel_backend='triton' needs a GPU of compute capability 8.9 "
+                             f"or newer, this one has {capability[0]}.{capability[1]}; use kv_cache_dtype='auto' or "
+                             "kernel_backend='torch'")
+
+
 def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_step_tokens: int) -> int:
     """The most blocks sliding groups of `window` in their own pool hold at once: every sequence its window's
     blocks, the one the window starts in and the one its step's last token straddles into, plus the blocks of the
@@ -177,6 +188,7 @@ class ModelWorker:
         self.checkpoint_bytes_read = BYTES_READ.bytes - read_before
         self.aux_layers = sorted({i for m in self.draft_models.values() for i in m.aux_layers})
         if config.kv_cache_dtype == "fp8":
+            check_fp8_kernels(config)
             for model in (self.model, *self.draft_models.values()):
                 use_fp8_cache(model.attention_layers(), config.device)
         self.cache_groups = self.model.cache_groups()

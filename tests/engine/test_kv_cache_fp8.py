@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from reasoning_engine import LLM, SamplingParams
 from reasoning_engine.engine.arguments import build_engine_config
-from reasoning_engine.engine.worker import ModelWorker
+from reasoning_engine.engine.worker import ModelWorker, check_fp8_kernels
 from reasoning_engine.kernels.fp8_cache import key_rotation
 from reasoning_engine.tiny.data import EVAL_SEED, check_answer, eval_samples
 from reasoning_engine.tiny.eval import parse_completion
@@ -141,6 +142,18 @@ def test_kv_cache_dtype_names_and_refusals(tiny_checkpoint) -> None:
     v4 = str(tiny_checkpoint("deepseek_v4").path)
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported by .* use kv_cache_dtype='auto'"):
         LLM(v4, dtype="float32", block_size=8, kv_cache_dtype="fp8")
+
+
+def test_triton_fp8_needs_hardware_e4m3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU older than compute capability 8.9 the Triton kernels cannot convert e4m3: refused up front."""
+    config = build_engine_config(kv_cache_dtype="fp8")
+    on_gpu = SimpleNamespace(kernel_backend="triton", device=torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' with kernel_backend='triton' needs .* 8.9"):
+        check_fp8_kernels(on_gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_fp8_kernels(on_gpu)
+    check_fp8_kernels(config)  # the torch kernels on CPU: nothing to check
 
 
 def test_server_flag_reaches_the_engine() -> None:

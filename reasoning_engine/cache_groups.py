@@ -64,10 +64,20 @@ def groups_by_window(windows: list[int | None]) -> list[CacheGroup]:
     return groups
 
 
+def cache_dtypes(layer: Any, dtype: Any) -> list[Any]:
+    """The dtype of each of a layer's cache tensors: its `cache_dtypes` (an FP8 cache's uint8 rows, scales
+    included), or the model's `dtype` for all."""
+    if hasattr(layer, "cache_dtypes"):
+        return layer.cache_dtypes(dtype)
+    return [dtype] * len(layer.cache_shape(1, 1))
+
+
 def cache_bytes(layers: Sequence[Any], dtype: Any, block_size: int = 1) -> int:
-    """Bytes one block of `block_size` tokens takes in the caches of these attention layers (their `cache_shape`);
-    with block_size 1, the bytes per token (a layer keeping one row per several tokens still takes its row)."""
-    return sum(math.prod(shape) for layer in layers for shape in layer.cache_shape(1, block_size)) * dtype.itemsize
+    """Bytes one block of `block_size` tokens takes in the caches of these attention layers (their `cache_shape`
+    in their `cache_dtypes`); with block_size 1, the bytes per token (a layer keeping one row per several tokens
+    still takes its row)."""
+    return sum(math.prod(shape) * kind.itemsize for layer in layers
+               for shape, kind in zip(layer.cache_shape(1, block_size), cache_dtypes(layer, dtype)))
 
 
 def state_bytes(layers: Sequence[Any], dtype: Any, slots: int) -> int:

@@ -235,6 +235,19 @@ def parse_memory(value: str | int) -> int:
     return int(float(match.group(1)) * _MEMORY_UNITS[match.group(2).lower()])
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def parse_kv_cache_dtype(value: str | None) -> str:
+    """vLLM's names for the KV cache's dtype: "auto" (the model's), "fp8" or its alias "fp8_e4m3" -> "auto" or
+    "fp8"."""
+    if value is None or value == "auto":
+        return "auto"
+    if value in ("fp8", "fp8_e4m3"):
+        return "fp8"
+    raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {value!r}")
+
+
 EXECUTOR_BACKENDS = ("mp", "ray")
 # images and videos one prompt may carry when limit_mm_per_prompt leaves a kind out
 DEFAULT_LIMIT_MM_PER_PROMPT = {"image": 16, "video": 2}
@@ -343,6 +356,8 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_blocks: int | None = None  # of block pool 0 (a model's other pools, DeepSeek-V4's window, are sized apart)
     kv_cache_memory: int | None = None
+    # "auto": the cache in `dtype`; "fp8": K/V (MLA: the latent) in float8 e4m3 with a scale per row (kernels/fp8_cache.py)
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -392,6 +407,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be increasing positive integers, got {sizes!r}")
         if self.kernel_backend not in ("torch", "triton"):
             raise ValueError(f"kernel_backend must be 'torch' or 'triton', got {self.kernel_backend!r}")
+        self.kv_cache_dtype = parse_kv_cache_dtype(self.kv_cache_dtype)
         if self.compile_decode and (self.device.type != "cpu" or self.kernel_backend != "torch"):
             raise ValueError("compile_decode is for the CPU path with kernel_backend='torch' (on CUDA, decode steps "
                              f"replay CUDA graphs); got device {self.device}, kernel_backend {self.kernel_backend!r}")

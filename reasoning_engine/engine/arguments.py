@@ -25,6 +25,7 @@ def bundled_model_dir() -> str:
 def build_engine_config(model: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None,
                         device: str | torch.device | None = None, max_model_len: int | None = None,
                         block_size: int = 16, kv_cache_blocks: int | None = None, kv_cache_memory: str | int | None = None,
+                        kv_cache_dtype: str = "auto",
                         enable_prefix_caching: bool = True, max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
                         seed: int = 0, kernel_backend: str | None = None, speculative_config: dict[str, Any] | None = None,
                         speculative_state_dir: str | None = None, tokenizer: str | None = None,
@@ -61,6 +62,7 @@ def build_engine_config(model: str | os.PathLike | None = None, *, dtype: str | 
     return EngineConfig(
         model=model_config, dtype=resolved_dtype, device=resolved_device, max_model_len=limit, block_size=block_size,
         kv_cache_blocks=kv_cache_blocks, kv_cache_memory=parse_memory(kv_cache_memory) if kv_cache_memory is not None else None,
+        kv_cache_dtype=kv_cache_dtype,
         enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens or max(2048, min(limit, 8192)), seed=seed,
         kernel_backend=kernel_backend or ("triton" if resolved_device.type == "cuda" and triton_available() else "torch"),

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from reasoning_engine.batch import ForwardBatch
-from reasoning_engine.cache_groups import (CacheGroup, cache_bytes, num_pools, pool_block_bytes, shared_cache_layers,
+from reasoning_engine.cache_groups import (CacheGroup, cache_bytes, cache_dtypes, num_pools, pool_block_bytes, shared_cache_layers,
                                            single_group, state_bytes)
 from reasoning_engine.config import EngineConfig
 from reasoning_engine.engine.compiled_decode import CompiledDecode
@@ -133,6 +133,27 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def use_fp8_cache(layers: Sequence[torch.nn.Module], device: torch.device) -> None:
+    """Switch these attention layers' caches to FP8 rows (kv_cache_dtype="fp8"); a layer whose cache is not plain
+    K/V or latent rows (DeepSeek-V4's compressed rows) is refused, naming the setting."""
+    for layer in layers:
+        if not hasattr(layer, "use_fp8_cache"):
+            raise ValueError(f"kv_cache_dtype='fp8' is not supported by {type(layer).__name__} layers (their caches "
+                             "are not plain K/V or MLA latent rows); use kv_cache_dtype='auto'")
+        layer.use_fp8_cache(device)
+
+
+def check_fp8_kernels(config: EngineConfig) -> None:
+    """The Triton kernels convert e4m3 to bf16 in hardware, which GPUs of compute capability 8.9 on (Ada, Hopper,
+    Blackwell) have: an older GPU is refused with an error naming the settings that work there."""
+    if config.kernel_backend == "triton" and config.device.type == "cuda":
+        capability = torch.cuda.get_device_capability(config.device)
+        if tuple(capability) < (8, 9):
+            raise ValueError(f"kv_cache_dtype='fp8' with kernel_backend='triton' needs a GPU of compute capability 8.9 "
+                             f"or newer, this one has {capability[0]}.{capability[1]}; use kv_cache_dtype='auto' or "
+                             "kernel_backend='torch'")
+
+
 def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_step_tokens: int) -> int:
     """The most blocks sliding groups of `window` in their own pool hold at once: every sequence its window's
     blocks, the one the window starts in and the one its step's last token straddles into, plus the blocks of the
@@ -166,6 +187,10 @@ class ModelWorker:
         self.encoder_seconds = 0.0
         self.checkpoint_bytes_read = BYTES_READ.bytes - read_before
         self.aux_layers = sorted({i for m in self.draft_models.values() for i in m.aux_layers})
+        if config.kv_cache_dtype == "fp8":
+            check_fp8_kernels(config)
+            for model in (self.model, *self.draft_models.values()):
+                use_fp8_cache(model.attention_layers(), config.device)
         self.cache_groups = self.model.cache_groups()
         self.pool_blocks: list[int] = []  # blocks per pool (cache_groups.py); each pool's padding block is its count
         self.num_blocks = 0  # pool 0's (group 0's, which draft models mirror)
@@ -370,7 +395,8 @@ class ModelWorker:
                 if any(shape != shapes[0] for shape in shapes):
                     raise ValueError(f"cache pool {pool}: layers sharing a cache position need equal cache shapes, "
                                      f"got {shapes}; give groups of unequal footprints their own pools")
-                caches = [torch.zeros(shape, dtype=self.config.dtype, device=self.device) for shape in shapes[0]]
+                caches = [torch.zeros(shape, dtype=kind, device=self.device)
+                          for shape, kind in zip(shapes[0], cache_dtypes(members[0], self.config.dtype))]
                 for attn in members:
                     attn.bind_cache(caches)
                 per_pool[-1].append(caches)

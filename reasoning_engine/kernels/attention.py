@@ -17,6 +17,9 @@ short ones would make every decode gather its length). Measurements: docs/measur
 `decode_attention` is the same computation for decode steps written for Inductor to fuse; the metadata's
 `fused_decode` makes `paged_attention` and `paged_latent_attention` call it instead of gathering, which
 engine/compiled_decode.py sets for the steps it compiles that way.
+
+An FP8 cache (`kv_cache_dtype="fp8"`: uint8 caches of e4m3 rows with a scale each, kernels/fp8_cache.py) is quantised
+by `write_kv_cache` and dequantised where rows are read: after the gather, or inside `decode_attention`'s loads.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from reasoning_engine.batch import ForwardBatch
+from reasoning_engine.kernels.fp8_cache import dequantize_rows, is_fp8_cache, quantize_rows
 
 
 # Below this many queries per KV head, two small matmuls beat SDPA's fused CPU kernel, whose per-call set-up
@@ -83,9 +87,20 @@ class TorchAttentionMetadata:
 
 
 def write_kv_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store each token's K/V (or MLA latent) at its slot. cache: [num_blocks, block_size, ...]; values: [T, ...]."""
+    """Store each token's K/V (or MLA latent) at its slot. cache: [num_blocks, block_size, ...]; values: [T, ...].
+    An FP8 cache's rows are wider than the values by their scale (and by a bfloat16 tail's second bytes: MLA's
+    rotary key), which says how many trailing channels stay bfloat16."""
     if values.shape[0]:
+        if is_fp8_cache(cache):
+            values = quantize_rows(values, tail=cache.shape[-1] - values.shape[-1] - 2)
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, values.to(cache.dtype))
+
+
+def read_rows(cache_rows: torch.Tensor, index: torch.Tensor, quantized: int, dtype: torch.dtype) -> torch.Tensor:
+    """cache_rows[index] (cache_rows: blocks flattened into slots), dequantised to `dtype` from an FP8 cache, whose
+    rows hold `quantized` e4m3 channels before their scale."""
+    rows = cache_rows.index_select(0, index.reshape(-1)).view(*index.shape, *cache_rows.shape[1:])
+    return dequantize_rows(rows, quantized, dtype) if is_fp8_cache(cache_rows) else rows
 
 
 def _context_slots(batch: ForwardBatch, block_size: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,7 +280,8 @@ def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Torch
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor,
-                     valid: torch.Tensor | None, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     valid: torch.Tensor | None, scale: float, sinks: torch.Tensor | None = None,
+                     fp8_widths: tuple[int, int] | None = None) -> torch.Tensor:
     """One query per sequence as loops Inductor fuses: keys and values are loaded through `kv_index` inside the score
     and output reductions, so nothing is gathered into a copy and no key layout is made for a matrix product: the
     gather path spends most of a decode step's attention on those copies. Scores keep all heads of a position side by side ([B, L, H]), so the max, the exponent and
@@ -274,11 +290,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
     traced into a compiled graph (engine/compiled_decode.py).
     q [B, H, D]; k [slots, KVH, D] and v [slots, KVH, Dv] (the caches with blocks flattened, any strides);
     kv_index [B, L]; valid [B, L] (False beyond each sequence or its window) or None; sinks [H] (logits that join
-    only the denominator) or None -> [B, H, Dv]."""
+    only the denominator) or None; fp8_widths: for FP8 caches (uint8 rows), the e4m3 channels of a key row and of a
+    value row -> [B, H, Dv]."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, length = k.shape[1], kv_index.shape[1]
     group = num_heads // num_kv_heads
-    keys = k[kv_index].view(num_seqs, length, num_kv_heads, 1, head_dim)
+    k_rows, v_rows = k[kv_index], v[kv_index]
+    if fp8_widths is not None:
+        k_rows, v_rows = (dequantize_rows(k_rows, fp8_widths[0], q.dtype), dequantize_rows(v_rows, fp8_widths[1], q.dtype))
+    keys = k_rows.view(num_seqs, length, num_kv_heads, 1, head_dim)
     query = q.view(num_seqs, 1, num_kv_heads, group, head_dim) * scale
     scores = (query * keys).sum(-1).view(num_seqs, length, num_heads)
     if valid is not None:
@@ -287,11 +307,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
     if sinks is not None:
         top = torch.maximum(top, sinks.to(scores.dtype).view(1, 1, num_heads))
     weights = (scores - top).exp().view(num_seqs, length, num_kv_heads, group, 1)
-    values = v[kv_index].view(num_seqs, length, num_kv_heads, 1, v.shape[-1])
+    values = v_rows.view(num_seqs, length, num_kv_heads, 1, v_rows.shape[-1])
     total = weights.sum(1)
     if sinks is not None:
         total = total + (sinks.to(scores.dtype).view(1, 1, num_heads) - top).exp().view(num_seqs, num_kv_heads, group, 1)
-    return ((weights * values).sum(1) / total).view(num_seqs, num_heads, v.shape[-1])
+    return ((weights * values).sum(1) / total).view(num_seqs, num_heads, v_rows.shape[-1])
 
 
 def _by_parts(q: torch.Tensor, meta: MixedAttentionMetadata, dv: int,
@@ -312,15 +332,18 @@ def paged_attention(
     `sinks` [H]: per-head logits in each softmax's denominator; `window`: a query at position p sees only the keys at
     positions above p - window (sliding-window layers: the table entries of older blocks may be the null block, which
     the mask keeps out; its slots are gathered, zero, and weigh nothing)."""
+    fp8 = is_fp8_cache(k_cache)
+    dv = v_cache.shape[-1] - 2 if fp8 else v_cache.shape[-1]
     if isinstance(meta, MixedAttentionMetadata):
-        return _by_parts(q, meta, v_cache.shape[-1],
+        return _by_parts(q, meta, dv,
                          lambda qp, part, m: paged_attention(qp, k_cache, v_cache, part, m, scale, sinks, window))
     num_seqs, qmax = batch.num_seqs, batch.max_query_len
     if meta.fused_decode:
         return decode_attention(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), meta.kv_index.view(num_seqs, -1),
-                                meta.decode_valid(window), scale, sinks)
-    k = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, meta.kv_index).view(num_seqs, -1, *k_cache.shape[2:])
-    v = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, meta.kv_index).view(num_seqs, -1, *v_cache.shape[2:])
+                                meta.decode_valid(window), scale, sinks, (q.shape[-1], dv) if fp8 else None)
+    index = meta.kv_index.view(num_seqs, -1)
+    k = read_rows(k_cache.flatten(0, 1), index, q.shape[-1], q.dtype)
+    v = read_rows(v_cache.flatten(0, 1), index, dv, q.dtype)
     out = _grouped_sdpa(_to_padded(q, meta, num_seqs, qmax), k, v, meta, scale, sinks, window)
     return _from_padded(out, meta)
 
@@ -335,10 +358,12 @@ def paged_latent_attention(
         return _by_parts(q, meta, latent_dim,
                          lambda qp, part, m: paged_latent_attention(qp, kv_cache, latent_dim, part, m, scale))
     num_seqs, qmax = batch.num_seqs, batch.max_query_len
+    fp8 = is_fp8_cache(kv_cache)
+    value_bytes = latent_dim + 2 if fp8 else latent_dim  # an FP8 row's values: the e4m3 latent and its scale
     if meta.fused_decode:
         kv_rows = kv_cache.flatten(0, 1).unsqueeze(1)
-        return decode_attention(q, kv_rows, kv_rows[..., :latent_dim], meta.kv_index.view(num_seqs, -1),
-                                meta.decode_valid(), scale)
-    kv = kv_cache.view(-1, kv_cache.shape[-1]).index_select(0, meta.kv_index).view(num_seqs, -1, 1, kv_cache.shape[-1])
+        return decode_attention(q, kv_rows, kv_rows[..., :value_bytes], meta.kv_index.view(num_seqs, -1),
+                                meta.decode_valid(), scale, fp8_widths=(latent_dim, latent_dim) if fp8 else None)
+    kv = read_rows(kv_cache.flatten(0, 1), meta.kv_index.view(num_seqs, -1), latent_dim, q.dtype).unsqueeze(2)
     out = _grouped_sdpa(_to_padded(q, meta, num_seqs, qmax), kv, kv[..., :latent_dim], meta, scale)
     return _from_padded(out, meta)

@@ -30,6 +30,10 @@ own length) merge in `_latent_reduce_kernel` (a cast, a copy, where every sequen
 Longer chunks in the same step go through the prefill kernel, which skips the short sequences. A step of decodes
 alone with at most `_DECODE_KERNEL_HEADS` heads per rank takes the decode kernel instead, which holds all of them in
 one program (`decodes_take_decode_kernel`).
+
+An FP8 cache (uint8 rows of e4m3 values, each row's bfloat16 scale after them, MLA's rotary key in bfloat16 after that:
+kernels/fp8_cache.py) is dequantised as each tile is loaded (`_load_rows`, `_load_tail`; FP8 constexpr), into the
+query's dtype, so the products run as with a bfloat16 cache; rows are written quantised by torch ops, then scattered.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import triton.language as tl
 
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.kernels._triton_utils import dot_mode, mma, num_warps_for, pow2
+from reasoning_engine.kernels.fp8_cache import SCALE_BYTES, is_fp8_cache, quantize_rows
 
 _LOG2E = 1.4426950408889634
 _SPLIT_TOKENS = 256  # tokens per decode slice: enough work per program that the partial results (H x Dv float32 per
@@ -204,10 +209,13 @@ def _write_cache_kernel(values_ptr, cache_ptr, slots_ptr, stride_v, stride_c, wi
 
 
 def write_kv_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store each token's K/V (or MLA latent) at its slot. cache: [num_blocks, block_size, ...]; values: [T, ...]."""
+    """Store each token's K/V (or MLA latent) at its slot. cache: [num_blocks, block_size, ...]; values: [T, ...].
+    An FP8 cache's rows are quantised first (as `attention.write_kv_cache` does), then scattered as bytes."""
     tokens = values.shape[0]
     if not tokens:
         return
+    if is_fp8_cache(cache):
+        values = quantize_rows(values, tail=cache.shape[-1] - values.shape[-1] - SCALE_BYTES)
     width = math.prod(cache.shape[2:])
     flat = values.reshape(tokens, width)
     if flat.stride(-1) != 1:
@@ -216,6 +224,28 @@ def write_kv_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torc
     _write_cache_kernel[(tokens, triton.cdiv(width, block))](
         flat, cache, slot_mapping, flat.stride(0), width, width, BLOCK=block, num_warps=num_warps_for(block)
     )
+
+
+@triton.jit
+def _load_rows(rows, cols, ok, cols_ok, WIDTH: tl.constexpr, FP8: tl.constexpr, DTYPE: tl.constexpr):
+    """A [N, C] tile of cache rows (`rows`: [N] pointers to each row's start; `ok` [N], `cols_ok` [C] its masks).
+    FP8: the rows' first WIDTH bytes are e4m3 values and their bfloat16 scale follows; dequantised to DTYPE."""
+    mask = ok[:, None] & cols_ok[None, :]
+    if FP8:
+        raw = tl.load(rows[:, None] + cols[None, :], mask=mask, other=0)
+        scale = tl.load((rows + WIDTH).to(tl.pointer_type(tl.bfloat16)), mask=ok, other=0.0).to(tl.float32)
+        return (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]).to(DTYPE)
+    return tl.load(rows[:, None] + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _load_tail(rows, cols, ok, cols_ok, WIDTH: tl.constexpr, FP8: tl.constexpr, DTYPE: tl.constexpr):
+    """The channels after a row's first WIDTH (MLA's rotary key): in an FP8 row, bfloat16 after the scale."""
+    mask = ok[:, None] & cols_ok[None, :]
+    if FP8:
+        tail = (rows + WIDTH + 2).to(tl.pointer_type(tl.bfloat16))
+        return tl.load(tail[:, None] + cols[None, :], mask=mask, other=0.0).to(DTYPE)
+    return tl.load(rows[:, None] + WIDTH + cols[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -237,7 +267,7 @@ def _decode_partial_kernel(
     D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, V_FROM_K: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     """One slice of one sequence for a block of the query heads of one KV head. V_FROM_K: the value is the key's first
     DV channels (MLA's latent), taken from the key tile instead of loaded again. A sliding `window` slices only the
@@ -276,10 +306,10 @@ def _decode_partial_kernel(
         blk = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + pos // block_size, mask=ok, other=0).to(tl.int64)
         slot_in_block = (pos % block_size).to(tl.int64)
         k_rows = k_ptr + blk * stride_kb + slot_in_block * stride_ks + kv_head * stride_kh
-        k1 = tl.load(k_rows[:, None] + d1[None, :], mask=ok[:, None] & (d1 < D1)[None, :], other=0.0)
+        k1 = _load_rows(k_rows, d1, ok, d1 < D1, D1, FP8, q_ptr.dtype.element_ty)
         s = mma(q1, tl.trans(k1), PRECISION)
         if D2 > 0:
-            k2 = tl.load(k_rows[:, None] + D1 + d2[None, :], mask=ok[:, None] & (d2 < D2)[None, :], other=0.0)
+            k2 = _load_tail(k_rows, d2, ok, d2 < D2, D1, FP8, q_ptr.dtype.element_ty)
             s += mma(q2, tl.trans(k2), PRECISION)
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -290,7 +320,7 @@ def _decode_partial_kernel(
             v = k1
         else:
             v_rows = v_ptr + blk * stride_vb + slot_in_block * stride_vs + kv_head * stride_vh
-            v = tl.load(v_rows[:, None] + dv[None, :], mask=ok[:, None] & (dv < DV)[None, :], other=0.0)
+            v = _load_rows(v_rows, dv, ok, dv < DV, DV, FP8, q_ptr.dtype.element_ty)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION)
         m_i = m_new
 
@@ -348,7 +378,7 @@ def _latent_partial_kernel(
     num_heads, num_splits, min_split, max_splits, short_query,
     D1: tl.constexpr, D2: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, STRIDE_KS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_TREE: tl.constexpr,
-    PRECISION: tl.constexpr, V_SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr, V_SPLIT: tl.constexpr, FP8: tl.constexpr,
 ):
     """MLA over one slice of one sequence's context for BLOCK_M of its (query token, head) rows, token-major (row r
     is token r // HEADS, head r % HEADS): every head of a token, or of several tokens, shares each latent tile, which
@@ -416,13 +446,13 @@ def _latent_partial_kernel(
             blk = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
             slot = pos % BLOCK_SIZE
         k_rows = kv_ptr + blk * stride_kb + slot * STRIDE_KS
-        k1 = tl.load(k_rows[:, None] + d1[None, :], mask=ok[:, None] & (d1 < D1)[None, :], other=0.0)
+        k1 = _load_rows(k_rows, d1, ok, d1 < D1, D1, FP8, q_ptr.dtype.element_ty)
         s = mma(q1, tl.trans(k1), PRECISION)
         if V_SPLIT == 2:
-            k1b = tl.load(k_rows[:, None] + HALF + d1[None, :], mask=ok[:, None] & (HALF + d1 < D1)[None, :], other=0.0)
+            k1b = _load_rows(k_rows, HALF + d1, ok, HALF + d1 < D1, D1, FP8, q_ptr.dtype.element_ty)
             s += mma(q1b, tl.trans(k1b), PRECISION)
         if D2 > 0:
-            k2 = tl.load(k_rows[:, None] + D1 + d2[None, :], mask=ok[:, None] & (d2 < D2)[None, :], other=0.0)
+            k2 = _load_tail(k_rows, d2, ok, d2 < D2, D1, FP8, q_ptr.dtype.element_ty)
             s += mma(q2, tl.trans(k2), PRECISION)
         if HAS_TREE:
             j = pos - (seq_len - q_len)  # index among the step's own tokens; negative for the cached context
@@ -510,7 +540,7 @@ def _prefill_kernel(
     D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_TREE: tl.constexpr, V_FROM_K: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr,
 ):
     """A sliding `window` counts back from each query's position (a draft node's: context length + depth, read from
     `positions_ptr`); a head's sink logit (HAS_SINKS) joins each row's softmax denominator at the end. Sequences of
@@ -555,10 +585,10 @@ def _prefill_kernel(
         blk = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + pos // block_size, mask=ok, other=0).to(tl.int64)
         slot_in_block = (pos % block_size).to(tl.int64)
         k_rows = k_ptr + blk * stride_kb + slot_in_block * stride_ks + kv_head * stride_kh
-        k1 = tl.load(k_rows[:, None] + d1[None, :], mask=ok[:, None] & (d1 < D1)[None, :], other=0.0)
+        k1 = _load_rows(k_rows, d1, ok, d1 < D1, D1, FP8, q_ptr.dtype.element_ty)
         s = mma(q1, tl.trans(k1), PRECISION)
         if D2 > 0:
-            k2 = tl.load(k_rows[:, None] + D1 + d2[None, :], mask=ok[:, None] & (d2 < D2)[None, :], other=0.0)
+            k2 = _load_tail(k_rows, d2, ok, d2 < D2, D1, FP8, q_ptr.dtype.element_ty)
             s += mma(q2, tl.trans(k2), PRECISION)
         allowed = i_ok[:, None] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > win_pos[:, None] - window)
         if HAS_TREE:
@@ -571,7 +601,7 @@ def _prefill_kernel(
             v = k1
         else:
             v_rows = v_ptr + blk * stride_vb + slot_in_block * stride_vs + kv_head * stride_vh
-            v = tl.load(v_rows[:, None] + dv[None, :], mask=ok[:, None] & (dv < DV)[None, :], other=0.0)
+            v = _load_rows(v_rows, dv, ok, dv < DV, DV, FP8, q_ptr.dtype.element_ty)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION)
         m_i = m_new
 
@@ -660,8 +690,8 @@ def _attend(
     out = torch.empty(tokens, num_heads, v_dim, dtype=q.dtype, device=q.device)
     if not tokens:
         return out
-    q = _as_operand(q, k_cache.dtype)
-    dims = _dims(d1, d2, v_dim, k_cache.dtype)
+    q = _as_operand(q, _operand_dtype(q, k_cache))
+    dims = _dims(d1, d2, v_dim, q.dtype, fp8=is_fp8_cache(k_cache))
     strides = (*q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3])
     qk_scale = scale * _LOG2E
     num_seqs = batch.num_seqs
@@ -691,15 +721,33 @@ def _attend(
     return out
 
 
+def _operand_dtype(q: torch.Tensor, cache: torch.Tensor) -> torch.dtype:
+    """The products' operand dtype: the cache's, or the query's for an FP8 cache (its tiles dequantised to it)."""
+    return q.dtype if is_fp8_cache(cache) else cache.dtype
+
+
+def _value_width(cache: torch.Tensor) -> int:
+    """Channels of a GQA cache row (an FP8 row's bytes less its scale)."""
+    return cache.shape[-1] - SCALE_BYTES if is_fp8_cache(cache) else cache.shape[-1]
+
+
+def _rope_width(kv_cache: torch.Tensor, latent_dim: int) -> int:
+    """Rotary channels of an MLA cache row (in an FP8 row, bfloat16 after the latent's bytes and scale)."""
+    if is_fp8_cache(kv_cache):
+        return (kv_cache.shape[-1] - latent_dim - SCALE_BYTES) // 2
+    return kv_cache.shape[-1] - latent_dim
+
+
 def _as_operand(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """q with unit stride in its channels, in the cache's dtype (the tensor-core operand type)."""
     return (q if q.stride(-1) == 1 else q.contiguous()).to(dtype)
 
 
-def _dims(d1: int, d2: int, v_dim: int, dtype: torch.dtype) -> dict:
-    """The channel constexprs of the attention kernels: key parts d1 and d2, value width, their tiles, the mma mode."""
+def _dims(d1: int, d2: int, v_dim: int, dtype: torch.dtype, fp8: bool = False) -> dict:
+    """The channel constexprs of the attention kernels: key parts d1 and d2, value width, their tiles, the mma mode,
+    whether the cache holds FP8 rows."""
     return dict(D1=d1, D2=d2, DV=v_dim, BLOCK_D1=pow2(d1, 16), BLOCK_D2=pow2(d2, 16) if d2 else 0,
-                BLOCK_DV=pow2(v_dim, 16), PRECISION=dot_mode(dtype))
+                BLOCK_DV=pow2(v_dim, 16), PRECISION=dot_mode(dtype), FP8=fp8)
 
 
 def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dims: dict, batch: ForwardBatch,
@@ -730,7 +778,7 @@ def _latent_short(q: torch.Tensor, kv_cache: torch.Tensor, latent_dim: int, batc
     every sequence has one slice and the step has no long chunk, merging is a cast of the partial outputs (a single
     slice's weight is exactly 1): a copy into `out` does it, with the merge's values."""
     num_heads = q.shape[1]
-    rope = kv_cache.shape[-1] - latent_dim
+    rope = _rope_width(kv_cache, latent_dim)
     min_split = meta.split_tokens or latent_min_split(num_heads, latent_dim, kv_cache.shape[-1] * kv_cache.element_size())
     block_n = min(_LATENT_BLOCK_N, pow2(min_split, 16))
     min_split = triton.cdiv(min_split, block_n) * block_n  # slices of whole tiles
@@ -740,7 +788,7 @@ def _latent_short(q: torch.Tensor, kv_cache: torch.Tensor, latent_dim: int, batc
     part_lse = torch.empty(meta.short_rows, num_heads, splits, dtype=torch.float32, device=q.device)
     causal = meta.short_max_query_len > 1
     tree = meta.tree_bits if causal else None
-    dims = _dims(latent_dim, rope, latent_dim, kv_cache.dtype)
+    dims = _dims(latent_dim, rope, latent_dim, q.dtype, fp8=is_fp8_cache(kv_cache))
     v_split = _LATENT_VALUE_SPLIT if dims["BLOCK_D1"] >= 256 else 1
     _latent_partial_kernel[(batch.num_seqs, triton.cdiv(meta.short_max_query_len * heads, _LATENT_BLOCK_M) * v_split, splits)](
         q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.short_rows_start,
@@ -749,7 +797,7 @@ def _latent_short(q: torch.Tensor, kv_cache: torch.Tensor, latent_dim: int, batc
         num_heads, splits, min_split, meta.max_splits, meta.short_query,
         D1=dims["D1"], D2=dims["D2"], BLOCK_D1=dims["BLOCK_D1"], BLOCK_D2=dims["BLOCK_D2"], STRIDE_KS=kv_cache.stride(1),
         BLOCK_SIZE=meta.block_size, HEADS=heads, BLOCK_M=_LATENT_BLOCK_M, BLOCK_N=block_n, CAUSAL=causal, HAS_TREE=tree is not None,
-        PRECISION=dims["PRECISION"], V_SPLIT=v_split, num_warps=_LATENT_WARPS, num_stages=_LATENT_STAGES,
+        PRECISION=dims["PRECISION"], V_SPLIT=v_split, FP8=dims["FP8"], num_warps=_LATENT_WARPS, num_stages=_LATENT_STAGES,
     )
     if splits == 1 and not meta.has_long:  # the short rows are all of the step's tokens, in order
         out.copy_(part_out.view(out.shape))
@@ -770,7 +818,7 @@ def paged_attention(
     Decode-only steps take the split-K path (T == B, token b belongs to sequence b); others the varlen kernel.
     `sinks` [H]: per-head logits in each softmax's denominator; `window`: a query at position p sees only the keys at
     positions above p - window."""
-    return _attend(q, k_cache, v_cache, (q.shape[-1], 0), v_cache.shape[-1], batch, meta, scale, sinks, window)
+    return _attend(q, k_cache, v_cache, (q.shape[-1], 0), _value_width(v_cache), batch, meta, scale, sinks, window)
 
 
 def paged_latent_attention(
@@ -784,16 +832,16 @@ def paged_latent_attention(
     tokens, num_heads, _ = q.shape
     if meta.max_query_len <= 1 and decodes_take_decode_kernel(num_heads, meta.decode_kernel_heads):
         cache = kv_cache.unsqueeze(2)
-        return _attend(q, cache, cache, (latent_dim, kv_cache.shape[-1] - latent_dim), latent_dim, batch, meta, scale)
+        return _attend(q, cache, cache, (latent_dim, _rope_width(kv_cache, latent_dim)), latent_dim, batch, meta, scale)
     out = torch.empty(tokens, num_heads, latent_dim, dtype=q.dtype, device=q.device)
     if not tokens:
         return out
-    q = _as_operand(q, kv_cache.dtype)
+    q = _as_operand(q, _operand_dtype(q, kv_cache))
     qk_scale = scale * _LOG2E
     if meta.short_rows:
         _latent_short(q, kv_cache, latent_dim, batch, meta, qk_scale, out)
     if meta.has_long:
         cache = kv_cache.unsqueeze(2)
-        dims = _dims(latent_dim, kv_cache.shape[-1] - latent_dim, latent_dim, kv_cache.dtype)
+        dims = _dims(latent_dim, _rope_width(kv_cache, latent_dim), latent_dim, q.dtype, fp8=is_fp8_cache(kv_cache))
         _prefill(q, cache, cache, dims, batch, meta, qk_scale, None, _NO_WINDOW, out, min_query=meta.short_query)
     return out

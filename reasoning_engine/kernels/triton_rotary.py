@@ -9,6 +9,8 @@ import triton
 import triton.language as tl
 
 from reasoning_engine.kernels._triton_utils import dot_mode, mma, num_warps_for, pow2
+from reasoning_engine.kernels import rotary as torch_rotary
+from reasoning_engine.kernels.fp8_cache import is_fp8_cache
 
 
 @triton.jit
@@ -149,7 +151,11 @@ def mla_rope_and_cache(
     eps: float, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, cache: torch.Tensor, slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     """`rotary.mla_rope_and_cache` in one launch: the latent's norm, both rotations, the cache write and the absorbed
-    query (every rope channel rotated: rope = 2 * cos.shape[-1])."""
+    query (every rope channel rotated: rope = 2 * cos.shape[-1]). An FP8 cache (uint8 rows) takes the torch
+    reference's path, which quantises the rows as it writes them."""
+    if is_fp8_cache(cache):
+        return torch_rotary.mla_rope_and_cache(positions, q, kv_a, w_uk, norm_weight, eps, cos, sin, interleaved,
+                                               cache, slot_mapping)
     tokens, num_heads, qk_dim = q.shape
     nope, latent = w_uk.shape[1], w_uk.shape[2]
     half = cos.shape[-1]

@@ -9,7 +9,8 @@ Kernels
   verification alike (causality is already in the selection): one program per query token and block of heads walks
   its selection in tiles, gathers those latent rows through the block tables (key [latent | rope], value = the key's
   latent tile already loaded) and keeps an online softmax (FlashAttention, Dao et al., 2022). Work is
-  O(index_topk) per query whatever the context length, which is DSA's point.
+  O(index_topk) per query whatever the context length, which is DSA's point. An FP8 latent cache's tiles are
+  dequantised as they are loaded (`triton_attention._load_rows`); the index keys stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -21,8 +22,12 @@ import triton.language as tl
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.kernels._triton_utils import dot_mode, mma, num_warps_for, online_softmax_step, pow2
 from reasoning_engine.kernels.sparse_attention import select_topk, token_sequences
+from reasoning_engine.kernels.fp8_cache import is_fp8_cache
 from reasoning_engine.kernels.triton_attention import (
     TritonAttentionMetadata,
+    _load_rows,
+    _load_tail,
+    _rope_width,
     write_kv_cache,
 )
 
@@ -106,7 +111,7 @@ def _sparse_mla_kernel(
     qk_scale, num_heads, num_selected, block_size,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_st, stride_bt, stride_ot, stride_oh,
     D1: tl.constexpr, D2: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -128,8 +133,8 @@ def _sparse_mla_kernel(
         pos = tl.maximum(pos, 0)
         blk = tl.load(bt_ptr + seq * stride_bt + pos // block_size, mask=ok, other=0).to(tl.int64)
         rows = kv_ptr + blk * stride_kb + (pos % block_size).to(tl.int64) * stride_ks
-        k1 = tl.load(rows[:, None] + d1[None, :], mask=ok[:, None] & (d1 < D1)[None, :], other=0.0)
-        k2 = tl.load(rows[:, None] + D1 + d2[None, :], mask=ok[:, None] & (d2 < D2)[None, :], other=0.0)
+        k1 = _load_rows(rows, d1, ok, d1 < D1, D1, FP8, q_ptr.dtype.element_ty)
+        k2 = _load_tail(rows, d2, ok, d2 < D2, D1, FP8, q_ptr.dtype.element_ty)
         s = mma(q1, tl.trans(k1), PRECISION) + mma(q2, tl.trans(k2), PRECISION)
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, k1, PRECISION)
@@ -143,7 +148,7 @@ def sparse_latent_attention(q: torch.Tensor, kv_cache: torch.Tensor, latent_dim:
     """As `sparse_attention.sparse_latent_attention`: q [T, H, latent + rope]; selected [T, K] context positions
     (-1 padded), each query's own position among them; returns [T, H, latent]."""
     num_tokens, num_heads, _ = q.shape
-    rope_dim = kv_cache.shape[-1] - latent_dim
+    rope_dim = _rope_width(kv_cache, latent_dim)
     out = q.new_empty(num_tokens, num_heads, latent_dim)
     if num_tokens == 0:
         return out
@@ -157,6 +162,6 @@ def sparse_latent_attention(q: torch.Tensor, kv_cache: torch.Tensor, latent_dim:
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), selected.stride(0),
         meta.block_tables.stride(0), out.stride(0), out.stride(1),
         D1=latent_dim, D2=rope_dim, BLOCK_D1=block_d1, BLOCK_D2=block_d2, BLOCK_H=block_h, BLOCK_N=_SELECT_TILE,
-        PRECISION=dot_mode(q.dtype), num_warps=num_warps_for(block_h * block_d1),
+        PRECISION=dot_mode(q.dtype), FP8=is_fp8_cache(kv_cache), num_warps=num_warps_for(block_h * block_d1),
     )
     return out

@@ -7,6 +7,12 @@ form: W_UK is folded into the query and W_UV applied after attention, so the cac
 Under tensor parallelism (`tp`) each rank keeps its share of the query heads (and of GQA's KV heads) and the output
 projection sums the ranks' partial products. MLA's latent is shared by every head, so each rank caches the whole
 latent of its requests (the known cost of MLA under TP, which data-parallel attention avoids).
+
+`use_fp8_cache()` (kv_cache_dtype="fp8") makes a layer's K/V or latent cache rows e4m3 bytes with a scale each
+(kernels/fp8_cache.py): GQA's keys and values per token and head, its queries and keys rotated alike first
+(`fp8_cache.key_rotation`: q.k unchanged, the keys' large channels spread before rounding), MLA's latent per token
+with its rotary key kept in bfloat16. `cache_dtypes` says each cache tensor's dtype for the worker that allocates
+them.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from torch import nn
 
 from reasoning_engine.batch import ForwardBatch
 from reasoning_engine.kernels import kernel_module
+from reasoning_engine.kernels.fp8_cache import key_rotation, row_bytes
 from reasoning_engine.layers.indexer import Indexer, PooledIndexer
 from reasoning_engine.layers.linear import row_parallel
 from reasoning_engine.layers.norm import RMSNorm, ShardedRMSNorm
@@ -57,10 +64,21 @@ class GQAttention(nn.Module):
         self.ops = kernel_module(self.kernel_family, "torch")
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.fp8_cache = False
+        self.key_rotation: torch.Tensor | None = None  # [head_dim, head_dim] with an FP8 cache
+
+    def use_fp8_cache(self, device: torch.device) -> None:
+        self.fp8_cache = True
+        self.key_rotation = key_rotation(self.head_dim).to(device)
 
     def cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
-        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        row = row_bytes(self.head_dim) if self.fp8_cache else self.head_dim
+        shape = (num_blocks, block_size, self.num_kv_heads, row)
         return [shape, shape]
+
+    def cache_dtypes(self, dtype: torch.dtype) -> list[torch.dtype]:
+        """Each cache tensor's dtype: the model's, or uint8 rows for an FP8 cache."""
+        return [torch.uint8 if self.fp8_cache else dtype] * 2
 
     def bind_cache(self, caches: list[torch.Tensor]) -> None:
         self.k_cache, self.v_cache = caches
@@ -77,6 +95,9 @@ class GQAttention(nn.Module):
         elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
+        if self.key_rotation is not None:  # in float32: the keys are rounded once, to e4m3, when written
+            k = k.float() @ self.key_rotation
+            q = (q.float() @ self.key_rotation).to(q.dtype)
         batch = batch.group(self.cache_group)
         self.ops.write_kv_cache(self.k_cache, k, batch.slot_mapping)
         self.ops.write_kv_cache(self.v_cache, v, batch.slot_mapping)
@@ -124,13 +145,25 @@ class MLAttention(nn.Module):
         self.w_uk: torch.Tensor | None = None  # [H, nope, latent]
         self.w_uv: torch.Tensor | None = None  # [H, latent, v]
         self.kv_cache: torch.Tensor | None = None
+        self.fp8_cache = False
         self.indexer = indexer
         # GLM-5's "shared" layers attend to the tokens an earlier layer's indexer chose (a tuple: not a submodule)
         self.shared_indexer: tuple[Indexer | PooledIndexer, ...] = ()
 
+    def use_fp8_cache(self, device: torch.device) -> None:
+        """The latent in e4m3 with a scale per token, the rotary key in bfloat16; the indexer's keys (DeepSeek
+        Sparse Attention) stay in the model's dtype."""
+        self.fp8_cache = True
+
     def cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
-        latent = (num_blocks, block_size, self.kv_lora_rank + self.rope_dim)
+        row = row_bytes(self.kv_lora_rank, self.rope_dim) if self.fp8_cache else self.kv_lora_rank + self.rope_dim
+        latent = (num_blocks, block_size, row)
         return [latent] if self.indexer is None else [latent, *self.indexer.cache_shapes(num_blocks, block_size)]
+
+    def cache_dtypes(self, dtype: torch.dtype) -> list[torch.dtype]:
+        """Each cache tensor's dtype: the latent's (uint8 rows for an FP8 cache), then the indexer's."""
+        indexer = [] if self.indexer is None else [dtype] * len(self.indexer.cache_shapes(1, 1))
+        return [torch.uint8 if self.fp8_cache else dtype, *indexer]
 
     def bind_cache(self, caches: list[torch.Tensor]) -> None:
         self.kv_cache = caches[0]

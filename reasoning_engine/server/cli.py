@@ -72,6 +72,9 @@ def _add_engine_flags(serve: argparse.ArgumentParser) -> None:
     engine.add_argument("--compile-decode", action="store_true",
                         help="torch.compile decode steps of up to 4 sequences (CPU): faster tokens, compiled at start")
     engine.add_argument("--kv-cache-blocks", type=int, default=None)
+    engine.add_argument("--kv-cache-dtype", default=None, choices=("auto", "fp8", "fp8_e4m3"),
+                        help="auto: the model's dtype; fp8 (fp8_e4m3): K/V and MLA's latent in float8 e4m3 with a scale "
+                             "per token (and head), about 1.9x the tokens in the same memory")
     engine.add_argument("--block-size", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=None)
     engine.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -198,7 +201,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Only what the user set, so the engine's own defaults apply otherwise."""
     kwargs: dict[str, Any] = {
         "dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
-        "kv_cache_blocks": args.kv_cache_blocks, "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
+        "kv_cache_blocks": args.kv_cache_blocks, "kv_cache_dtype": args.kv_cache_dtype, "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "kernel_backend": args.kernel_backend,
         "tensor_parallel_size": args.tensor_parallel_size, "data_parallel_size": args.data_parallel_size,
         "distributed_executor_backend": args.distributed_executor_backend, "nnodes": args.nnodes,

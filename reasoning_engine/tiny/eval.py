@@ -72,11 +72,12 @@ def parse_completion(text: str) -> Parsed:
     return Parsed(reasoning.strip(), content.strip(), calls, bool(reasoning.strip()) and THINK_END in text)
 
 
-def generate_reasoning_engine(model_dir: Path, samples: list[Sample]) -> list[str]:
-    """Our engine: each sample's conversation through LLM.chat (template rendered by the engine), greedy."""
+def generate_reasoning_engine(model_dir: Path, samples: list[Sample], **engine_kwargs: Any) -> list[str]:
+    """Our engine: each sample's conversation through LLM.chat (template rendered by the engine), greedy;
+    `engine_kwargs` go to LLM(...) (kv_cache_dtype, dtype, ...)."""
     from reasoning_engine import LLM, SamplingParams
 
-    llm = LLM(str(model_dir))
+    llm = LLM(str(model_dir), **engine_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, skip_special_tokens=False)
     groups: dict[tuple[str, bool], list[int]] = defaultdict(list)
     for i, s in enumerate(samples):
@@ -129,8 +130,9 @@ def task_name(sample: Sample) -> str:
 
 
 def evaluate(model_dir: Path, engine: str, per_task: int, seed: int, show: int = 0,
-             thinking: bool = True, heldout: bool = True) -> dict[str, dict[str, float]]:
-    """Per-task accuracy and share of answers preceded by a thinking section."""
+             thinking: bool = True, heldout: bool = True, **engine_kwargs: Any) -> dict[str, dict[str, float]]:
+    """Per-task accuracy and share of answers preceded by a thinking section; `engine_kwargs` go to our engine's
+    LLM(...)."""
     samples = eval_samples(per_task, seed, thinking)
     if has_vision(model_dir) and engine == "reasoning_engine":
         pictures = eval_image_samples(per_task, VISION_EVAL_SEED + seed - EVAL_SEED)
@@ -140,8 +142,10 @@ def evaluate(model_dir: Path, engine: str, per_task: int, seed: int, show: int =
             for sample in pictures:
                 sample.thinking = False
         samples += pictures
-    generate = generate_reasoning_engine if engine == "reasoning_engine" else generate_transformers
-    texts = generate(model_dir, samples)
+    if engine == "reasoning_engine":
+        texts = generate_reasoning_engine(model_dir, samples, **engine_kwargs)
+    else:
+        texts = generate_transformers(model_dir, samples)
     stats: dict[str, dict[str, float]] = defaultdict(lambda: {"n": 0, "correct": 0, "thinking": 0})
     shown: dict[str, int] = defaultdict(int)
     for s, text in zip(samples, texts):

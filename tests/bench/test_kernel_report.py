@@ -213,6 +213,41 @@ print(json.dumps(row.record()))
     assert record["issue_bound_fraction"] == pytest.approx(expected, abs=1e-3)
 
 
+@pytest.mark.slow
+def test_int4_expert_gemms_are_bound_by_bandwidth_on_hopper_and_blackwell() -> None:
+    """Kimi K2.5's batch-1 INT4 expert GEMMs under TP 8 (gate_up split over K, then down), compiled for sm_90 and
+    sm_100: their main loops issue few enough instructions per byte of weights that instruction issue alone would
+    allow at least 80% of HBM bandwidth (wgmma on Hopper, tcgen05 on Blackwell), without spilling."""
+    code = f"""
+import importlib.util, json, os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, {str(REPO)!r})
+spec = importlib.util.spec_from_file_location("kernel_report", {str(SCRIPT)!r})
+kr = importlib.util.module_from_spec(spec)
+sys.modules["kernel_report"] = kr
+spec.loader.exec_module(kr)
+(case,) = [c for c in kr.all_cases() if c.label == "kimi-tp8 moe w4a16 t1"]
+launches = []
+run, _ = case.build("meta")
+with kr.recording_launches(launches):
+    run()
+kr._worker_init()
+for launch in [l for l in launches if l.kernel == "_moe_gemm_kernel"]:
+    for target in (kr.TARGETS["sm_90"], kr.TARGETS["sm_100"]):
+        job = kr.compile_job(launch, target)
+        print(json.dumps(kr.Row(case, launch, target, job, kr.run_compile(job)).record()))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in proc.stdout.strip().splitlines() if line.startswith("{")]
+    assert len(records) == 4 and {r["target"] for r in records} == {"sm_90", "sm_100"}
+    for record in records:
+        assert record["mma"] == {"sm_90": "wgmma", "sm_100": "tcgen05"}[record["target"]], record
+        assert record["spill_bytes"] == 0 and record["loop_bytes_source"] == "tile shape", record
+        assert record["issue_bound_fraction"] >= 0.8, record
+
+
 def kernel_report_target_fraction(record: dict) -> float:
     """The issue model by hand: bytes per CTA iteration over its warp-instructions, 4 per SM-cycle, H200's SMs and
     clock, over its bandwidth."""

@@ -131,6 +131,39 @@ def test_modelled_time_charges_small_grids(kernel_report: ModuleType) -> None:
     assert quarter.modelled / quarter.minimum == 1.0
 
 
+def test_moe_traffic_counts_a_split_gemms_programs_and_partial_sums() -> None:
+    """Batch-1 Kimi TP 8: the gate_up GEMM runs 8 experts x 4 column tiles x 14 K spans, enough programs for every
+    H200 SM, and its float32 partial sums are written and read back once; the down GEMM (K = 256) is one span."""
+    code = f"""
+import importlib.util, json, os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, {str(REPO)!r})
+spec = importlib.util.spec_from_file_location("kernel_report", {str(SCRIPT)!r})
+kr = importlib.util.module_from_spec(spec)
+sys.modules["kernel_report"] = kr
+spec.loader.exec_module(kr)
+(case,) = [c for c in kr.all_cases() if c.label == "kimi-tp8 moe w4a16 t1"]
+launches = []
+run, model_traffic = case.build("meta")
+with kr.recording_launches(launches):
+    run()
+grids = [l.grid for l in launches if l.kernel == "_moe_gemm_kernel"]
+print(json.dumps({{"grids": grids, "kernels": model_traffic(launches).kernels}}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    (gated, down) = out["grids"]
+    assert gated == [8, 4, 14] and down[2] == 1
+    gate_up_bytes, gate_up_programs = out["kernels"]["gate_up GEMM"]
+    assert gate_up_programs == 8 * 4 * 14
+    weights = 8 * 2 * 7168 * 256 * (0.5 + 2 / 32)  # 8 experts touched, INT4 and their scales
+    inputs_and_intermediate = 8 * (4 * 7168 + 256) * 2
+    assert gate_up_bytes == pytest.approx(weights + inputs_and_intermediate + 2 * 14 * 8 * 512 * 4, rel=1e-3)
+    assert out["kernels"]["down GEMM"][1] == 8 * down[1]
+
+
 def test_every_case_names_a_model_op_and_shape(kernel_report: ModuleType) -> None:
     cases = kernel_report.all_cases()
     labels = [c.label for c in cases]

@@ -345,7 +345,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
         _align_one_program_kernel[(1,)](
             flat, sorted_ids, expert_ids, num_post_pad, pairs, num_experts, capacity, num_tiles, block_m,
             BLOCK_P=block_p, BLOCK_E=block_e, **_sort_blocks(block_p, block_e),
-            num_warps=16 if block_p * block_e >= 16384 else 4,  # the [experts, pairs] comparison: <= 64 cells a thread
+            num_warps=8 if block_e > block_p and block_p * block_e >= 16384 else 4,  # a wide [experts, pairs] comparison
         )
         return sorted_ids, expert_ids, num_post_pad
     sorted_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=device)

@@ -350,8 +350,9 @@ def _moe_traffic(model: Model, tokens: int, launches: list[Launch]) -> Traffic:
     """Minimum: the expected number of distinct experts `tokens` uniformly routed tokens touch on this rank, each
     expert's weights once (INT4: a nibble plus its bf16 scale's share), activations in and out. Modelled: decode row
     tiles hold one expert each, so each GEMM reads a touched expert's share of the weights once; every column tile
-    reads its row tile's inputs; the gate_up GEMM writes the intermediate, the down GEMM per-pair float32 rows.
-    Programs: the row tiles that hold pairs (the rest of the grid returns at once) times the column tiles."""
+    reads its row tile's inputs; the gate_up GEMM writes the intermediate, the down GEMM per-pair float32 rows; a GEMM
+    split over K also writes its float32 partial sums and reads them back (the reduction). Programs: the row tiles
+    that hold pairs (the rest of the grid returns at once) times the column tiles times the K spans."""
     weight_bytes = 0.5 + 2 / 32 if model.quant else BF16
     h, i = model.hidden, model.inter
     touched = model.experts * (1 - (1 - model.top_k / model.global_experts) ** tokens)
@@ -360,9 +361,15 @@ def _moe_traffic(model: Model, tokens: int, launches: list[Launch]) -> Traffic:
     gated, down = [launch for launch in launches if launch.kernel == "_moe_gemm_kernel"]
     block_m = gated.kwargs["BLOCK_M"]
     row_tiles = min(gated.grid[0], max(1, round(touched * math.ceil(pairs / max(touched, 1.0) / block_m))))  # with work
+    def partials(launch: Launch, width: int) -> float:
+        spans = launch.grid[2]
+        return 2 * spans * pairs * width * 4 if spans > 1 else 0.0
+
     return Traffic(minimum, {
-        "gate_up GEMM": (touched * 2 * h * i * weight_bytes + pairs * (gated.grid[1] * h + i) * BF16, row_tiles * gated.grid[1]),
-        "down GEMM": (touched * h * i * weight_bytes + pairs * (down.grid[1] * i * BF16 + h * 4), row_tiles * down.grid[1]),
+        "gate_up GEMM": (touched * 2 * h * i * weight_bytes + pairs * (gated.grid[1] * h + i) * BF16 + partials(gated, 2 * i),
+                         row_tiles * gated.grid[1] * gated.grid[2]),
+        "down GEMM": (touched * h * i * weight_bytes + pairs * (down.grid[1] * i * BF16 + h * 4) + partials(down, h),
+                      row_tiles * down.grid[1] * down.grid[2]),
     })
 
 

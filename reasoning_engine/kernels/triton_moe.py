@@ -6,10 +6,13 @@ The grouped GEMM follows the MegaBlocks idea (Gale et al., 2023, "MegaBlocks: Ef
 Mixture-of-Experts"): (token, choice) pairs are sorted by expert and each expert's run is padded to the row tile, so
 every row tile of the GEMM belongs to exactly one expert and reads only that expert's weights. Quantized weights are
 dequantized in registers as in Frantar et al., 2024, "MARLIN": only the packed bytes cross the memory bus, INT4 codes
-become floats through the exponent (two per 32-bit operation), and a group's scale multiplies its partial product,
-not each weight. The weights are the MMA's M side, so decode's few pairs per expert do not repeat one product in every
-warp, and a launch too small to fill the GPU is split over K in fixed spans whose partial sums a second kernel adds in
-span order (the bits do not depend on the split). Every pair writes its own output row and the k rows of a token are
+become floats through the exponent (two per 32-bit operation) and take their group's scale there, two weights per
+paired 16-bit multiply (rounded once, as the reference's dequantisation is), so a K step of 128 channels holds
+several groups and is one MMA whose fixed cost (barriers; on Blackwell the tensor-memory round trip) is spread over
+8 KB of packed weights per 128 rows. FP8 and MXFP4 steps are one scale group each, whose scale multiplies the step's
+product. The weights are the MMA's M side, so decode's few pairs per expert do not repeat one product in every warp,
+and a launch too small to fill the GPU is split over K in fixed spans whose partial sums a second kernel adds in span
+order (the bits do not depend on the split). Every pair writes its own output row and the k rows of a token are
 summed afterwards, so results do not depend on scheduling (no atomics).
 """
 
@@ -341,7 +344,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
         num_post_pad = torch.empty(1, dtype=torch.int32, device=device)
         _align_one_program_kernel[(1,)](
             flat, sorted_ids, expert_ids, num_post_pad, pairs, num_experts, capacity, num_tiles, block_m,
-            BLOCK_P=block_p, BLOCK_E=block_e, **_sort_blocks(block_p, block_e), num_warps=4,
+            BLOCK_P=block_p, BLOCK_E=block_e, **_sort_blocks(block_p, block_e),
+            num_warps=8 if block_e > block_p and block_p * block_e >= 16384 else 4,  # a wide [experts, pairs] comparison
         )
         return sorted_ids, expert_ids, num_post_pad
     sorted_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=device)
@@ -369,17 +373,28 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
 
 
 @triton.jit
-def _int4_to_float(words, DTYPE: tl.constexpr, MODE: tl.constexpr):
-    """[R, W] int32 words of eight INT4 codes (lowest nibble first, stored as q + 8) -> [R, 8 W] DTYPE values q,
-    without an integer-to-float conversion: each code is ORed into the mantissa of a float whose exponent makes one
+def _round_to_bfloat16(x):
+    """float32 -> bfloat16 rounded to nearest even, as the GPU's bfloat16 multiply rounds (the interpreter's own
+    cast does not): on the bits, for finite values."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _int4_to_float(words, scales, DTYPE: tl.constexpr, MODE: tl.constexpr):
+    """[R, W] int32 words of eight INT4 codes (lowest nibble first, stored as q + 8) and [R, W] scales (each word's
+    group's) -> [R, 8 W] DTYPE weights q * scale, each rounded once to DTYPE as the torch reference's dequantisation
+    is. No integer-to-float conversion: each code is ORed into the mantissa of a float whose exponent makes one
     mantissa step 1 (bf16 128, fp16 1024, fp32 2^23), then the exponent's value and the +8 are subtracted, exactly.
-    16-bit types take two codes per 32-bit operation (nibbles j and j + 4 land in the two halves of one word), so
-    their inputs come out in the order 8 w + j + 4 h for position 8 w + 2 j + h: `_int4_order` permutes the
-    activations to match. float32 keeps the natural order. MODE "widen" (bfloat16 in Triton's CPU interpreter, which
-    computes on bfloat16's raw bits) subtracts in float32 instead: the same exact values."""
+    16-bit types take two codes per 32-bit operation (nibbles j and j + 4 land in the two halves of one word, and
+    both halves are scaled by one paired multiply), so their inputs come out in the order 8 w + j + 4 h for position
+    8 w + 2 j + h: `_int4_order` permutes the activations to match. float32 keeps the natural order. MODE "widen"
+    (bfloat16 in Triton's CPU interpreter, which computes on bfloat16's raw bits) computes in float32 and rounds the
+    product to bfloat16: the same bits."""
     if DTYPE == tl.float32:
         codes = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
-        values = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        values = ((codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0) * scales.to(tl.float32)[:, :, None]
     else:
         magic: tl.constexpr = 0x43004300 if DTYPE == tl.bfloat16 else 0x64006400
         bias: tl.constexpr = 136.0 if DTYPE == tl.bfloat16 else 1032.0
@@ -387,36 +402,50 @@ def _int4_to_float(words, DTYPE: tl.constexpr, MODE: tl.constexpr):
         low = (halves & 0xFFFF).to(tl.int16).to(DTYPE, bitcast=True)
         high = (halves >> 16).to(tl.int16).to(DTYPE, bitcast=True)
         if MODE == "widen":
-            low, high = low.to(tl.float32), high.to(tl.float32)
-        low, high = low - bias, high - bias
+            scale = scales.to(tl.float32)[:, :, None]
+            low = _round_to_bfloat16((low.to(tl.float32) - bias) * scale)
+            high = _round_to_bfloat16((high.to(tl.float32) - bias) * scale)
+        else:
+            scale = scales.to(DTYPE)[:, :, None]
+            low, high = (low - bias) * scale, (high - bias) * scale
         values = tl.reshape(tl.join(low, high), (words.shape[0], words.shape[1] // 4, 4, 2, 2, 2))
         values = tl.permute(values, (0, 1, 3, 4, 2, 5))
     return tl.reshape(values, (words.shape[0], words.shape[1] * 8))
 
 
 @triton.jit
-def _int4_order(STEP: tl.constexpr, DTYPE: tl.constexpr):
-    """The input channel behind each position of a `_int4_to_float` tile of STEP channels."""
-    pos = tl.arange(0, STEP)
-    if DTYPE == tl.float32:
-        order = pos
-    else:
-        order = (pos // 32) * 32 + (pos % 8) // 2 * 8 + (pos % 32) // 16 * 2 + (pos % 16) // 8 + (pos % 2) * 4
-    return order
+def _int4_order(a):
+    """[STEP, M] activations in input-channel order -> the rows permuted into `_int4_to_float`'s order for 16-bit
+    types (unchanged for float32): within each 32 channels, position p4 p3 p2 p1 p0 (bits) holds channel
+    p2 p1 p0 p4 p3, i.e. each group of 8 positions takes the same two nibbles of 4 consecutive words. Loaded in
+    natural order (wide loads), permuted in registers."""
+    if a.dtype != tl.float32:
+        steps: tl.constexpr = a.shape[0] // 32
+        bits = tl.reshape(a, (steps, 2, 2, 2, 2, 2, a.shape[1]))  # channel bits k4 k3 k2 k1 k0
+        a = tl.reshape(tl.permute(bits, (0, 4, 5, 1, 2, 3, 6)), (a.shape[0], a.shape[1]))
+    return a
 
 
 @triton.jit
 def _weight_step(
-    w_base, k0, k_in, row_ok,
-    stride_wk, QUANT: tl.constexpr, STEP: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr, MODE: tl.constexpr,
+    w_base, s_base, k0, k_in, row_ok, stride_wk, stride_sk,
+    QUANT: tl.constexpr, SCALE_K: tl.constexpr, STEP: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr,
+    MODE: tl.constexpr,
 ):
-    """[R, STEP] unscaled weights of the rows at `w_base` ([R, 1] pointers), input channels k0 .. k0 + STEP, in DTYPE:
-    QUANT 0 plain, 1 INT4 codes (in `_int4_order`), 2 FP8 values, 3 MXFP4 e2m1 values (two codes per byte, low
-    nibble first). Only the packed bytes are loaded; a group's scale is applied to the product, not here."""
+    """[R, STEP] weights of the rows at `w_base` ([R, 1] pointers), input channels k0 .. k0 + STEP, in DTYPE: QUANT 0
+    plain, 1 INT4 codes times their group's scale (in `_int4_order`; `s_base` [R] the rows' scale pointers), 2 FP8
+    values, 3 MXFP4 e2m1 values (two codes per byte, low nibble first). Only the packed bytes are loaded; FP8 and
+    MXFP4 scales are applied to the product, not here."""
     if QUANT == 1:
         words = k0 // 8 + tl.arange(0, STEP // 8)
         ok = row_ok[:, None] if EVEN_K else row_ok[:, None] & (words < k_in // 8)[None, :]
-        w = _int4_to_float(tl.load(w_base + words[None, :] * stride_wk, mask=ok, other=0), DTYPE, MODE)
+        GROUPS: tl.constexpr = STEP // SCALE_K if SCALE_K < STEP else 1  # a group may also span several steps
+        groups = k0 // SCALE_K + tl.arange(0, GROUPS)
+        s_ok = row_ok[:, None] if EVEN_K else row_ok[:, None] & (groups < tl.cdiv(k_in, SCALE_K))[None, :]
+        scales = tl.load(s_base[:, None] + groups[None, :] * stride_sk, mask=s_ok, other=0.0)
+        per_word = tl.reshape(tl.broadcast_to(scales[:, :, None], (scales.shape[0], GROUPS, STEP // 8 // GROUPS)),
+                              (scales.shape[0], STEP // 8))
+        w = _int4_to_float(tl.load(w_base + words[None, :] * stride_wk, mask=ok, other=0), per_word, DTYPE, MODE)
     elif QUANT == 3:  # e2m1: sign, 2 exponent bits, 1 mantissa bit; exponent 0 is subnormal (0 or 0.5)
         pairs = k0 // 2 + tl.arange(0, STEP // 2)
         ok = row_ok[:, None] if EVEN_K else row_ok[:, None] & (pairs < k_in // 2)[None, :]
@@ -468,16 +497,17 @@ def _moe_gemm_kernel(
     QUANT: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr, SPAN: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr = False, SWIGLU_LIMIT: tl.constexpr = 0.0,
-    SILU_LIMIT: tl.constexpr = 0.0,
+    SILU_LIMIT: tl.constexpr = 0.0, EVEN_N: tl.constexpr = False, SCALE_ALIGN: tl.constexpr = 1,
 ):
     """One row tile (BLOCK_M pairs of one expert) x BLOCK_N output channels x (SPLIT) one SPAN of input channels.
 
     Computed transposed, weights x activations^T (the weight rows are the MMA's M side, 2 BLOCK_N rows for GATED: the
     gate's then the up's), so decode's few pairs per expert are the narrow N side and the warps split the weight rows
-    instead of repeating one product. Each STEP of input channels is one scale group: its unscaled product is scaled
-    per weight row and added, once per group. Sums run span by span ((0 + span 0) + span 1) + ..., so with SPLIT
-    (one program per span, float32 partial sums stored at part_ptr [span, pair, weight row] and added in span order
-    by `_moe_split_reduce_kernel`) a pair's result has the same bits as without. Without SPLIT the epilogue runs
+    instead of repeating one product. Each STEP of input channels is one MMA: INT4 weights arrive scaled
+    (`_weight_step`); an FP8 or MXFP4 step is one scale group, whose unscaled product is scaled per weight row and
+    added. Sums run span by span ((0 + span 0) + span 1) + ..., so with SPLIT (one program per span, float32 partial
+    sums stored at part_ptr [span, pair, weight row] and added in span order by `_moe_split_reduce_kernel`) a pair's
+    result has the same bits as without. Without SPLIT the epilogue runs
     here: GATED stores silu(gate) * up (gpt-oss: the clamped SwiGLU), HAS_BIAS adds the expert's bias first,
     APPLY_WEIGHT multiplies by the routing weight; output row = pair index."""
     tile = tl.program_id(0)
@@ -490,15 +520,12 @@ def _moe_gemm_kernel(
     ROWS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     r = tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK_N + r % BLOCK_N
-    row_ok = cols < n_out
+    row_ok = tl.full([ROWS], 1, tl.int1) if EVEN_N else cols < n_out  # constant: the weight loads go unmasked
     is_up = r >= BLOCK_N
     w_rows = tl.where(is_up, n_out + cols, cols)
     w_base = w_ptr + expert * stride_we + w_rows.to(tl.int64)[:, None] * stride_wn
     s_base = s_ptr + expert * stride_se + tl.where(is_up, up_scale_row0 + cols // SCALE_N, cols // SCALE_N) * stride_sn
-    if QUANT == 1:
-        order = _int4_order(STEP, a_ptr.dtype.element_ty)
-    else:
-        order = tl.arange(0, STEP)
+    s_base = tl.multiple_of(s_base, SCALE_ALIGN)  # bytes: a row's scales of one step load as one vector
     if SPLIT:
         first_span = tl.program_id(2)
         last_span = first_span + 1
@@ -509,11 +536,14 @@ def _moe_gemm_kernel(
     for span in range(first_span, last_span):
         span_acc = tl.zeros([ROWS, BLOCK_M], tl.float32)
         for k0 in range(span * SPAN, tl.minimum(span * SPAN + SPAN, k_in), STEP):
-            kk = k0 + order
+            kk = k0 + tl.arange(0, STEP)
             a_ok = pair_ok[None, :] if EVEN_K else pair_ok[None, :] & (kk < k_in)[:, None]
             a = tl.load(a_ptr + a_cols + kk[:, None], mask=a_ok, other=0.0)
-            w = _weight_step(w_base, k0, k_in, row_ok, stride_wk, QUANT, STEP, EVEN_K, a.dtype, MODE)
-            if QUANT == 0:
+            if QUANT == 1:
+                a = _int4_order(a)
+            w = _weight_step(w_base, s_base, k0, k_in, row_ok, stride_wk, stride_sk, QUANT, SCALE_K, STEP, EVEN_K,
+                             a.dtype, MODE)
+            if QUANT <= 1:  # plain, or INT4 already scaled
                 span_acc += mma(w, a, MODE)
             else:
                 scale = tl.load(s_base + (k0 // SCALE_K) * stride_sk, mask=row_ok, other=0.0).to(tl.float32)
@@ -569,14 +599,28 @@ def _moe_split_reduce_kernel(
 
 
 def _step(quant_kind: int, scale_k: int) -> int:
-    """Input channels per GEMM step: one scale group (at most 128, at least 16 for the MMA) for quantized weights, 64
-    for plain ones. A group that is not a power of two is not supported."""
+    """Input channels per GEMM step: 64 for plain weights; 128 for INT4 (the scales are applied to the weights, so a
+    step may hold several groups, and the loop's fixed cost is spread over 128 channels); for FP8 and MXFP4 one scale
+    group (at most 128, at least 16 for the MMA), whose scale multiplies the step's product. A group that is not a
+    power of two is not supported, nor an INT4 group under 32 (the INT4 input order permutes channels within 32)."""
     if quant_kind == 0:
         return 64
-    step = min(scale_k, 128)
-    if step < 16 or step & (step - 1) or scale_k % step:
-        raise ValueError(f"scale groups of {scale_k} input channels are not supported: the group must be a power of two of at least 16")
-    return step
+    smallest = 32 if quant_kind == 1 else 16
+    if scale_k < smallest or scale_k & (scale_k - 1):
+        raise ValueError(f"scale groups of {scale_k} input channels are not supported: the group must be a power of two "
+                         f"of at least {smallest}")
+    return 128 if quant_kind == 1 else min(scale_k, 128)
+
+
+def _scale_alignment(s: torch.Tensor, kind: int, step: int, scale_k: int) -> int:
+    """Bytes every weight row's scales are aligned to, as far as one INT4 step's scales (several groups) span: their
+    row's start and its offset (when the rows' strides and the base allow), so the kernel loads them as one vector."""
+    groups = step // scale_k if kind == 1 else 1
+    span = groups * s.element_size()
+    rows_aligned = all(stride % groups == 0 for stride in s.stride()[:-1]) and s.data_ptr() % span == 0
+    if groups > 1 and s.stride(-1) == 1 and rows_aligned:
+        return span
+    return 1
 
 
 def _launch_gemm(hidden: torch.Tensor, w: torch.Tensor, s: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
@@ -598,13 +642,14 @@ def _launch_gemm(hidden: torch.Tensor, w: torch.Tensor, s: torch.Tensor, b: torc
     width = (2 if gated else 1) * n_out
     part = torch.empty(spans if split else 0, out.shape[0], width, dtype=torch.float32, device=out.device)
     common = dict(GATED=gated, APPLY_WEIGHT=apply_weight, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=has_bias,
-                  SWIGLU_LIMIT=swiglu_limit, SILU_LIMIT=silu_limit, num_warps=4)
+                  SWIGLU_LIMIT=swiglu_limit, SILU_LIMIT=silu_limit, num_warps=4 if block_m == 16 else 8)
     _moe_gemm_kernel[(num_tiles, col_tiles, spans if split else 1)](
         hidden, w, s, b, out, part, sorted_ids, expert_ids, num_post_pad, weights,
         out.shape[0], a_row_div, n_out, k_in, up_row0,
         hidden.stride(0), *w.stride(), *s.stride(), b.stride(0), out.stride(0), out.shape[0] * width,
         QUANT=kind, SCALE_N=scale_n, SCALE_K=scale_k, STEP=step, SPAN=span, SPLIT=split, EVEN_K=k_in % step == 0,
-        MODE=dot_mode(hidden.dtype), **common,
+        EVEN_N=n_out % block_n == 0, SCALE_ALIGN=_scale_alignment(s, kind, step, scale_k), MODE=dot_mode(hidden.dtype),
+        **common,
     )
     if split:
         _moe_split_reduce_kernel[(num_tiles, col_tiles)](

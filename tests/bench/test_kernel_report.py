@@ -131,6 +131,39 @@ def test_modelled_time_charges_small_grids(kernel_report: ModuleType) -> None:
     assert quarter.modelled / quarter.minimum == 1.0
 
 
+def test_moe_traffic_counts_a_split_gemms_programs_and_partial_sums() -> None:
+    """Batch-1 Kimi TP 8: the gate_up GEMM runs 8 experts x 4 column tiles x 14 K spans, enough programs for every
+    H200 SM, and its float32 partial sums are written and read back once; the down GEMM (K = 256) is one span."""
+    code = f"""
+import importlib.util, json, os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, {str(REPO)!r})
+spec = importlib.util.spec_from_file_location("kernel_report", {str(SCRIPT)!r})
+kr = importlib.util.module_from_spec(spec)
+sys.modules["kernel_report"] = kr
+spec.loader.exec_module(kr)
+(case,) = [c for c in kr.all_cases() if c.label == "kimi-tp8 moe w4a16 t1"]
+launches = []
+run, model_traffic = case.build("meta")
+with kr.recording_launches(launches):
+    run()
+grids = [l.grid for l in launches if l.kernel == "_moe_gemm_kernel"]
+print(json.dumps({{"grids": grids, "kernels": model_traffic(launches).kernels}}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    (gated, down) = out["grids"]
+    assert gated == [8, 4, 14] and down[2] == 1
+    gate_up_bytes, gate_up_programs = out["kernels"]["gate_up GEMM"]
+    assert gate_up_programs == 8 * 4 * 14
+    weights = 8 * 2 * 7168 * 256 * (0.5 + 2 / 32)  # 8 experts touched, INT4 and their scales
+    inputs_and_intermediate = 8 * (4 * 7168 + 256) * 2
+    assert gate_up_bytes == pytest.approx(weights + inputs_and_intermediate + 2 * 14 * 8 * 512 * 4, rel=1e-3)
+    assert out["kernels"]["down GEMM"][1] == 8 * down[1]
+
+
 def test_every_case_names_a_model_op_and_shape(kernel_report: ModuleType) -> None:
     cases = kernel_report.all_cases()
     labels = [c.label for c in cases]
@@ -211,6 +244,57 @@ print(json.dumps(row.record()))
     assert 0 < record["issue_bound_fraction"] <= 1, record
     expected = kernel_report_target_fraction(record)
     assert record["issue_bound_fraction"] == pytest.approx(expected, abs=1e-3)
+
+
+def _compiled_records(label: str, kernel: str) -> list[dict]:
+    """The kernel report's records of `kernel`'s launches in the case `label`, compiled for sm_90 and sm_100 in a
+    subprocess (compile only, no cache)."""
+    code = f"""
+import importlib.util, json, os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, {str(REPO)!r})
+spec = importlib.util.spec_from_file_location("kernel_report", {str(SCRIPT)!r})
+kr = importlib.util.module_from_spec(spec)
+sys.modules["kernel_report"] = kr
+spec.loader.exec_module(kr)
+(case,) = [c for c in kr.all_cases() if c.label == {label!r}]
+launches = []
+run, _ = case.build("meta")
+with kr.recording_launches(launches):
+    run()
+kr._worker_init()
+for launch in [l for l in launches if l.kernel == {kernel!r}]:
+    for target in (kr.TARGETS["sm_90"], kr.TARGETS["sm_100"]):
+        job = kr.compile_job(launch, target)
+        print(json.dumps(kr.Row(case, launch, target, job, kr.run_compile(job)).record()))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.strip().splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_int4_expert_gemms_are_bound_by_bandwidth_on_hopper_and_blackwell() -> None:
+    """Kimi K2.5's batch-1 INT4 expert GEMMs under TP 8 (gate_up split over K, then down), compiled for sm_90 and
+    sm_100: their main loops issue few enough instructions per byte of weights that instruction issue alone would
+    allow at least 80% of HBM bandwidth (wgmma on Hopper, tcgen05 on Blackwell), without spilling."""
+    records = _compiled_records("kimi-tp8 moe w4a16 t1", "_moe_gemm_kernel")
+    assert len(records) == 4 and {r["target"] for r in records} == {"sm_90", "sm_100"}
+    for record in records:
+        assert record["mma"] == {"sm_90": "wgmma", "sm_100": "tcgen05"}[record["target"]], record
+        assert record["spill_bytes"] == 0 and record["loop_bytes_source"] == "tile shape", record
+        assert record["issue_bound_fraction"] >= 0.8, record
+
+
+@pytest.mark.slow
+def test_expert_sort_of_a_kimi_batch_of_8_does_not_spill() -> None:
+    """Kimi TP 8 at batch 8: 64 pairs over 384 experts sorted in one program, whose [experts, pairs] comparison
+    is spread over enough warps to stay in registers on sm_90 and sm_100."""
+    records = _compiled_records("kimi-tp8 moe w4a16 t8", "_align_one_program_kernel")
+    assert len(records) == 2
+    for record in records:
+        assert record["spill_bytes"] == 0, record
 
 
 def kernel_report_target_fraction(record: dict) -> float:

@@ -306,6 +306,24 @@ def test_int4_exponent_trick_is_exact(device):
         assert torch.equal(out.T, q[0].float()), dtype
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_int4_weights_are_the_references_dequantised_weights(device, dtype):
+    """Each INT4 weight enters the MMA as q * scale rounded once to the activations' type, as the reference
+    dequantises: a GEMM over 128-channel steps of four scale groups (and a partial last step) equals the float64
+    product with the reference's weights, up to float32 accumulation."""
+    hidden, rows = 352, 64
+    p, s, _ = int4_weights(1, rows, hidden, 32)
+    x = torch.randn(1, hidden).to(dtype)
+    align = triton_moe.moe_align_block_size(torch.zeros(1, 1, dtype=torch.int32, device=device), 1, 16)
+    out = torch.empty(1, rows, dtype=torch.float32, device=device)
+    triton_moe._launch_gemm(x.to(device), p.to(device), s.to(device), s.to(device), out, align, torch.ones(1, device=device),
+                            row_tiles=1, a_row_div=1, n_out=rows, k_in=hidden, up_row0=0, gated=False, apply_weight=False,
+                            has_bias=False, swiglu_limit=0.0, kind=1, scale_n=1, scale_k=32, block_m=16)
+    weights = fused_moe.dequantize_int4_packed(p, s, 32)[0].to(dtype)
+    expected = x.double() @ weights.double().T
+    assert (out.cpu().double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
 @pytest.mark.parametrize("tokens,top_k,experts", [(1, 6, 64), (4, 2, 8), (16, 8, 384)])
 def test_align_one_launch_for_few_pairs(device, tokens, top_k, experts, monkeypatch):
     """A decode or verification step's few pairs are sorted in one launch that writes every slot itself (no filled

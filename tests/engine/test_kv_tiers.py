@@ -229,3 +229,24 @@ def test_serve_flags_reach_the_engine_arguments(tmp_path: Path) -> None:
     assert (kwargs["kv_offload_size"], kwargs["kv_offload_dir"], kwargs["kv_offload_dir_size"]) == (
         "8GiB", str(tmp_path), "100GB")
     assert "kv_offload_size" not in _engine_kwargs(build_parser().parse_args(["serve"]))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_each_tier_their_shard(tiny_checkpoint, tmp_path: Path) -> None:
+    """Under TP 2 every rank saves, loads and writes its own heads' share of each block (one file per rank), and a
+    restarted TP engine reads the prompt back from both ranks' files: the tokens of one process without tiers."""
+    path = tiny_checkpoint("llama").path
+    a, b, c = _prompts(4, count=3)
+    turns = [a, b, c, a]
+    expected = _run(LLM(path, **TINY), turns)
+    shard_pair = LLM(path, kv_offload_size="1MiB", **TINY).engine.runner.worker.tier_store.entry_bytes
+    tiers = dict(kv_offload_size=shard_pair, kv_offload_dir=tmp_path)  # two blocks of a rank's half
+    with LLM(path, tensor_parallel_size=2, **TINY, **tiers) as llm:
+        assert _run(llm, turns) == expected
+        stats = llm.engine.stats()
+        assert stats.kv_offload_host_hits + stats.kv_offload_disk_hits > 0 and stats.kv_cache_usage == 0.0
+    ranks = {f.name.split(".")[1] for f in tmp_path.rglob("*.kv")}
+    assert ranks == {"0", "1"}
+    with LLM(path, tensor_parallel_size=2, **TINY, **tiers) as llm:
+        assert _run(llm, [a]) == expected[3:]
+        assert llm.engine.stats().kv_offload_disk_hits == 28

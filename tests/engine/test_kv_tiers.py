@@ -132,10 +132,11 @@ def test_salted_prefixes_stay_apart_in_the_host_tier(llama_dir: Path) -> None:
     assert llm.engine.stats().kv_offload_host_hits > 0
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_stress_matches_an_engine_without_tiers(llama_dir: Path, seed: int) -> None:
-    """Shared prefixes, a device pool that forces preemption and eviction, aborts, n > 1 and n-gram drafts: greedy
-    outputs equal an untiered engine's, every block comes back, the host tier stays within its bound."""
+@pytest.mark.parametrize("seed,disk", [(0, False), (1, False), (2, True), (3, True)])
+def test_random_stress_matches_an_engine_without_tiers(llama_dir: Path, tmp_path: Path, seed: int, disk: bool) -> None:
+    """Shared prefixes, a device pool that forces preemption and eviction, aborts, n > 1 and n-gram drafts, with a
+    host tier alone or a smaller one over a disk folder: greedy outputs equal an untiered engine's, every block comes
+    back, the host tier stays within its bound."""
     rng = random.Random(seed)
     stems = _prompts(10 + seed, count=3, length=16)
     requests = []
@@ -168,17 +169,32 @@ def test_random_stress_matches_an_engine_without_tiers(llama_dir: Path, seed: in
 
     kwargs = dict(TINY, kv_cache_blocks=14, max_num_batched_tokens=16, max_model_len=52, speculative_config=spec)
     plain = LLM(llama_dir, **kwargs)
-    tiered = LLM(llama_dir, kv_offload_size=6 * 4 * 2 * 4 * 64, **kwargs)  # a few blocks of this model
+    tiers = dict(kv_offload_size=2048 * 2, kv_offload_dir=tmp_path) if disk else dict(kv_offload_size=2048 * 6)
+    tiered = LLM(llama_dir, **tiers, **kwargs)  # 2048 bytes a block of this model (target and draft caches)
     expected, got = replay(plain), replay(tiered)
     finished = {k for k, v in expected.items() if v is not None} & {k for k, v in got.items() if v is not None}
     assert finished and all(expected[k] == got[k] for k in finished)
     stats = tiered.engine.stats()
     assert stats.num_preemptions > 0 and stats.kv_offload_host_hits > 0
+    assert not disk or stats.kv_offload_disk_hits > 0
     assert stats.spec_decode["draft_tokens"] > 0 and any(v is None for v in got.values())  # drafts, aborts
     bm = tiered.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and stats.kv_cache_usage == 0.0
     assert sum(bm.ref_counts) == 0
     _store_matches_index(tiered)
+
+
+def test_a_model_with_a_sliding_window_group_runs_without_tiers(tiny_checkpoint, caplog) -> None:
+    """gpt-oss's sliding-window group is not tiered: the tiers stay off (a warning says so), nothing is hit wrongly."""
+    path = tiny_checkpoint("gpt_oss").path
+    a, b = _prompts(5)
+    kwargs = dict(TINY, kv_cache_blocks=16, max_model_len=64)
+    expected = _run(LLM(path, **kwargs), [a, b, a])
+    with caplog.at_level("WARNING"):
+        llm = LLM(path, kv_offload_size="1MiB", **kwargs)
+    assert llm.engine.block_manager.tiers is None and llm.engine.runner.worker.tier_store is None
+    assert "tiers are off" in caplog.text
+    assert _run(llm, [a, b, a]) == expected and llm.engine.stats().kv_offload_host_hits == 0
 
 
 def test_tiers_cover_one_full_attention_group_only() -> None:

@@ -22,7 +22,7 @@ plain LRU's). A prefix hit on a protected block is a retention hit, and tells wh
 holding image or video placeholders also keys on those media's content hashes and where they start.
 
 Lower tiers (kv_tiers.py, optional): a keyed block the pool evicts is handed to the replica's `TierIndex`, which keeps
-its contents in host memory (and later on disk); a lookup whose device run of hits stops at a block a lower tier holds
+its contents in host memory (and later on disk), a protected block's hold going with it; a lookup whose device run of hits stops at a block a lower tier holds
 takes free blocks for the tier's run and plans the copies back (counted as prefix hits, and per tier).
 """
 
@@ -283,10 +283,11 @@ class BlockManager:
         if key is not None:  # evict: the block is reused for other tokens
             del self.group_cached[pool.block_group[block]][key]
             pool.block_keys[block] = None
+            protection = self.protected.get(key)
             if not any(key in cached for cached in self.group_cached):
                 self.protected.pop(key, None)
             if self.tiers is not None:
-                self.tiers.evicted(block, key)
+                self.tiers.evicted(block, key, protection.until if protection is not None else None)
         pool.ref_counts[block] = 1
         pool.block_group[block] = group
         self.group_used[group] += 1

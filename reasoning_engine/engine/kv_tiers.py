@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import struct
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -80,6 +81,7 @@ class TierIndex:
         self.disk: OrderedDict[bytes, int] = OrderedDict()
         self.disk_used = 0
         self.pinned: set[bytes] = set()  # host keys a lookup is loading back: not evicted until it is done
+        self.held_until: dict[bytes, float] = {}  # host keys of a protected turn (retention): evicted last till then
         self.ops: list[TierOp] = []
         self.counters = TierCounters()
         self._fetch = fetch
@@ -94,8 +96,12 @@ class TierIndex:
         ops, self.ops = self.ops, []
         return ops
 
-    def evicted(self, block: int, key: bytes) -> None:
-        """The device pool is reusing `block`, which held `key`: keep its contents in the host tier."""
+    def evicted(self, block: int, key: bytes, hold_until: float | None = None) -> None:
+        """The device pool is reusing `block`, which held `key`: keep its contents in the host tier (`hold_until`: the
+        monotonic deadline of the retention protection the block had, kept here: an agent's context waits out its
+        tool call in host memory, evicted only after every unprotected host block)."""
+        if hold_until is not None:
+            self.held_until[key] = hold_until
         if key in self.host:
             self.host.move_to_end(key)  # the same prefix's contents are there already
             return
@@ -139,8 +145,17 @@ class TierIndex:
         excess = len(self.host) - self.host_blocks
         if excess <= 0:
             return
-        for key in [k for k in self.host if k not in self.pinned][:excess]:
+        now = time.monotonic()
+        victims: list[bytes] = []
+        for held in (False, True):  # least recently used first: unprotected keys, then protected ones
+            for key in self.host:
+                if len(victims) == excess:
+                    break
+                if key not in self.pinned and (self.held_until.get(key, 0.0) > now) == held:
+                    victims.append(key)
+        for key in victims:
             del self.host[key]
+            self.held_until.pop(key, None)
             if not self.uses_disk:
                 self.ops.append((DROP, key))
             elif key in self.disk:

@@ -6,6 +6,7 @@ the outputs of an engine without tiers with every block back and the host tier w
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -266,3 +267,22 @@ def test_tensor_parallel_ranks_each_tier_their_shard(tiny_checkpoint, tmp_path: 
     with LLM(path, tensor_parallel_size=2, **TINY, **tiers) as llm:
         assert _run(llm, [a]) == expected[3:]
         assert llm.engine.stats().kv_offload_disk_hits == 28
+
+
+def test_a_protected_turn_waits_out_its_tool_call_in_the_host_tier(llama_dir: Path) -> None:
+    """Retention's protection follows a block into the host tier: while other agents' turns push blocks through a
+    host tier too small for all of them, the protected turn's blocks are evicted last, so its return hits all."""
+    a, b, c = _prompts(6, count=3)
+    block_bytes = LLM(llama_dir, kv_offload_size="1MiB", **TINY).engine.runner.worker.tier_store.entry_bytes
+
+    def returning_hits(protect: bool) -> int:
+        llm = LLM(llama_dir, kv_offload_size=9 * block_bytes, **TINY)
+        _run(llm, [a])
+        if protect:
+            llm.engine.block_manager.protect(prefix_hashes(a, 4), time.monotonic() + 600, "agent-a")
+        _run(llm, [b, c])
+        before = llm.engine.stats().prefix_cache_hits
+        _run(llm, [a])
+        return llm.engine.stats().prefix_cache_hits - before
+
+    assert returning_hits(protect=True) == 28 > returning_hits(protect=False)

@@ -395,6 +395,8 @@ class EngineConfig:
                              f"{self.kv_offload_size} and {self.kv_offload_dir_size}")
         if self.kv_offload_size and not self.enable_prefix_caching:
             raise ValueError("kv_offload_size: the KV tiers keep prefix-cache blocks; enable prefix caching")
+        if self.kv_offload_dir and Path(self.kv_offload_dir).exists() and not Path(self.kv_offload_dir).is_dir():
+            raise ValueError(f"kv_offload_dir: {self.kv_offload_dir} exists and is not a folder")
         if self.kv_offload_dir and not self.kv_offload_size:
             raise ValueError("kv_offload_dir needs kv_offload_size > 0: blocks reach the disk through the host tier")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:

@@ -2,8 +2,10 @@
 
 A cached block (one named by its chained SHA-256 prefix key, kv_cache.py) that the device pool evicts is copied to a
 bounded host-memory store; the host store's own LRU victims are written to a folder (one file per block, bounded
-bytes) or dropped. A prefix lookup that misses on the device but finds the next blocks in a lower tier takes fresh
-device blocks and copies the contents back before the step, instead of recomputing them.
+bytes) or dropped; a block evicted under retention's protection (adaptive/retention.py) keeps its deadline there and
+leaves host memory only after every unprotected block. A prefix lookup that misses on the device but finds the next
+blocks in a lower tier takes fresh device blocks and copies the contents back before the step, instead of recomputing
+them.
 
 Two halves. The driver's `TierIndex` (one per data-parallel replica, owned by its BlockManager) knows which keys each
 tier holds, enforces the bounds and plans the copies as an ordered list of ops; every rank of the replica runs that
@@ -229,7 +231,7 @@ class BlockStore:
             elif kind == SPILL:
                 self._write_file(op[1], self.entries.pop(op[1]))
             elif kind == UNLINK:
-                self.path(op[1]).unlink(missing_ok=True)
+                _remove(self.path(op[1]))
 
     def fetch(self, ops: list[TierOp], keys: list[bytes], blocks: list[int]) -> list[bool]:
         """Run `ops`, then read each key's file into its device block; per key whether the file was sound (a block
@@ -262,9 +264,13 @@ class BlockStore:
         digest = hashlib.sha256(header + payload).digest()
         path = self.path(key)
         tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(header + digest + payload)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header + digest + payload)
+            os.replace(tmp, path)
+        except OSError as exc:  # a full or failing disk costs the block, not the engine: a later read is a miss
+            logger.warning("KV disk tier: writing %s failed (%s); the block is dropped", path, exc)
+            _remove(tmp)
 
     def _read_file(self, key: bytes) -> torch.Tensor | None:
         path = self.path(key)
@@ -283,9 +289,17 @@ class BlockStore:
         if not sound:
             logger.warning("KV disk tier: %s is damaged or from another model (checksum, header or length); "
                            "skipped and removed", path)
-            path.unlink(missing_ok=True)
+            _remove(path)
             return None
         return torch.frombuffer(bytearray(data[size + 32 :]), dtype=torch.uint8)
+
+
+def _remove(path: Path) -> None:
+    """Delete a block file if it is there; a folder that fails is logged, never raised into the step."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        logger.warning("KV disk tier: removing %s failed (%s)", path, exc)
 
 
 def scan_disk(folder: Path, tp_rank: int = 0) -> list[tuple[bytes, int]]:

@@ -234,6 +234,10 @@ def test_offload_arguments_are_checked(llama_dir: Path, tmp_path: Path) -> None:
         LLM(llama_dir, kv_offload_dir=tmp_path, **TINY)
     with pytest.raises(ValueError, match="kv_offload_size"):
         LLM(llama_dir, kv_offload_size=1, **TINY)  # holds no block
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_bytes(b"")
+    with pytest.raises(ValueError, match="kv_offload_dir: .* is not a folder"):
+        LLM(llama_dir, kv_offload_size="1MiB", kv_offload_dir=not_a_folder, **TINY)
 
 
 def test_serve_flags_reach_the_engine_arguments(tmp_path: Path) -> None:
@@ -286,3 +290,28 @@ def test_a_protected_turn_waits_out_its_tool_call_in_the_host_tier(llama_dir: Pa
         return llm.engine.stats().prefix_cache_hits - before
 
     assert returning_hits(protect=True) == 28 > returning_hits(protect=False)
+
+
+def test_a_failing_disk_costs_blocks_not_the_engine(llama_dir: Path, tmp_path: Path) -> None:
+    """Block files that cannot be written (the folder made read-only under the engine) are dropped with a warning;
+    a later lookup of them is a miss; the engine keeps serving the same tokens."""
+    a, b, c = _prompts(7, count=3)
+    expected = _run(LLM(llama_dir, **TINY), [a, b, c, a])
+    tiers = _disk_tiers(llama_dir, tmp_path)
+    llm = LLM(llama_dir, **TINY, **tiers)
+    folder = llm.engine.runner.worker.tier_store.folder
+    folder.chmod(0o500)
+    try:
+        import os
+
+        if os.access(folder, os.W_OK):  # root ignores the mode bits: replace the folder with a file instead
+            folder.chmod(0o700)
+            folder.rmdir()
+            folder.write_bytes(b"")
+        assert _run(llm, [a, b, c, a]) == expected
+        stats = llm.engine.stats()
+        assert stats.kv_offload_disk_stored_blocks > 0 and stats.kv_offload_disk_hits == 0
+        assert stats.kv_cache_usage == 0.0
+    finally:
+        if folder.is_dir():
+            folder.chmod(0o700)

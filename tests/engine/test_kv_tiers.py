@@ -253,10 +253,10 @@ def test_serve_flags_reach_the_engine_arguments(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_tensor_parallel_ranks_each_tier_their_shard(tiny_checkpoint, tmp_path: Path) -> None:
+def test_tensor_parallel_ranks_each_tier_their_shard(llama_dir: Path, tmp_path: Path) -> None:
     """Under TP 2 every rank saves, loads and writes its own heads' share of each block (one file per rank), and a
     restarted TP engine reads the prompt back from both ranks' files: the tokens of one process without tiers."""
-    path = tiny_checkpoint("llama").path
+    path = llama_dir
     a, b, c = _prompts(4, count=3)
     turns = [a, b, c, a]
     expected = _run(LLM(path, **TINY), turns)

@@ -15,7 +15,8 @@ of `--host-mib`), `disk-write` (a host tier of `--disk-host-blocks` blocks over 
 prompt tokens, hit tokens and hit rate (the prefix cache's own counters), hits per tier, TTFT p50 (arrival to first
 token, per turn), and whether every turn's tokens equal the `device` run's.
 
-    PYTHONPATH=. /work/heavy .venv/bin/python benchmarks/kv_tiers.py --out benchmarks/results/kv_tiers_bundled_cpu_2026-12-07
+    PYTHONPATH=. .venv/bin/python benchmarks/kv_tiers.py --kv-blocks 128 \
+        --out benchmarks/results/kv_tiers_bundled_agentic_cpu_2026-12-07
 """
 
 from __future__ import annotations

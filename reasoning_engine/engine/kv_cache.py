@@ -22,8 +22,9 @@ plain LRU's). A prefix hit on a protected block is a retention hit, and tells wh
 holding image or video placeholders also keys on those media's content hashes and where they start.
 
 Lower tiers (kv_tiers.py, optional): a keyed block the pool evicts is handed to the replica's `TierIndex`, which keeps
-its contents in host memory (and later on disk), a protected block's hold going with it; a lookup whose device run of hits stops at a block a lower tier holds
-takes free blocks for the tier's run and plans the copies back (counted as prefix hits, and per tier).
+its contents in host memory (and later on disk), a protected block's hold going with it; a lookup whose device run of
+hits stops at a block a lower tier holds takes free blocks for the tier's run and plans the copies back (counted as
+prefix hits, and per tier).
 """
 
 from __future__ import annotations

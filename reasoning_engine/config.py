@@ -225,13 +225,13 @@ _MEMORY_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1
                  "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30}
 
 
-def parse_memory(value: str | int) -> int:
-    """'2GiB' / '512MB' / 123456 -> bytes."""
-    if isinstance(value, int):
+def parse_memory(value: str | int, name: str = "kv_cache_memory") -> int:
+    """'2GiB' / '512MB' / 123456 -> bytes (ValueError naming the field `name`)."""
+    if isinstance(value, int) and not isinstance(value, bool):
         return value
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value) if isinstance(value, str) else None
     if not match or match.group(2).lower() not in _MEMORY_UNITS:
-        raise ValueError(f"kv_cache_memory must look like '2GiB' or '512MB', got {value!r}")
+        raise ValueError(f"{name} must look like '2GiB' or '512MB', got {value!r}")
     return int(float(match.group(1)) * _MEMORY_UNITS[match.group(2).lower()])
 
 
@@ -390,6 +390,12 @@ class EngineConfig:
     # may exceed it), and the most images / videos one prompt may carry (vLLM's limit_mm_per_prompt)
     encoder_cache_tokens: int = 16384
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_LIMIT_MM_PER_PROMPT))
+    # KV tiers under the prefix cache (engine/kv_tiers.py): bytes of host memory per rank for blocks the device pool
+    # evicts (0: off), and an optional folder where the host tier's victims go (at most kv_offload_dir_size bytes
+    # per rank), reused after a restart
+    kv_offload_size: int = 0
+    kv_offload_dir: str | None = None
+    kv_offload_dir_size: int = 16 << 30
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -399,6 +405,15 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.kv_offload_size < 0 or self.kv_offload_dir_size < 1:
+            raise ValueError(f"kv_offload_size must be >= 0 and kv_offload_dir_size >= 1 byte, got "
+                             f"{self.kv_offload_size} and {self.kv_offload_dir_size}")
+        if self.kv_offload_size and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_size: the KV tiers keep prefix-cache blocks; enable prefix caching")
+        if self.kv_offload_dir and Path(self.kv_offload_dir).exists() and not Path(self.kv_offload_dir).is_dir():
+            raise ValueError(f"kv_offload_dir: {self.kv_offload_dir} exists and is not a folder")
+        if self.kv_offload_dir and not self.kv_offload_size:
+            raise ValueError("kv_offload_dir needs kv_offload_size > 0: blocks reach the disk through the host tier")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
             raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
         for name in ("cuda_graph_batch_sizes", "cuda_graph_draft_lengths"):

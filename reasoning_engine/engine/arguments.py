@@ -36,7 +36,9 @@ def build_engine_config(model: str | os.PathLike | None = None, *, dtype: str | 
                         master_port: int | None = None, adaptive: bool = True, state_dir: str | None = None,
                         target_itl_ms: float | None = None, target_ttft_ms: float | None = None,
                         limit_mm_per_prompt: dict[str, int] | None = None,
-                        encoder_cache_tokens: int = 16384) -> EngineConfig:
+                        encoder_cache_tokens: int = 16384, kv_offload_size: str | int = 0,
+                        kv_offload_dir: str | os.PathLike | None = None,
+                        kv_offload_dir_size: str | int = 16 << 30) -> EngineConfig:
     """Resolve LLM(...) keyword arguments into an EngineConfig; defaults come from the checkpoint and the machine."""
     model_config = load_model_config(model if model is not None else bundled_model_dir())
     if kernel_backend == "triton" and not triton_available():
@@ -73,7 +75,10 @@ def build_engine_config(model: str | os.PathLike | None = None, *, dtype: str | 
                                 distributed_executor_backend=distributed_executor_backend or "mp", nnodes=nnodes,
                                 node_rank=node_rank, master_addr=master_addr, master_port=master_port),
         adaptive=adaptive, state_dir=state_dir, target_itl_ms=target_itl_ms, target_ttft_ms=target_ttft_ms,
-        limit_mm_per_prompt=parse_media_limits(limit_mm_per_prompt), encoder_cache_tokens=encoder_cache_tokens)
+        limit_mm_per_prompt=parse_media_limits(limit_mm_per_prompt), encoder_cache_tokens=encoder_cache_tokens,
+        kv_offload_size=parse_memory(kv_offload_size, "kv_offload_size"),
+        kv_offload_dir=str(kv_offload_dir) if kv_offload_dir is not None else None,
+        kv_offload_dir_size=parse_memory(kv_offload_dir_size, "kv_offload_dir_size"))
 
 
 def parse_media_limits(limits: dict[str, int] | None) -> dict[str, int]:

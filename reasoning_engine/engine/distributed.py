@@ -386,6 +386,9 @@ class DistributedExecutor:
     def move_kv(self, replica: int, block_tables: list[list[int]], moves: list[tuple[int, int]]) -> None:
         self._call("move_kv", replica, block_tables, moves)
 
+    def kv_tier_ops(self, replica: int, ops: list[Any]) -> None:
+        self._call("kv_tier_ops", replica, ops)
+
     def gather(self, method: str, *args: Any) -> list[Any]:
         """Every rank's result of the worker method `method`, in rank order (reports such as `memory_report`)."""
         return self._call(method, *args, gather=True)

@@ -18,6 +18,7 @@ from reasoning_engine.engine.detokenizer import IncrementalDetokenizer
 from reasoning_engine.cache_groups import group_names
 from reasoning_engine.engine.kv_cache import BlockManager, check_cache_salt, prefix_hashes
 from reasoning_engine.engine.executor import start_executor
+from reasoning_engine.engine.kv_tiers import TierIndex, all_ranks_found, replica_folder, scan_disk
 from reasoning_engine.engine.model_runner import ModelRunner, StepResult
 from reasoning_engine.engine.request import Request, RequestStatus
 from reasoning_engine.engine.scheduler import Scheduler
@@ -72,6 +73,15 @@ class EngineStats:
     state_cache_snapshots: int | None = None
     # per KV cache group (labelled "full", "sliding", ...: cache_groups.group_names), the share of its pool it holds
     kv_cache_group_usage: dict[str, float] = field(default_factory=dict)
+    # KV tiers (kv_offload_size, engine/kv_tiers.py): prompt tokens copied back from host memory and read from disk,
+    # blocks written to each tier, disk files skipped as damaged; bytes held now (rank 0's)
+    kv_offload_host_hits: int = 0
+    kv_offload_disk_hits: int = 0
+    kv_offload_host_stored_blocks: int = 0
+    kv_offload_disk_stored_blocks: int = 0
+    kv_offload_damaged_entries: int = 0
+    kv_offload_host_bytes: int = 0
+    kv_offload_disk_bytes: int = 0
 
 
 class LLMEngine:
@@ -100,6 +110,7 @@ class LLMEngine:
                       self._state_cache(config))
             for _ in range(config.parallel.data_parallel_size)]
         for replica, scheduler in enumerate(self.schedulers):
+            scheduler.blocks.tiers = self._tier_index(replica)
             self.runner.state_caches[replica] = scheduler.states
             self.runner.key_of[replica] = lambda request, i, blocks=scheduler.blocks: blocks._block_hash(
                 request, i, request.all_token_ids)
@@ -117,6 +128,34 @@ class LLMEngine:
                      if spec_config is not None else None)
         if self.tuner is not None:
             self.tuner.calibrate(self.runner)
+
+    def _tier_index(self, replica: int) -> TierIndex | None:
+        """A replica's host / disk tier index (kv_offload_size), or None: off, or a model the tiers do not cover."""
+        config, store = self.config, self.runner.worker.tier_store
+        if not config.kv_offload_size:
+            return None
+        if store is None:
+            logger.warning("kv_offload_size: the KV tiers cover models whose cache is one full-attention group; "
+                           "this model's cache groups (%s) or linear-attention state are not tiered, so the tiers "
+                           "are off", ", ".join(group_names(self.runner.worker.cache_groups)))
+            return None
+        host_blocks = config.kv_offload_size // store.entry_bytes
+        if host_blocks < 1:
+            raise ValueError(f"kv_offload_size: {config.kv_offload_size} bytes hold no block "
+                             f"({store.entry_bytes} bytes each on this model)")
+        disk = (scan_disk(replica_folder(config.kv_offload_dir, store.identity, replica))
+                if config.kv_offload_dir else [])
+        executor = self.runner.executor
+        return TierIndex(host_blocks, config.kv_offload_dir_size if config.kv_offload_dir else 0, store.file_bytes,
+                         disk, lambda ops, keys, blocks: all_ranks_found(
+                             executor.gather("kv_tier_fetch", replica, ops, keys, blocks)))
+
+    def _run_tier_ops(self) -> None:
+        """Before the step: every rank of each replica runs the tier copies its scheduler planned, in order."""
+        for replica, scheduler in enumerate(self.schedulers):
+            tiers = scheduler.blocks.tiers
+            if tiers is not None and tiers.ops:
+                self.runner.executor.kv_tier_ops(replica, tiers.take_ops())
 
     def _state_cache(self, config: EngineConfig) -> StateCache | None:
         """A replica's linear-attention state slots (hybrid models), or None."""
@@ -367,6 +406,7 @@ class LLMEngine:
         else:
             plans = [scheduler.schedule() for scheduler in self.schedulers]
         self.num_preemptions += sum(len(plan.preempted) for plan in plans)
+        self._run_tier_ops()
         if not any(plan.scheduled for plan in plans):
             return []
         shape = tuner.shape(plans) if tuner is not None else None
@@ -622,7 +662,23 @@ class LLMEngine:
             encoder_cache_misses=sum(plan.misses for plan in self.runner.encoder_caches),
             encoder_cache_hits=sum(plan.hits for plan in self.runner.encoder_caches),
             encoder_seconds=self.runner.worker.encoder_seconds,
-            **self._state_cache_stats())
+            **self._state_cache_stats(), **self._tier_stats())
+
+    def _tier_stats(self) -> dict[str, int]:
+        indexes = [scheduler.blocks.tiers for scheduler in self.schedulers if scheduler.blocks.tiers is not None]
+        if not indexes:
+            return {}
+        entry = self.runner.worker.tier_store.entry_bytes
+
+        def total(name: str) -> int:
+            return sum(getattr(index.counters, name) for index in indexes)
+
+        return {"kv_offload_host_hits": total("host_hit_tokens"), "kv_offload_disk_hits": total("disk_hit_tokens"),
+                "kv_offload_host_stored_blocks": total("host_stored_blocks"),
+                "kv_offload_disk_stored_blocks": total("disk_stored_blocks"),
+                "kv_offload_damaged_entries": total("damaged_entries"),
+                "kv_offload_host_bytes": sum(len(index.host) for index in indexes) * entry,
+                "kv_offload_disk_bytes": sum(index.disk_used for index in indexes)}
 
     def _state_cache_stats(self) -> dict[str, float | int]:
         caches = [scheduler.states for scheduler in self.schedulers if scheduler.states is not None]

@@ -20,6 +20,11 @@ cached block again (at the front it was evicted before the blocks that hold noth
 finished turn's prefix was lost as soon as its hold ran out, and the adaptive server's prefix hit rate fell below
 plain LRU's). A prefix hit on a protected block is a retention hit, and tells which turn it came back to. A block
 holding image or video placeholders also keys on those media's content hashes and where they start.
+
+Lower tiers (kv_tiers.py, optional): a keyed block the pool evicts is handed to the replica's `TierIndex`, which keeps
+its contents in host memory (and later on disk), a protected block's hold going with it; a lookup whose device run of
+hits stops at a block a lower tier holds takes free blocks for the tier's run and plans the copies back (counted as
+prefix hits, and per tier).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from reasoning_engine.cache_groups import CacheGroup, num_pools, single_group
+from reasoning_engine.engine.kv_tiers import TierIndex
 from reasoning_engine.engine.request import Request
 from reasoning_engine.multimodal.inputs import MediaItem, media_keys
 
@@ -91,6 +97,7 @@ class BlockManager:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
         self.retention_hits = 0  # of those, tokens found in protected blocks
+        self.tiers: TierIndex | None = None  # host / disk tiers under group 0 (one full-attention group only)
 
     @property
     def null_block(self) -> int:
@@ -183,7 +190,50 @@ class BlockManager:
                 table.append(block)
             tables.append(table)
         request.block_tables = tables
+        if self.tiers is not None:
+            hits = self._match_tiers(request, tokens, hits, (len(tokens) - 1) // bs)
         request.num_computed_tokens = hits * bs
+
+    def _match_tiers(self, request: Request, tokens: list[int], hits: int, limit: int) -> int:
+        """Extend a one-group prefix hit past its device run: blocks still on the device are taken; blocks a lower
+        tier holds get free blocks, filled from disk now or from host memory by a planned copy before the step.
+        Returns the blocks hit in all."""
+        tiers, pool, cached = self.tiers, self.group_pool[0], self.group_cached[0]
+        run: list[tuple[bytes, int | None]] = []  # (key, its device block, or None: in a lower tier)
+        budget = pool.num_free
+        for i in range(hits, limit):
+            key = self._block_hash(request, i, tokens)
+            block = cached.get(key)
+            if block is None and not tiers.holds(key):
+                break
+            cost = 1 if block is None or pool.ref_counts[block] == 0 else 0
+            if cost > budget:
+                break
+            budget -= cost
+            run.append((key, block))
+        if all(block is not None for _, block in run):
+            return hits  # nothing below the device: the next lookup's device run reaches these
+        tiers.pin([key for key, block in run if block is None and key in tiers.host])
+        for _, block in run:  # device blocks first, so that taking the tier's blocks cannot evict them
+            if block is not None:
+                self._take(0, block)
+        blocks = [block if block is not None else self._pop_free(0) for _, block in run]
+        disk = [i for i, (key, block) in enumerate(run) if block is None and key not in tiers.host]
+        found = tiers.read_disk([run[i][0] for i in disk], [blocks[i] for i in disk]) if disk else []
+        stop = next((i for i, ok in zip(disk, found) if not ok), len(run))  # a damaged entry ends the run
+        for block in reversed(blocks[stop:]):
+            self._release(0, block)
+        loads = [(key, block) for (key, device), block in zip(run[:stop], blocks) if device is None]
+        for key, block in loads:
+            pool.block_keys[block] = key
+            cached[key] = block
+        request.block_tables[0].extend(blocks[:stop])
+        host = [(key, block) for key, block in loads if key in tiers.host]
+        tiers.load([key for key, _ in host], [block for _, block in host])
+        tiers.unpin()
+        tiers.counters.host_hit_tokens += len(host) * self.block_size
+        tiers.counters.disk_hit_tokens += (len(loads) - len(host)) * self.block_size
+        return hits + stop
 
     def _hit_run(self, group: int, request: Request, tokens: list[int], limit: int) -> int:
         """How many leading blocks of the request group `group` has cached (at most `limit`)."""
@@ -222,19 +272,27 @@ class BlockManager:
         while len(request.block_tables) < len(self.groups):
             request.block_tables.append([])
         for g, table in enumerate(request.block_tables):
-            pool = self.group_pool[g]
             for _ in range(total - len(table)):
-                block, _ = (pool.free_queue if pool.free_queue else pool.protected_free).popitem(last=False)
-                key = pool.block_keys[block]
-                if key is not None:  # evict: the block is reused for other tokens
-                    del self.group_cached[pool.block_group[block]][key]
-                    pool.block_keys[block] = None
-                    if not any(key in cached for cached in self.group_cached):
-                        self.protected.pop(key, None)
-                pool.ref_counts[block] = 1
-                pool.block_group[block] = g
-                self.group_used[g] += 1
-                table.append(block)
+                table.append(self._pop_free(g))
+
+    def _pop_free(self, group: int) -> int:
+        """Take the next free block of the group's pool for it (referenced once), evicting the prefix it held (to
+        the lower tiers, if any)."""
+        pool = self.group_pool[group]
+        block, _ = (pool.free_queue if pool.free_queue else pool.protected_free).popitem(last=False)
+        key = pool.block_keys[block]
+        if key is not None:  # evict: the block is reused for other tokens
+            del self.group_cached[pool.block_group[block]][key]
+            pool.block_keys[block] = None
+            protection = self.protected.get(key)
+            if not any(key in cached for cached in self.group_cached):
+                self.protected.pop(key, None)
+            if self.tiers is not None:
+                self.tiers.evicted(block, key, protection.until if protection is not None else None)
+        pool.ref_counts[block] = 1
+        pool.block_group[block] = group
+        self.group_used[group] += 1
+        return block
 
     def slide(self, request: Request) -> int:
         """Give back the blocks of sliding groups that no query at num_computed_tokens or later reads (their

@@ -17,6 +17,7 @@ import torch
 
 from reasoning_engine.config import EngineConfig
 from reasoning_engine.engine.encoder_cache import EncoderCachePlan, MediaSlice
+from reasoning_engine.engine.kv_tiers import TierOp
 from reasoning_engine.engine.request import Request
 from reasoning_engine.engine.scheduler import ScheduledRequest
 from reasoning_engine.engine.state_cache import StateCache, StatePlan
@@ -63,6 +64,8 @@ class Executor(Protocol):
     def release_draft_state(self, method: str, seq_id: str) -> None: ...
 
     def move_kv(self, replica: int, block_tables: list[list[int]], moves: list[tuple[int, int]]) -> None: ...
+
+    def kv_tier_ops(self, replica: int, ops: list[TierOp]) -> None: ...
 
     def on_failure(self, callback: Callable[[str], None]) -> None: ...
 

@@ -39,6 +39,7 @@ from reasoning_engine.config import EngineConfig
 from reasoning_engine.engine.compiled_decode import CompiledDecode
 from reasoning_engine.engine.cuda_graph import CudaGraphRunner, cuda_graphs_enabled
 from reasoning_engine.engine.encoder_cache import MediaSlice
+from reasoning_engine.engine.kv_tiers import BlockStore, TierOp, model_identity, replica_folder, tiers_supported
 from reasoning_engine.kernels import kernel_module
 from reasoning_engine.layers.linear_attention import is_decode_state_step, prepare_state
 from reasoning_engine.models.registry import build_model, build_vision_encoder
@@ -205,6 +206,7 @@ class ModelWorker:
         self.compiled_decode: CompiledDecode | None = None
         self._last: tuple[ForwardBatch, torch.Tensor, dict[int, torch.Tensor]] | None = None  # for the draft pass
         self.failure: str | None = None  # one process: a failed step leaves nothing out of step
+        self.tier_store: BlockStore | None = None  # this rank's host / disk tier entries (kv_offload_size)
 
     @property
     def local(self) -> ModelWorker:
@@ -365,6 +367,8 @@ class ModelWorker:
             self.allocate_states()
         self.drafters = {method: DraftRunner(method, m, self, self.max_draft_tokens)
                          for method, m in self.draft_models.items()}
+        if self.config.kv_offload_size and tiers_supported(self.cache_groups, bool(self.linear_layers)):
+            self.tier_store = self._tier_store()
         # EAGLE-3 reads intermediate layers, which a captured forward does not return: its steps stay eager. A
         # hybrid model's decode and verification steps address their linear-attention state through tensors alone
         # (slots, zero-start flags, scratch slots; padding rows in the padding state slot), so they are captured and
@@ -454,6 +458,35 @@ class ModelWorker:
                 for cache in caches:
                     flat = cache.view(-1, *cache.shape[2:])
                     flat[dst] = flat[src]
+
+    def _tier_store(self) -> BlockStore:
+        """The host / disk tier store over every cache tensor a block id addresses: the target's pool-0 caches and
+        the draft models' (which mirror group 0's blocks)."""
+        tensors = [t for caches in self.pool_caches[0] for t in caches]
+        tensors += [t for drafter in self.drafters.values() for caches in drafter.kv_caches for t in caches]
+        path = self.config.model.path
+        weights = sorted((f.name, f.stat().st_size) for f in path.glob("*.safetensors"))
+        config_file = path / "config.json"
+        fields = {"dtype": self.config.dtype, "load_format": self.config.load_format, "block_size": self.block_size,
+                  "tp": self.parallel.tp.size, "speculative": self.config.speculative_config,
+                  "seed": self.config.seed if self.config.load_format == "dummy" else None}
+        identity = model_identity(config_file.read_bytes() if config_file.is_file() else b"", weights, fields,
+                                  [(tuple(t.shape[1:]), t.dtype) for t in tensors])
+        folder = (replica_folder(self.config.kv_offload_dir, identity, self.replica)
+                  if self.config.kv_offload_dir else None)
+        return BlockStore(tensors, identity, self.parallel.tp.rank, folder, pin=self.device.type == "cuda")
+
+    def kv_tier_ops(self, replica: int, ops: list[TierOp]) -> None:
+        """Run the driver's tier ops (saves, loads, drops, spills, unlinks; in order) on this rank's shard."""
+        if replica == self.replica:
+            self.tier_store.run(ops)
+
+    def kv_tier_fetch(self, replica: int, ops: list[TierOp], keys: list[bytes], blocks: list[int]) -> list[bool] | None:
+        """Run the pending tier ops, then read these keys' disk files into these cache blocks: per key whether this
+        rank's file was sound (None from another replica's ranks)."""
+        if replica != self.replica:
+            return None
+        return self.tier_store.fetch(ops, keys, blocks)
 
     # ---- one step ----
     def make_batch(self, input_ids: list[int], positions: list[int], slots: list[int], query_lens: list[int],

@@ -79,6 +79,14 @@ def _add_engine_flags(serve: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-seqs", type=int, default=None)
     engine.add_argument("--max-num-batched-tokens", type=int, default=None)
     engine.add_argument("--no-enable-prefix-caching", action="store_true", help="turn the prefix cache off")
+    engine.add_argument("--kv-offload-size", default=None, metavar="BYTES",
+                        help="host memory per rank ('8GiB', '512MB') that keeps prefix-cache blocks evicted from the "
+                             "device; a later hit copies them back instead of recomputing (default: off)")
+    engine.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                        help="folder where blocks evicted from the host tier are kept, one checksummed file per block, "
+                             "reused after a restart (needs --kv-offload-size)")
+    engine.add_argument("--kv-offload-dir-size", default=None, metavar="BYTES",
+                        help="most bytes per rank the folder holds, least recently used out first (default: 16GiB)")
     parallel = serve.add_argument_group("parallel", "spread the model over several processes, GPUs or nodes "
                                         "(docs/ARCHITECTURE.md: when to pick TP, EP or DP + EP)")
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
@@ -207,7 +215,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "distributed_executor_backend": args.distributed_executor_backend, "nnodes": args.nnodes,
         "node_rank": args.node_rank, "master_addr": args.master_addr, "master_port": args.master_port,
         "state_dir": args.state_dir, "target_itl_ms": args.target_itl_ms, "target_ttft_ms": args.target_ttft_ms,
-        "limit_mm_per_prompt": args.limit_mm_per_prompt,
+        "limit_mm_per_prompt": args.limit_mm_per_prompt, "kv_offload_size": args.kv_offload_size,
+        "kv_offload_dir": args.kv_offload_dir, "kv_offload_dir_size": args.kv_offload_dir_size,
     }
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     if args.no_enable_prefix_caching:

@@ -38,6 +38,10 @@ class _EngineCollector(Collector):
             "kv_cache_usage_perc": ("Fraction of KV-cache blocks in use (0..1).", stats.kv_cache_usage),
             "kv_cache_free_blocks": ("KV-cache blocks free.", stats.free_blocks),
             "kv_cache_total_blocks": ("KV-cache blocks in all.", stats.total_blocks),
+            "kv_offload_host_bytes": ("Bytes of KV blocks held in the host-memory tier (rank 0's).",
+                                      getattr(stats, "kv_offload_host_bytes", 0)),
+            "kv_offload_disk_bytes": ("Bytes of KV block files in the disk tier (rank 0's).",
+                                      getattr(stats, "kv_offload_disk_bytes", 0)),
         }
         if getattr(stats, "state_cache_usage", None) is not None:  # hybrid models' linear-attention state group
             gauges["state_cache_usage_perc"] = ("Fraction of linear-attention state slots in use, live and snapshots "
@@ -60,6 +64,16 @@ class _EngineCollector(Collector):
             "encoder_cache_misses": ("Images and video chunks run through the vision encoder.",
                                      stats.encoder_cache_misses),
             "encoder_seconds": ("Seconds spent in the vision encoder.", stats.encoder_seconds),
+            "kv_offload_host_hits": ("Prompt tokens copied back from the host-memory KV tier instead of recomputed.",
+                                     getattr(stats, "kv_offload_host_hits", 0)),
+            "kv_offload_disk_hits": ("Prompt tokens read back from the disk KV tier instead of recomputed.",
+                                     getattr(stats, "kv_offload_disk_hits", 0)),
+            "kv_offload_host_stored_blocks": ("KV blocks copied from the device to the host-memory tier.",
+                                              getattr(stats, "kv_offload_host_stored_blocks", 0)),
+            "kv_offload_disk_stored_blocks": ("KV blocks written from the host-memory tier to disk.",
+                                              getattr(stats, "kv_offload_disk_stored_blocks", 0)),
+            "kv_offload_damaged_entries": ("Disk KV files skipped for a bad checksum, header or length.",
+                                           getattr(stats, "kv_offload_damaged_entries", 0)),
             "num_preemptions": ("Requests preempted (their KV freed, recomputed later) for want of KV blocks.",
                                 stats.num_preemptions),
         }

@@ -315,3 +315,19 @@ def test_a_failing_disk_costs_blocks_not_the_engine(llama_dir: Path, tmp_path: P
     finally:
         if folder.is_dir():
             folder.chmod(0o700)
+
+
+def test_fp8_cache_blocks_round_trip_through_the_tiers(llama_dir: Path, tmp_path: Path) -> None:
+    """An FP8 cache's rows (values and scales in one uint8 row) go to host memory and disk and come back as stored:
+    the tokens of the FP8 engine without tiers, the repeats hit."""
+    a, b, c = _prompts(3, count=3)
+    fp8 = dict(TINY, kv_cache_dtype="fp8")
+    expected = _run(LLM(llama_dir, **fp8), [a, b, c, a, b])
+    probe = LLM(llama_dir, kv_offload_size="1MiB", **fp8)
+    tiers = dict(kv_offload_size=2 * probe.engine.runner.worker.tier_store.entry_bytes, kv_offload_dir=tmp_path)
+    tiered = LLM(llama_dir, **fp8, **tiers)
+    assert _run(tiered, [a, b, c, a, b]) == expected
+    stats = tiered.engine.stats()
+    assert stats.kv_offload_host_hits + stats.kv_offload_disk_hits > 0 and stats.kv_offload_damaged_entries == 0
+    assert stats.kv_cache_usage == 0.0
+    _store_matches_index(tiered)

@@ -5,7 +5,9 @@ free port, stopped with the router). Heavy imports happen inside the command."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+from typing import Any
 
 from reasoning_engine.router.policy import POLICIES
 
@@ -70,6 +72,9 @@ def router_command(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # uvicorn re-raises the SIGTERM it caught once it has shut down; a handler that raises lets `finally` stop the
+    # local replicas instead of the default action ending the process first
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         urls = [*args.replica, *(replica.url for replica in local)]
         app = build_router_app(urls, routing, proxy)
@@ -79,3 +84,7 @@ def router_command(args: argparse.Namespace) -> int:
     finally:
         stop_replicas(local)
     return 0
+
+
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)

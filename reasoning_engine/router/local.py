@@ -36,7 +36,7 @@ class LocalReplica:
         command = [sys.executable, "-m", "reasoning_engine.cli", "serve", *self.serve_args, "--host", self.host,
                    "--port", str(self.port)]
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log is not None else None,
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=_end_with_parent)
 
     def healthy(self) -> bool:
         try:
@@ -56,6 +56,15 @@ class LocalReplica:
                 pass
         _signal_group(self.process.pid, signal.SIGKILL)
         self.process.wait()
+
+
+def _end_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the process that started it dies, even by SIGKILL (Linux's
+    PR_SET_PDEATHSIG; elsewhere nothing), so no replica outlives its router."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 def _signal_group(pid: int, sig: int) -> None:

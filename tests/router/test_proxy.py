@@ -119,3 +119,16 @@ def test_cache_aware_keeps_a_conversation_on_its_replica() -> None:
                 replica = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=10).json()["replica"]
                 assert placed.setdefault(session, replica) == replica
         assert sorted(placed.values()) == ["a", "a", "b", "b"]  # new sessions spread over the replicas
+
+
+def test_a_client_leaving_a_stream_frees_its_slot() -> None:
+    with routed([fake_replica("a", events=10_000)]) as (url, urls):
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat(True), timeout=10) as response:
+            lines = response.iter_lines()  # kept: a dropped iterator closes the response
+            next(lines)
+            in_flight = metric_value(httpx.get(f"{url}/metrics", timeout=5).text,
+                                     "reasoning_engine:router_replica_in_flight", replica=urls[0])
+            assert in_flight == 1.0
+        assert wait_for(lambda: metric_value(httpx.get(f"{url}/metrics", timeout=5).text,
+                                             "reasoning_engine:router_replica_in_flight", replica=urls[0]) == 0.0,
+                        timeout=5)

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from reasoning_engine.router.local import start_replicas, stop_replicas
+from reasoning_engine.router.local import free_port, start_replicas, stop_replicas
 from reasoning_engine.router.policy import RoutingConfig
 from reasoning_engine.router.proxy import ProxyConfig, build_router_app
 from server.helpers import LiveServer, alive, child_pids, metric_value, wait_for
@@ -92,3 +92,32 @@ def test_the_router_command_needs_replicas() -> None:
     run = subprocess.run([sys.executable, "-m", "reasoning_engine.cli", "router", "--local-replicas", "1", "--",
                           "--port", "9"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--port" in run.stderr
+
+
+def test_the_router_command_stops_its_local_replicas_on_sigterm_and_sigkill() -> None:
+    def router(port: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "reasoning_engine.cli", "router", "--port", str(port),
+                                 "--local-replicas", "1", "--log-level", "warning", "--", *SERVE_ARGS],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def up(url: str) -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        port = free_port()
+        process = router(port)
+        try:
+            assert wait_for(lambda: up(f"http://127.0.0.1:{port}"), timeout=180, interval=0.5)
+            replicas = child_pids(process.pid)
+            assert len(replicas) == 1
+            replica_pids = [*replicas, *child_pids(replicas[0])]
+            process.send_signal(sig)
+            process.wait(timeout=60)
+            assert wait_for(lambda: not any(alive(pid) for pid in replica_pids), timeout=60), sig
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()

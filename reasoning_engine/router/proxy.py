@@ -159,12 +159,12 @@ async def _read_body(request: Request, limit: int) -> bytes | None:
 
 
 def _prompt_hashes(body: bytes, block_chars: int) -> list[bytes]:
-    """The prompt's block hashes; [] for a body that is not JSON (the replica answers it with its own 400)."""
+    """The prompt's block hashes; [] for a body that is not JSON or nests too deeply to read (the replica answers
+    it with its own 400)."""
     try:
-        parsed: Any = json.loads(body) if body else None
-    except ValueError:
+        return block_hashes(prompt_text(json.loads(body) if body else None), block_chars)
+    except (ValueError, RecursionError):
         return []
-    return block_hashes(prompt_text(parsed), block_chars)
 
 
 async def _forward(router: Router, request: Request) -> Response:

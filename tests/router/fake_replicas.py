@@ -30,7 +30,10 @@ def fake_replica(name: str, mode: str = "ok", events: int = 3) -> FastAPI:
     @app.post("/v1/chat/completions")
     @app.post("/v1/messages")
     async def generate(request: Request) -> Response:
-        body = await request.json()
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, RecursionError):
+            return JSONResponse({"error": {"message": "the body is not JSON"}}, status_code=400)
         app.state.prompts.append(body)
         if mode == "silent":
             await asyncio.sleep(3600)

@@ -132,3 +132,11 @@ def test_a_client_leaving_a_stream_frees_its_slot() -> None:
         assert wait_for(lambda: metric_value(httpx.get(f"{url}/metrics", timeout=5).text,
                                              "reasoning_engine:router_replica_in_flight", replica=urls[0]) == 0.0,
                         timeout=5)
+
+
+def test_bodies_the_router_cannot_read_go_to_the_replica_to_refuse() -> None:
+    with routed([fake_replica("a")], policy="cache-aware") as (url, _):
+        for body in (b"{not json", b"[" * 100_000, b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"):
+            response = httpx.post(f"{url}/v1/chat/completions", content=body, timeout=10,
+                                  headers={"content-type": "application/json"})
+            assert response.status_code == 400 and "not JSON" in response.text  # the replica's answer, not a 500

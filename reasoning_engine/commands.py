@@ -12,6 +12,7 @@ _MODULES = [
     "reasoning_engine.generate_cli",
     "reasoning_engine.speculative.replay",
     "reasoning_engine.bench.cli",
+    "reasoning_engine.router.cli",
 ]
 
 

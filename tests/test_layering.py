@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 LAYERS: list[tuple[str, ...]] = [
     ("cli",),
     ("commands",),
-    ("generate_cli", "bench", "tiny"),  # commands and tools over the public API
+    ("generate_cli", "bench", "tiny", "router"),  # commands and tools over the public API; router: over servers' HTTP
     ("server",),
     ("__init__",),
     ("llm",),

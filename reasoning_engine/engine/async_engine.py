@@ -164,6 +164,10 @@ class AsyncLLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def kv_events(self, after: int = 0, replica: int = 0, limit: int = 1000) -> dict[str, Any]:
+        """The prefix cache's events (LLMEngine.kv_events; the log takes a lock, so this thread may read it)."""
+        return self.engine.kv_events(after, replica, limit)
+
     def adaptive_snapshot(self) -> dict[str, Any]:
         """The adaptive engine's last snapshot (rebuilt by the engine thread; read here without a lock)."""
         return self.engine.adaptive_snapshot()

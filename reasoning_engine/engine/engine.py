@@ -221,6 +221,13 @@ class LLMEngine:
             return {"enabled": False}
         return self.tuner.controller.snapshot_data or {"enabled": True}
 
+    def kv_events(self, after: int = 0, replica: int = 0, limit: int = 1000) -> dict[str, Any]:
+        """Data-parallel replica `replica`'s prefix-cache events numbered after `after`, at most `limit`
+        (GET /v1/kv_events; engine/kv_events.py)."""
+        if not 0 <= replica < len(self.schedulers):
+            raise ValueError(f"replica must be in [0, {len(self.schedulers)}), got {replica}")
+        return self.schedulers[replica].blocks.events.since(after, limit)
+
     def _tool_call_ids(self) -> set[int]:
         """Single tokens that open a tool call in the formats the server parses (Kimi K2, Hermes)."""
         markers = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>", "<|tool_call_begin|>", "<tool_call>")

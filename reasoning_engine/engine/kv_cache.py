@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from reasoning_engine.cache_groups import CacheGroup, num_pools, single_group
+from reasoning_engine.engine.kv_events import KVEventLog
 from reasoning_engine.engine.kv_tiers import TierIndex
 from reasoning_engine.engine.request import Request
 from reasoning_engine.multimodal.inputs import MediaItem, media_keys
@@ -98,6 +99,7 @@ class BlockManager:
         self.prefix_hits = 0  # of those, tokens found
         self.retention_hits = 0  # of those, tokens found in protected blocks
         self.tiers: TierIndex | None = None  # host / disk tiers under group 0 (one full-attention group only)
+        self.events = KVEventLog()  # what group 0 stores and evicts, for an external router (kv_events.py)
 
     @property
     def null_block(self) -> int:
@@ -224,11 +226,14 @@ class BlockManager:
         for block in reversed(blocks[stop:]):
             self._release(0, block)
         loads = [(key, block) for (key, device), block in zip(run[:stop], blocks) if device is None]
-        for key, block in loads:
-            pool.block_keys[block] = key
-            cached[key] = block
-        request.block_tables[0].extend(blocks[:stop])
         host = [(key, block) for key, block in loads if key in tiers.host]
+        for i, ((key, device), block) in enumerate(zip(run[:stop], blocks), start=hits):
+            if device is None:
+                pool.block_keys[block] = key
+                cached[key] = block
+                self.events.stored(key, request.block_hashes[i - 1] if i else None,
+                                   "host" if key in tiers.host else "disk")
+        request.block_tables[0].extend(blocks[:stop])
         tiers.load([key for key, _ in host], [block for _, block in host])
         tiers.unpin()
         tiers.counters.host_hit_tokens += len(host) * self.block_size
@@ -283,6 +288,8 @@ class BlockManager:
         key = pool.block_keys[block]
         if key is not None:  # evict: the block is reused for other tokens
             del self.group_cached[pool.block_group[block]][key]
+            if pool.block_group[block] == 0:
+                self.events.removed(key)
             pool.block_keys[block] = None
             protection = self.protected.get(key)
             if not any(key in cached for cached in self.group_cached):
@@ -390,6 +397,8 @@ class BlockManager:
                 if block != pool.null_block and pool.block_keys[block] is None and key not in cached:
                     pool.block_keys[block] = key
                     cached[key] = block
+                    if cached is self.group_cached[0]:
+                        self.events.stored(key, request.block_hashes[i - 1] if i else None)
 
     @staticmethod
     def full_block_keys(request: Request) -> list[bytes]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Query
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -304,7 +304,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def _register_server_routes(app: FastAPI, serving: OpenAIServing) -> None:
-    """/health, /v1/models, /v1/engine/adaptive and /metrics."""
+    """/health, /v1/models, /v1/engine/adaptive, /v1/kv_events and /metrics."""
     engine, model_config, names = serving.engine, serving.engine.model_config, serving.model_names
 
     @app.get("/health", responses=errors(503, words={503: "The engine loop has stopped (it died, or shut down)."}))
@@ -326,6 +326,16 @@ def _register_server_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.get("/v1/engine/adaptive")
     async def adaptive() -> Response:
         return JSONResponse(engine.adaptive_snapshot())
+
+    @app.get("/v1/kv_events", responses=errors(400))
+    async def kv_events(after: int = Query(0, ge=0), replica: int = Query(0, ge=0),
+                        limit: int = Query(1000, ge=1, le=10000)) -> Response:
+        """The prefix cache's events after number `after`: blocks stored (with their parent's name and where they
+        were filled from) and removed, for a router that follows what this server holds (engine/kv_events.py)."""
+        try:
+            return JSONResponse(engine.kv_events(after, replica, limit))
+        except ValueError as exc:
+            raise bad_request(str(exc), param="replica") from exc
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from reasoning_engine.engine.engine import EngineStats
+from reasoning_engine.engine.kv_events import KVEventLog
 from reasoning_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from reasoning_engine.sampling_params import SamplingParams
 
@@ -56,6 +57,7 @@ class FakeEngine:
     media_processor: Any = None
     media_limits: dict[str, int] = field(default_factory=dict)
     loop_died: bool = False  # what AsyncLLM's loop thread does when a step fails past recovery
+    events: KVEventLog = field(default_factory=KVEventLog)  # what /v1/kv_events reads; tests fill it
 
     def __post_init__(self) -> None:
         self.model_config.vocab_size = len(self.tokenizer)
@@ -129,6 +131,11 @@ class FakeEngine:
                            kv_cache_usage=used / self.total_blocks, free_blocks=self.total_blocks - used,
                            total_blocks=self.total_blocks, prefix_cache_queries=0, prefix_cache_hits=0,
                            num_preemptions=5, spec_decode={"num_drafts": 3, "num_accepted_tokens_per_pos": [2, 1]})
+
+    def kv_events(self, after: int, replica: int, limit: int) -> dict[str, Any]:
+        if replica != 0:
+            raise ValueError(f"replica must be in [0, 1), got {replica}")
+        return self.events.since(after, limit)
 
     def adaptive_snapshot(self) -> dict[str, Any]:
         return {"enabled": True, "cost_model": {"ready": False}}

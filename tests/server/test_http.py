@@ -739,3 +739,23 @@ def test_the_fake_engine_has_every_member_the_server_calls(kimi_tokenizer: Any) 
     members = [name for name in vars(EngineClient) if not name.startswith("_")]
     assert {"generate", "abort", "is_running", "stats", "model_config"} <= set(members)
     assert [name for name in members if not hasattr(engine, name)] == []
+
+
+def test_kv_events_are_served_after_a_number_and_bad_queries_are_400(fake_server: Any) -> None:
+    """/v1/kv_events: the engine's prefix-cache events after `after`, paged by `limit`; a bad replica or a negative
+    number is a 400 naming it, never a 500 (behind the API key like every /v1 route)."""
+    engine, url = fake_server("ok", api_key="k")
+    auth = {"Authorization": "Bearer k"}
+    for i in range(3):
+        engine.events.stored(bytes([i]) * 32, bytes([i - 1]) * 32 if i else None)
+    engine.events.removed(bytes([0]) * 32)
+    assert httpx.get(f"{url}/v1/kv_events", timeout=30).status_code == 401
+    first = httpx.get(f"{url}/v1/kv_events", params={"limit": 2}, headers=auth, timeout=30).json()
+    assert [e["seq"] for e in first["events"]] == [1, 2] and first["next_after"] == 2 and not first["dropped"]
+    assert first["events"][1] == {"seq": 2, "kind": "stored", "block_hash": "01" * 32, "parent_hash": "00" * 32,
+                                  "medium": "device"}
+    rest = httpx.get(f"{url}/v1/kv_events", params={"after": 2}, headers=auth, timeout=30).json()
+    assert [(e["seq"], e["kind"]) for e in rest["events"]] == [(3, "stored"), (4, "removed")]
+    for params, name in (({"replica": 1}, "replica"), ({"after": -1}, "after"), ({"limit": 0}, "limit")):
+        response = httpx.get(f"{url}/v1/kv_events", params=params, headers=auth, timeout=30)
+        assert response.status_code == 400 and name in json.dumps(response.json()), params

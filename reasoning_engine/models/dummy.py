@@ -10,13 +10,14 @@ renormalised before each layer, so logits stay finite in bf16 at any depth.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from reasoning_engine.layers.moe import Experts, HashRouter
 from reasoning_engine.layers.norm import RMSNorm
-from reasoning_engine.models.base import process_weights_after_loading
+from reasoning_engine.models.base import materialize, process_weights_after_loading
 
 # root mean square of q = nibble - 8 for a uniform nibble in [0, 15]: sqrt(E[q^2]) = sqrt(21.5)
 INT4_RMS = math.sqrt(21.5)
@@ -70,3 +71,17 @@ def _fill_quantized_experts(experts: Experts, gen: torch.Generator) -> None:
             for expert in weight:  # one expert at a time: the float temporary stays small
                 expert.copy_(torch.randn(expert.shape, generator=gen, device=expert.device, dtype=torch.bfloat16))
             scale.fill_(weight.shape[-1] ** -0.5)
+
+
+def build_loaded(make: Callable[[], nn.Module], dtype: torch.dtype, device: torch.device | str, load_format: str,
+                 load: Callable[[nn.Module], None]) -> nn.Module:
+    """A module built by `make` on the meta device, materialized on `device` in `dtype`, its weights loaded by
+    `load` (random ones with load_format "dummy", as the text model gets), in eval mode: the vision towers."""
+    with torch.device("meta"):
+        module = make()
+    module = materialize(module, dtype, torch.device(device))
+    if load_format == "dummy":
+        init_dummy_weights(module)
+    else:
+        load(module)
+    return module.eval()

@@ -30,8 +30,8 @@ from torch import nn
 
 from reasoning_engine.layers.moe import GatedMLP
 from reasoning_engine.layers.norm import RMSNorm
-from reasoning_engine.models.base import WeightTarget, half, load_parameters, materialize
-from reasoning_engine.models.dummy import init_dummy_weights
+from reasoning_engine.models.base import WeightTarget, half, load_parameters
+from reasoning_engine.models.dummy import build_loaded
 from reasoning_engine.models.kimi_vision import attention_function, rotate_pairs
 from reasoning_engine.models.weights import read_tensors_where
 
@@ -225,11 +225,6 @@ def build_glm5_vision_encoder(model_dir: Path | str, dtype: torch.dtype, device:
     if not outer.get("vision_config"):
         return None
     config = Glm5VisionConfig.from_config(outer)
-    with torch.device("meta"):
-        encoder = Glm5VisionEncoder(config, kernel_backend)
-    encoder = materialize(encoder, dtype, torch.device(device))
-    if load_format == "dummy":
-        init_dummy_weights(encoder)
-    else:
-        encoder.load_weights(read_tensors_where(root, lambda name: name.startswith(PREFIX)), root)
-    return encoder.eval()
+    return build_loaded(lambda: Glm5VisionEncoder(config, kernel_backend), dtype, device, load_format,
+                        lambda encoder: encoder.load_weights(
+                            read_tensors_where(root, lambda name: name.startswith(PREFIX)), root))

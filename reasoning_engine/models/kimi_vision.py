@@ -36,8 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reasoning_engine.models.base import materialize
-from reasoning_engine.models.dummy import init_dummy_weights
+from reasoning_engine.models.dummy import build_loaded
 from reasoning_engine.models.weights import check_shape, read_tensors_where
 
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
@@ -447,11 +446,5 @@ def build_vision_encoder(model_dir: Path | str, dtype: torch.dtype, device: torc
     if outer.get("model_type") != "kimi_k25":
         return None
     config = VisionConfig.from_config(outer)
-    with torch.device("meta"):
-        encoder = KimiVisionEncoder(config, kernel_backend)
-    encoder = materialize(encoder, dtype, torch.device(device))
-    if load_format == "dummy":
-        init_dummy_weights(encoder)
-    else:
-        encoder.load_weights(_vision_tensors(root))
-    return encoder.eval()
+    return build_loaded(lambda: KimiVisionEncoder(config, kernel_backend), dtype, device, load_format,
+                        lambda encoder: encoder.load_weights(_vision_tensors(root)))

@@ -9,19 +9,15 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from reasoning_engine import LLM, SamplingParams
+
+from .family_engines import assert_no_leak, generate_ids, one_at_a_time, random_prompts
 
 pytestmark = pytest.mark.slow  # whole engines of one family
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 GLM = dict(dtype="float32", device="cpu", block_size=2)
-
-
-def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, 256, (n,), generator=gen).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module")
@@ -32,28 +28,7 @@ def path(tiny_checkpoint) -> str:
 @pytest.fixture(scope="module")
 def plain(path: str):
     llm = LLM(path, enable_prefix_caching=False, max_num_seqs=1, **GLM)
-    cache: dict[tuple[int, ...], list[int]] = {}
-
-    def get(ids: list[int], params: SamplingParams = GREEDY) -> list[int]:
-        key = (*ids, params.max_tokens)
-        if key not in cache:
-            cache[key] = list(llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids)
-        return cache[key]
-
-    return get
-
-
-def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def _assert_no_leak(llm: LLM) -> None:
-    engine = llm.engine
-    assert not engine.has_unfinished_requests()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    states = engine.scheduler.states
-    assert len(states.free) + states.num_snapshots == states.num_slots  # every live slot given back
+    return one_at_a_time(llm, GREEDY)
 
 
 def test_prefix_hits_inside_unfinished_pools(path: str, plain) -> None:
@@ -61,27 +36,27 @@ def test_prefix_hits_inside_unfinished_pools(path: str, plain) -> None:
     from the cached blocks), and an agent's next turn (the first turn, its answer, then more) at a later boundary:
     the tokens of a plain run, chunked prefill beside them ending mid-pool."""
     llm = LLM(path, max_num_batched_tokens=18, **GLM)
-    first, other = _prompts(1, (43, 30))
-    assert _generate(llm, [first]) == [plain(first)]
+    first, other = random_prompts(1, (43, 30))
+    assert generate_ids(llm, [first], GREEDY) == [plain(first)]
     again = llm.generate([{"prompt_token_ids": first}], GREEDY, use_tqdm=False)[0]
     assert again.num_cached_tokens == 42 and list(again.outputs[0].token_ids) == plain(first)
     turn = first + plain(first) + other[:9]
     out = llm.generate([{"prompt_token_ids": turn}], GREEDY, use_tqdm=False)[0]
     assert out.num_cached_tokens > len(first) and list(out.outputs[0].token_ids) == plain(turn)
-    _assert_no_leak(llm)
+    assert_no_leak(llm, states=True)
 
 
 def test_preemption_and_n_samples_keep_the_tokens(path: str, plain) -> None:
     """A cache too small for the batch preempts and recomputes; greedy n = 2 samples share their prompt: each
     sequence's tokens are the plain run's."""
-    prompts = _prompts(2, (70, 37, 52, 9))
+    prompts = random_prompts(2, (70, 37, 52, 9))
     llm = LLM(path, kv_cache_blocks=120, max_model_len=128, max_num_batched_tokens=32, **GLM)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for ids, out in zip(prompts, outs):
         assert [list(o.token_ids) for o in out.outputs] == [plain(ids)] * 2
     assert llm.engine.num_preemptions > 0
-    _assert_no_leak(llm)
+    assert_no_leak(llm, states=True)
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
@@ -89,15 +64,15 @@ def test_speculative_decoding_is_lossless(path: str, plain, method: str) -> None
     """Drafts verified across pool boundaries: the plain tokens. The tiny model's own continuations do not repeat, so
     n-gram drafts from repetitive prompts are rejected (each step's KDA state and pooled keys rolled back); the
     suffix store drafts a prompt's earlier continuation when it comes again, and those drafts are accepted."""
-    base = _prompts(3, (7,))[0]
-    prompts = [base * 6, base[:5] * 5 + [3, 4], _prompts(4, (20,))[0]]
+    base = random_prompts(3, (7,))[0]
+    prompts = [base * 6, base[:5] * 5 + [3, 4], random_prompts(4, (20,))[0]]
     llm = LLM(path, adaptive=False, speculative_config={"method": method, "num_speculative_tokens": 5}, **GLM)
-    assert _generate(llm, prompts) == [plain(p) for p in prompts]
+    assert generate_ids(llm, prompts, GREEDY) == [plain(p) for p in prompts]
     assert llm.engine.stats().spec_decode["draft_tokens"] > 0
     if method == "suffix":
-        assert _generate(llm, prompts) == [plain(p) for p in prompts]
+        assert generate_ids(llm, prompts, GREEDY) == [plain(p) for p in prompts]
         assert llm.engine.stats().spec_decode["accepted_tokens"] > 0
-    _assert_no_leak(llm)
+    assert_no_leak(llm, states=True)
 
 
 def test_steps_stay_eager_under_compile_decode(path: str, plain) -> None:
@@ -105,8 +80,8 @@ def test_steps_stay_eager_under_compile_decode(path: str, plain) -> None:
     this model, and its tokens are the plain run's."""
     llm = LLM(path, compile_decode=True, **GLM)
     assert llm.engine.runner.worker.compiled_decode is None and llm.engine.runner.worker.decode_graphs is None
-    prompt = _prompts(6, (30,))[0]
-    assert _generate(llm, [prompt]) == [plain(prompt)]
+    prompt = random_prompts(6, (30,))[0]
+    assert generate_ids(llm, [prompt], GREEDY) == [plain(prompt)]
 
 
 def test_random_stress_with_aborts_preemption_hits_and_drafts(path: str, plain) -> None:
@@ -131,9 +106,9 @@ def test_random_stress_with_aborts_preemption_hits_and_drafts(path: str, plain) 
     for i in range(16):
         if earlier and rng.random() < 0.4:
             base = rng.choice(earlier)
-            prompt = base[: rng.randint(1, len(base))] + _prompts(200 + i, (rng.randint(1, 10),))[0]
+            prompt = base[: rng.randint(1, len(base))] + random_prompts(200 + i, (rng.randint(1, 10),))[0]
         else:
-            prompt = _prompts(100 + i, (rng.randint(3, 70),))[0]
+            prompt = random_prompts(100 + i, (rng.randint(3, 70),))[0]
         earlier.append(prompt)
         params = SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 30), ignore_eos=True)
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
@@ -148,7 +123,7 @@ def test_random_stress_with_aborts_preemption_hits_and_drafts(path: str, plain) 
     assert {rid: tokens for rid, tokens in done.items() if rid not in aborted} == {
         rid: tokens for rid, tokens in wanted.items() if rid not in aborted}
     assert engine.num_preemptions > 0 and engine.block_manager.prefix_hits > 0
-    _assert_no_leak(llm)
+    assert_no_leak(llm, states=True)
 
 
 @pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),
@@ -156,9 +131,9 @@ def test_random_stress_with_aborts_preemption_hits_and_drafts(path: str, plain) 
 def test_tensor_and_data_parallel_equal_one_process(path: str, plain, parallel: dict) -> None:
     """TP 2 (each rank half the KDA heads with their state, half the MLA heads; the latent, the indexer and the
     hyper-connections whole) and DP 2 with expert parallelism."""
-    prompts = _prompts(5, (3, 17, 40, 70))
+    prompts = random_prompts(5, (3, 17, 40, 70))
     llm = LLM(path, **GLM, **parallel)
     try:
-        assert _generate(llm, prompts) == [plain(p) for p in prompts]
+        assert generate_ids(llm, prompts, GREEDY) == [plain(p) for p in prompts]
     finally:
         llm.shutdown()

@@ -17,6 +17,7 @@ from reasoning_engine import LLM, SamplingParams
 from reasoning_engine.engine.cuda_graph import CudaGraphRunner
 from reasoning_engine.engine.worker import StepInput
 
+from .family_engines import assert_no_leak, generate_ids, one_at_a_time, random_prompts
 from .test_cuda_graph import _record_buckets, _record_sizes
 
 pytestmark = pytest.mark.slow  # whole hybrid-model engines
@@ -24,11 +25,6 @@ pytestmark = pytest.mark.slow  # whole hybrid-model engines
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 BS = 8
-
-
-def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, 256, (n,), generator=gen).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "kimi_linear"])
@@ -41,56 +37,34 @@ def path(tiny_checkpoint, request) -> str:
 def plain(path: str):
     """Greedy continuations of the model run one request at a time, without prefix caching: the reference."""
     llm = LLM(path, dtype="float32", device="cpu", block_size=BS, enable_prefix_caching=False, max_num_seqs=1)
-    cache: dict[tuple[int, ...], list[int]] = {}
-
-    def get(ids: list[int], params: SamplingParams = GREEDY) -> list[int]:
-        key = (*ids, params.max_tokens)
-        if key not in cache:
-            cache[key] = list(llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids)
-        return cache[key]
-
-    return get
-
-
-def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def _assert_no_leak(llm: LLM) -> None:
-    engine = llm.engine
-    assert not engine.has_unfinished_requests()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    states = engine.scheduler.states
-    assert len(states.free) + states.num_snapshots == states.num_slots  # every live slot given back
-    assert not states.pending
+    return one_at_a_time(llm, GREEDY)
 
 
 def test_chunked_prefill_and_a_mixed_batch_give_the_plain_tokens(path: str, plain) -> None:
     """Prompts of many blocks, prefilled in chunks of 24 tokens beside each other's decodes."""
-    prompts = _prompts(0, (5, 37, 70, 101))
+    prompts = random_prompts(0, (5, 37, 70, 101))
     llm = LLM(path, dtype="float32", device="cpu", block_size=BS, max_num_batched_tokens=24)
-    assert _generate(llm, prompts) == [plain(p) for p in prompts]
-    _assert_no_leak(llm)
+    assert generate_ids(llm, prompts, GREEDY) == [plain(p) for p in prompts]
+    assert_no_leak(llm, states=True, pending=True)
 
 
 def test_prefix_hits_restore_the_state_at_a_snapshot(path: str, plain) -> None:
     """A repeated prompt hits at its last block boundary; a longer prompt sharing it and an agent's next turn
     (prompt + answer + more) hit too, and all give the plain tokens."""
     llm = LLM(path, dtype="float32", device="cpu", block_size=BS)
-    first = _prompts(1, (45,))[0]
-    answer = _generate(llm, [first])[0]
+    first = random_prompts(1, (45,))[0]
+    answer = generate_ids(llm, [first], GREEDY)[0]
     assert answer == plain(first)
     blocks = llm.engine.block_manager
-    again = _generate(llm, [first])[0]
+    again = generate_ids(llm, [first], GREEDY)[0]
     assert again == answer
     repeated_hits = blocks.prefix_hits
     assert repeated_hits == (len(first) - 1) // BS * BS  # the prompt's last boundary
-    turn = first + answer + _prompts(2, (11,))[0]
-    assert _generate(llm, [turn])[0] == plain(turn)
+    turn = first + answer + random_prompts(2, (11,))[0]
+    assert generate_ids(llm, [turn], GREEDY)[0] == plain(turn)
     # the state after the previous turn's last full block was kept while it decoded
     assert blocks.prefix_hits - repeated_hits == (len(first) + len(answer) - 1) // BS * BS
-    _assert_no_leak(llm)
+    assert_no_leak(llm, states=True, pending=True)
 
 
 def test_a_hit_needs_a_snapshot_and_shorter_prefixes_fall_back(path: str, plain) -> None:
@@ -98,28 +72,28 @@ def test_a_hit_needs_a_snapshot_and_shorter_prefixes_fall_back(path: str, plain)
     `interval` blocks), or computes from the start: never a wrong state."""
     llm = LLM(path, dtype="float32", device="cpu", block_size=BS)
     llm.engine.scheduler.states.interval_blocks = 2
-    base = _prompts(3, (60,))[0]
-    _generate(llm, [base])
-    other = base[:37] + _prompts(4, (20,))[0]  # shares 4 full blocks; snapshots at 16 and 32 tokens (and 56)
+    base = random_prompts(3, (60,))[0]
+    generate_ids(llm, [base], GREEDY)
+    other = base[:37] + random_prompts(4, (20,))[0]  # shares 4 full blocks; snapshots at 16 and 32 tokens (and 56)
     before = llm.engine.block_manager.prefix_hits
-    assert _generate(llm, [other])[0] == plain(other)
+    assert generate_ids(llm, [other], GREEDY)[0] == plain(other)
     assert llm.engine.block_manager.prefix_hits - before == 32
-    _assert_no_leak(llm)
+    assert_no_leak(llm, states=True, pending=True)
 
 
 def test_preemption_recomputes_and_gives_the_plain_tokens(path: str, plain) -> None:
-    prompts = _prompts(5, (30, 41, 52, 63))
+    prompts = random_prompts(5, (30, 41, 52, 63))
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     llm = LLM(path, dtype="float32", device="cpu", block_size=BS, kv_cache_blocks=24, max_model_len=128)
-    assert _generate(llm, prompts, params) == [plain(p, params) for p in prompts]
+    assert generate_ids(llm, prompts, params) == [plain(p, params) for p in prompts]
     assert llm.engine.num_preemptions > 0
-    _assert_no_leak(llm)
+    assert_no_leak(llm, states=True, pending=True)
 
 
 def test_n_samples_fork_the_prompt_state(path: str, plain) -> None:
     """n > 1: the samples after the first start from the prompt's snapshot; greedy samples all equal the plain run,
     and seeded samples equal the same seeds run alone."""
-    prompt = _prompts(6, (50,))[0]
+    prompt = random_prompts(6, (50,))[0]
     llm = LLM(path, dtype="float32", device="cpu", block_size=BS)
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=3, temperature=0.0, max_tokens=24, ignore_eos=True),
                        use_tqdm=False)[0]
@@ -130,19 +104,19 @@ def test_n_samples_fork_the_prompt_state(path: str, plain) -> None:
     alone = LLM(path, dtype="float32", device="cpu", block_size=BS, enable_prefix_caching=False)
     apart = [list(c.token_ids) for c in alone.generate([{"prompt_token_ids": prompt}], seeded, use_tqdm=False)[0].outputs]
     assert together == apart
-    _assert_no_leak(llm)
+    assert_no_leak(llm, states=True, pending=True)
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_speculative_decoding_is_lossless(path: str, plain, method: str) -> None:
-    motif = _prompts(7, (9,))[0]
-    prompts = [motif * 6, motif[:5] * 9 + [3], _prompts(8, (33,))[0]]
+    motif = random_prompts(7, (9,))[0]
+    prompts = [motif * 6, motif[:5] * 9 + [3], random_prompts(8, (33,))[0]]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     llm = LLM(path, dtype="float32", device="cpu", block_size=BS,
               speculative_config={"method": method, "num_speculative_tokens": 4}, adaptive=False)
-    assert _generate(llm, prompts, params) == [plain(p, params) for p in prompts]
+    assert generate_ids(llm, prompts, params) == [plain(p, params) for p in prompts]
     assert llm.engine.spec.stats.verify_steps > 0
-    _assert_no_leak(llm)
+    assert_no_leak(llm, states=True, pending=True)
 
 
 class TreeDrafts:
@@ -192,20 +166,20 @@ def test_accepted_tree_branches_carry_their_state(path: str, plain) -> None:
     """The accepted node's state becomes the live one (also when a boundary falls inside the accepted path, where
     a snapshot is taken from the node's scratch slot): the tokens equal the plain run, and a later prompt that hits
     such a snapshot does too."""
-    prompts = _prompts(10, (13, 29))
+    prompts = random_prompts(10, (13, 29))
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     expected = [p + plain(p, params) for p in prompts]
     llm = LLM(path, dtype="float32", device="cpu", block_size=BS,
               speculative_config={"method": "ngram", "num_speculative_tokens": 6}, adaptive=False)
     llm.engine.spec.proposer = TreeDrafts(expected)
-    assert _generate(llm, prompts, params) == [plain(p, params) for p in prompts]
+    assert generate_ids(llm, prompts, params) == [plain(p, params) for p in prompts]
     stats = llm.engine.spec.stats
     assert 0 < stats.accepted_tokens < stats.draft_tokens
-    turn = expected[0] + _prompts(11, (5,))[0]
+    turn = expected[0] + random_prompts(11, (5,))[0]
     before = llm.engine.block_manager.prefix_hits
-    assert _generate(llm, [turn], GREEDY) == [plain(turn)]
+    assert generate_ids(llm, [turn], GREEDY) == [plain(turn)]
     assert llm.engine.block_manager.prefix_hits - before == (len(expected[0]) - 1) // BS * BS
-    _assert_no_leak(llm)
+    assert_no_leak(llm, states=True, pending=True)
 
 
 def test_random_stress_with_aborts_preemption_and_drafts(path: str, plain) -> None:
@@ -216,13 +190,13 @@ def test_random_stress_with_aborts_preemption_and_drafts(path: str, plain) -> No
               max_num_batched_tokens=32, speculative_config={"method": "ngram", "num_speculative_tokens": 3},
               adaptive=False)
     engine = llm.engine
-    motif = _prompts(9, (7,))[0]
+    motif = random_prompts(9, (7,))[0]
     wanted: dict[str, list[int]] = {}
     aborted: set[str] = set()
     done: dict[str, list[int]] = {}
     for i in range(14):
         length = rng.randint(3, 60)
-        prompt = (motif * 10)[:length] if i % 2 else _prompts(100 + i, (length,))[0]
+        prompt = (motif * 10)[:length] if i % 2 else random_prompts(100 + i, (length,))[0]
         params = SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 30), ignore_eos=True)
         rid = f"r{i}"
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
@@ -242,14 +216,14 @@ def test_random_stress_with_aborts_preemption_and_drafts(path: str, plain) -> No
         if rid not in aborted:
             assert tokens == wanted[rid], rid
     assert set(wanted) - aborted <= set(done)
-    _assert_no_leak(llm)
+    assert_no_leak(llm, states=True, pending=True)
 
 
 def test_state_group_usage_in_stats_and_metrics(path: str) -> None:
     from reasoning_engine.server.metrics import _EngineCollector
 
     llm = LLM(path, dtype="float32", device="cpu", block_size=BS)
-    _generate(llm, _prompts(12, (40,)))
+    generate_ids(llm, random_prompts(12, (40,)), GREEDY)
     stats = llm.engine.stats()
     states = llm.engine.scheduler.states
     assert stats.state_cache_snapshots == states.num_snapshots > 0
@@ -266,14 +240,14 @@ def test_prompts_of_many_blocks_match_transformers(tiny_checkpoint, name: str) -
     batch equal transformers'."""
     ckpt = tiny_checkpoint(name)
     reference = ckpt.reference()
-    prompts = _prompts(20, (3, 45, 83, 130))
+    prompts = random_prompts(20, (3, 45, 83, 130))
     llm = LLM(str(ckpt.path), dtype="float32", device="cpu", block_size=BS, max_num_batched_tokens=36)
     for ids, got in zip(prompts, llm.compute_logits(prompts)):
         with torch.no_grad():
             want = reference(torch.tensor([ids])).logits[0, -1].float()
         torch.testing.assert_close(got.float().cpu(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    for ids, tokens in zip(prompts, _generate(llm, prompts, params)):
+    for ids, tokens in zip(prompts, generate_ids(llm, prompts, params)):
         seq = list(ids)
         with torch.no_grad():  # the whole sequence recomputed each step, as test_parity.py's reference does
             for _ in range(32):
@@ -293,18 +267,18 @@ def test_padded_static_decode_matches_eager(path: str, plain) -> None:
                              state_padding_slot=worker.state_padding_slot)
     worker.decode_graphs = graphs
     sizes = _record_sizes(graphs)
-    prompts = _prompts(30, (5, 19, 33, 12, 41))
+    prompts = random_prompts(30, (5, 19, 33, 12, 41))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 19, 2, 12, 9)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     answers = [list(o.outputs[0].token_ids) for o in outs]
     assert answers == [plain(p, sp) for p, sp in zip(prompts, params)]
     assert {5, 3} <= set(sizes), f"expected decode steps that need padding, got sizes {sizes}"
     assert graphs.num_steps == len(sizes)
-    turn = prompts[1] + answers[1] + _prompts(31, (6,))[0]
+    turn = prompts[1] + answers[1] + random_prompts(31, (6,))[0]
     before = llm.engine.block_manager.prefix_hits
-    assert _generate(llm, [turn]) == [plain(turn)]
+    assert generate_ids(llm, [turn], GREEDY) == [plain(turn)]
     assert llm.engine.block_manager.prefix_hits - before == (len(prompts[1]) + len(answers[1]) - 1) // BS * BS
-    _assert_no_leak(llm)
+    assert_no_leak(llm, states=True, pending=True)
 
     # one step of three sequences (one from zeros) padded to four, eager and static, from the same states
     pad = worker.padding_block
@@ -335,7 +309,7 @@ def test_padded_static_verify_matches_eager(path: str, plain) -> None:
     query length and the batch to its size: each node's state goes to its scratch slot and the accepted one's is
     committed, a decode among verifications writes its live slot; the plain tokens, and a next turn hits a snapshot
     taken on an accepted path."""
-    prompts = _prompts(10, (13, 29, 21))
+    prompts = random_prompts(10, (13, 29, 21))
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     expected = [p + plain(p, params) for p in prompts]
     llm = LLM(path, dtype="float32", device="cpu", block_size=BS, max_num_seqs=8, enforce_eager=True, adaptive=False,
@@ -347,7 +321,7 @@ def test_padded_static_verify_matches_eager(path: str, plain) -> None:
     worker.decode_graphs = graphs
     llm.engine.spec.proposer = TreeDrafts(expected)
     served = _record_buckets(graphs)
-    assert _generate(llm, prompts, params) == [plain(p, params) for p in prompts]
+    assert generate_ids(llm, prompts, params) == [plain(p, params) for p in prompts]
     verified = [step for step in served if step[1] > 1]
     assert graphs.num_verify_steps == len(verified) >= 3
     assert any(bucket[0] > n for n, _, _, bucket in verified), f"no step padded in sequences: {verified}"
@@ -355,28 +329,28 @@ def test_padded_static_verify_matches_eager(path: str, plain) -> None:
     assert any(bucket[1] > q for _, q, _, bucket in verified), f"no step padded to a longer query: {verified}"
     stats = llm.engine.spec.stats
     assert 0 < stats.accepted_tokens < stats.draft_tokens
-    turn = expected[0] + _prompts(11, (5,))[0]
+    turn = expected[0] + random_prompts(11, (5,))[0]
     before = llm.engine.block_manager.prefix_hits
-    assert _generate(llm, [turn]) == [plain(turn)]
+    assert generate_ids(llm, [turn], GREEDY) == [plain(turn)]
     assert llm.engine.block_manager.prefix_hits - before == (len(expected[0]) - 1) // BS * BS
-    _assert_no_leak(llm)
+    assert_no_leak(llm, states=True, pending=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_captured_graphs_match_eager_on_gpu(path: str) -> None:
     """Captured decode and verification graphs of a hybrid model give the eager steps' tokens."""
-    motif = _prompts(7, (9,))[0]
-    prompts = [motif * 4, _prompts(40, (21,))[0], motif[:5] * 6, _prompts(41, (3,))[0], _prompts(42, (33,))[0]]
+    motif = random_prompts(7, (9,))[0]
+    prompts = [motif * 4, random_prompts(40, (21,))[0], motif[:5] * 6, random_prompts(41, (3,))[0], random_prompts(42, (33,))[0]]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     common = dict(dtype="float32", device="cuda", kernel_backend="triton", block_size=BS, max_num_seqs=8,
                   adaptive=False, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     eager = LLM(path, enforce_eager=True, **common)
-    want = _generate(eager, prompts, params)
+    want = generate_ids(eager, prompts, params)
     del eager
     llm = LLM(path, **common)
     graphs = llm.engine.runner.worker.decode_graphs
     assert graphs.captured_batch_sizes == [1, 2, 4, 8] and graphs.captured_verify_buckets
-    assert _generate(llm, prompts, params) == want
+    assert generate_ids(llm, prompts, params) == want
     assert graphs.num_steps > graphs.num_verify_steps > 0
-    _assert_no_leak(llm)
+    assert_no_leak(llm, states=True, pending=True)

@@ -25,6 +25,22 @@ def kernel_report() -> ModuleType:
     return load_script("kernel_report")
 
 
+
+def _run_with_report(code: str, compile_kernels: bool = True) -> subprocess.CompletedProcess:
+    """`code` in a fresh Python with benchmarks/kernel_report.py imported as `kr` (and os, sys, json, signal): Triton
+    compiling (`compile_kernels`) or in the mode the script chooses itself."""
+    mode = 'os.environ["TRITON_INTERPRET"] = "0"\n' if compile_kernels else ""
+    prelude = f"""import importlib.util, json, os, signal, sys
+{mode}sys.path.insert(0, {str(REPO)!r})
+spec = importlib.util.spec_from_file_location("kernel_report", {str(SCRIPT)!r})
+kr = importlib.util.module_from_spec(spec)
+sys.modules["kernel_report"] = kr
+spec.loader.exec_module(kr)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=REPO)
+
 def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the script chooses the mode itself
     return subprocess.run([sys.executable, str(SCRIPT), "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path),
@@ -75,12 +91,6 @@ def test_measure_writes_each_shape_as_it_is_timed(tmp_path: Path) -> None:
     """--measure killed mid-run (as a stage's `timeout` would) keeps the shapes timed before: two fake decode ops are
     timed, the third kills the process with SIGKILL, and the report on disk already holds the first two rows."""
     code = f"""
-import importlib.util, os, signal, sys
-sys.path.insert(0, {str(REPO)!r})
-spec = importlib.util.spec_from_file_location("kernel_report", {str(SCRIPT)!r})
-kr = importlib.util.module_from_spec(spec)
-sys.modules["kernel_report"] = kr
-spec.loader.exec_module(kr)
 
 def case(name, run):
     return kr.Case("fake", "mla decode", name, True, lambda device: (run, None))
@@ -92,8 +102,7 @@ kr.all_cases = lambda: [case("first", lambda: None), case("second", lambda: None
                         case("fourth", lambda: None)]
 kr.main(["--measure", "--no-launch-count", "--out", {str(tmp_path)!r}, "--date", "2026-12-07", "--cache-dir", {str(tmp_path / "cache")!r}])
 """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    proc = _run_with_report(code, compile_kernels=False)
     assert proc.returncode == -9, proc.stderr[-3000:]  # killed at the third shape, as planned
     report = (tmp_path / "kernel_report_cpu_interpreted_2026-12-07.md").read_text()
     assert "| fake | mla decode | first |" in report and "| fake | mla decode | second |" in report
@@ -135,13 +144,6 @@ def test_moe_traffic_counts_a_split_gemms_programs_and_partial_sums() -> None:
     """Batch-1 Kimi TP 8: the gate_up GEMM runs 8 experts x 4 column tiles x 14 K spans, enough programs for every
     H200 SM, and its float32 partial sums are written and read back once; the down GEMM (K = 256) is one span."""
     code = f"""
-import importlib.util, json, os, sys
-os.environ["TRITON_INTERPRET"] = "0"
-sys.path.insert(0, {str(REPO)!r})
-spec = importlib.util.spec_from_file_location("kernel_report", {str(SCRIPT)!r})
-kr = importlib.util.module_from_spec(spec)
-sys.modules["kernel_report"] = kr
-spec.loader.exec_module(kr)
 (case,) = [c for c in kr.all_cases() if c.label == "kimi-tp8 moe w4a16 t1"]
 launches = []
 run, model_traffic = case.build("meta")
@@ -150,8 +152,7 @@ with kr.recording_launches(launches):
 grids = [l.grid for l in launches if l.kernel == "_moe_gemm_kernel"]
 print(json.dumps({{"grids": grids, "kernels": model_traffic(launches).kernels}}))
 """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    proc = _run_with_report(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     (gated, down) = out["grids"]
@@ -215,13 +216,6 @@ def test_issue_bound_fraction_of_a_compiled_kernel() -> None:
     """One real compile for sm_90 (Moonlight's bf16 down GEMM at batch 1): its main loop is found in the SASS, holds
     mma.sync or wgmma, and the issue-bound fraction is a share of the bandwidth in (0, 1]."""
     code = f"""
-import importlib.util, json, os, sys
-os.environ["TRITON_INTERPRET"] = "0"
-sys.path.insert(0, {str(REPO)!r})
-spec = importlib.util.spec_from_file_location("kernel_report", {str(SCRIPT)!r})
-kr = importlib.util.module_from_spec(spec)
-sys.modules["kernel_report"] = kr
-spec.loader.exec_module(kr)
 (case,) = [c for c in kr.all_cases() if c.label == "moonlight moe bf16 t1"]
 launches = []
 run, _ = case.build("meta")
@@ -234,8 +228,7 @@ job = kr.compile_job(launch, target)
 row = kr.Row(case, launch, target, job, kr.run_compile(job))
 print(json.dumps(row.record()))
 """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    proc = _run_with_report(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(proc.stdout.strip().splitlines()[-1])
     assert record["main_loop"] and record["loop_instructions"] > 0, record
@@ -250,13 +243,6 @@ def _compiled_records(label: str, kernel: str) -> list[dict]:
     """The kernel report's records of `kernel`'s launches in the case `label`, compiled for sm_90 and sm_100 in a
     subprocess (compile only, no cache)."""
     code = f"""
-import importlib.util, json, os, sys
-os.environ["TRITON_INTERPRET"] = "0"
-sys.path.insert(0, {str(REPO)!r})
-spec = importlib.util.spec_from_file_location("kernel_report", {str(SCRIPT)!r})
-kr = importlib.util.module_from_spec(spec)
-sys.modules["kernel_report"] = kr
-spec.loader.exec_module(kr)
 (case,) = [c for c in kr.all_cases() if c.label == {label!r}]
 launches = []
 run, _ = case.build("meta")
@@ -268,8 +254,7 @@ for launch in [l for l in launches if l.kernel == {kernel!r}]:
         job = kr.compile_job(launch, target)
         print(json.dumps(kr.Row(case, launch, target, job, kr.run_compile(job)).record()))
 """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    proc = _run_with_report(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.strip().splitlines() if line.startswith("{")]
 

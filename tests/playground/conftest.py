@@ -43,8 +43,11 @@ def ensure_chromium() -> Path:
     return CHROMIUM
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser() -> Iterator[Browser]:
+    """One browser for the playground's tests, closed after them: sync Playwright keeps an event loop running in the
+    main thread while it is open, and a test that calls asyncio.run after it in the same process (the suite runs in
+    two worker processes, files in any order) would fail."""
     executable = ensure_chromium()
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(executable), args=CHROMIUM_ARGS)

@@ -478,7 +478,7 @@ class AdaptiveController:
                             "policy_steps": {arm: self.policy_steps[arm] for arm in ARMS},
                             "draft_tokens": {key: self.draft_counts[key]
                                              for key in ("offered", "verified", "accepted", "default_asked")},
-                            "gate": self.gate.summary(),
+                            "gate": self.gate.summary(), "gate_surplus_seconds": round(self.gate.surplus(), 6),
                             "realism": {name: self.realism(name) for name in self._realised},
                             "acceptance_by_class": self.acceptance.summary(self.max_draft_tokens)},
             "batching": {"target_itl_ms": self.targets.itl_ms, "target_ttft_ms": self.targets.ttft_ms,

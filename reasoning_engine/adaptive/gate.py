@@ -16,14 +16,17 @@ they cover the same stretch of time (about the last 1 / (1 - SCORE_DECAY) steps)
 
 The choice is a discounted upper-confidence-bound rule (Garivier and Moulines, "On Upper-Confidence Bound Policies for
 Switching Bandit Problems", ALT 2011) made conservative as in Wu, Shariff, Lattimore and Szepesvari ("Conservative
-Bandits", ICML 2016): an arm other than the default runs only while the bucket's surplus covers its lower confidence
-bound falling short of (1 - ALPHA) x the default's mean. The surplus counts each recent step at what is known of its
-arm for sure, not at its score: a default step at ALPHA x the default's mean, another arm's step at its current lower
-bound less that floor. A step's score varies with what the drafts happened to match (its spread is most of its mean),
-and a surplus of realised scores banks such luck and spends it exploring. So over the recent steps, whatever the cost
-model or the acceptance estimates believe, a bucket loses at most about ALPHA of the default's score, while an arm
-that measures better builds the surplus and takes over. The default also runs once every DEFAULT_EVERY steps of a
-bucket whatever leads, so the floor is a current measurement.
+Bandits", ICML 2016): an arm other than the default runs only while the surplus covers its lower confidence bound
+falling short of (1 - ALPHA) x the default's mean. The surplus is kept in seconds and counts each recent step at what
+is known of its arm for sure, not at its score: a default step at ALPHA of its time, another arm's step at its time
+times its current lower bound's margin over that floor. A step's score varies with what the drafts happened to match
+(its spread is most of its mean), and a surplus of realised scores banks such luck and spends it exploring. So over
+each bucket's recent steps, whatever the cost model or the acceptance estimates believe, the engine loses at most about
+ALPHA of the default's time, while an arm that measures better builds the surplus and takes over. The surplus is one
+for all buckets: a batch size the traffic has just reached explores at once on what the others saved (a surplus per
+batch size had to save up for each try from its own few steps, and a minute at a new concurrency ended before no drafts
+were tried twice). The default also runs once every DEFAULT_EVERY steps of a bucket whatever leads, so the floor is a
+current measurement.
 
 An arm never tried has the lowest score as its lower bound, except "plain": a step without drafts does a subset of the
 work of the same step with drafts, so before it is measured it is bounded below by the default's score over the
@@ -58,6 +61,12 @@ class ArmScore:
     weight: float = 0.0
     count: int = 0
     tokens: float = 0.0  # decayed sum of each step's tokens per decoding request
+    seconds: float = 0.0  # decayed sum of the steps' seconds, over `timed`
+    timed: float = 0.0
+
+    @property
+    def step_seconds(self) -> float | None:
+        return self.seconds / self.timed if self.timed > 0 else None
 
     @property
     def tokens_per_decode(self) -> float:
@@ -82,13 +91,17 @@ class ArmScore:
         self.squares *= SCORE_DECAY
         self.weight *= SCORE_DECAY
         self.tokens *= SCORE_DECAY
+        self.seconds *= SCORE_DECAY
+        self.timed *= SCORE_DECAY
 
-    def add(self, score: float, tokens_per_decode: float) -> None:
+    def add(self, score: float, tokens_per_decode: float, seconds: float) -> None:
         self.total += score
         self.squares += score * score
         self.weight += 1.0
         self.count += 1
         self.tokens += tokens_per_decode
+        self.seconds += seconds
+        self.timed += 1.0
 
 
 @dataclass
@@ -105,45 +118,45 @@ class Bucket:
 
     def lower(self, arm: str) -> float:
         score = self.arms[arm]
-        if score.count:
-            return max(score.mean - score.error(), SCORE_BOUNDS[0])
-        if arm == "plain":  # a subset of a drafting step's work (module docstring)
+        bound = SCORE_BOUNDS[0]
+        if arm == "plain":  # a subset of a drafting step's work (module docstring), before and after it is measured
             default = self.arms["default"]
-            return max(default.mean / max(default.tokens_per_decode, 1.0), SCORE_BOUNDS[0])
-        return SCORE_BOUNDS[0]
+            bound = max(default.mean / max(default.tokens_per_decode, 1.0), bound)
+        return max(score.mean - score.error(), bound) if score.count else bound
+
+    def margin(self, arm: str) -> float:
+        """What a second of `arm`'s steps adds to the surplus: ALPHA for the default, else its lower bound's margin
+        over (1 - ALPHA) x the default's mean, relative to that mean."""
+        if arm == "default":
+            return ALPHA
+        return (self.lower(arm) - (1 - ALPHA) * self.arms["default"].mean) / self.arms["default"].mean
 
     def surplus(self) -> float:
-        """What the recent steps leave over (1 - ALPHA) x the default's mean, each counted at what is known of its arm
-        for sure (module docstring): ALPHA x the default's mean per default step, an arm's lower bound less that floor
-        per step of it, over the arms' decayed step weights."""
-        default = self.arms["default"]
-        floor = (1 - ALPHA) * default.mean
-        total = ALPHA * default.mean * default.weight
-        for arm in ARMS[1:]:
-            if self.arms[arm].weight > 0:
-                total += self.arms[arm].weight * (self.lower(arm) - floor)
-        return total
+        """The seconds this bucket's recent steps leave over the floor (module docstring), over the arms' decayed
+        step times."""
+        return sum(score.seconds * self.margin(arm) for arm, score in self.arms.items() if score.seconds > 0)
 
-    def choose(self, allowed: tuple[str, ...] = ARMS) -> str:
+    def choose(self, surplus: float, allowed: tuple[str, ...] = ARMS) -> str:
         """The arm the next step runs: the one with the highest upper bound (of arms equally unknown, the one with
-        the higher lower bound; then the earlier arm, the default first) if the surplus affords it, else the default,
-        which then saves up for it (a cheaper arm run instead would spend what the leading one needs). The default
-        also runs until it has MIN_DEFAULT scores, and every DEFAULT_EVERY steps."""
+        the higher lower bound; then the earlier arm, the default first) if the `surplus` (seconds, all buckets')
+        covers its step, else the default, which then saves up for it (a cheaper arm run instead would spend what the
+        leading one needs). The default also runs until it has MIN_DEFAULT scores, and every DEFAULT_EVERY steps."""
         default = self.arms["default"]
         if default.count < MIN_DEFAULT or self.since_default >= DEFAULT_EVERY:
             return "default"
         lowers = {arm: self.lower(arm) for arm in allowed}
         arm = max(allowed, key=lambda a: (self.upper(a), lowers[a], -ARMS.index(a)))
-        if arm == "default" or self.surplus() + lowers[arm] - (1 - ALPHA) * default.mean >= 0:
+        if arm == "default":
             return arm
-        return "default"
+        seconds = self.arms[arm].step_seconds or default.step_seconds  # a step's time: the arm's, else the default's
+        return arm if seconds is not None and surplus + seconds * self.margin(arm) >= 0 else "default"
 
-    def add(self, arm: str, score: float, tokens_per_decode: float = 1.0) -> None:
+    def add(self, arm: str, score: float, tokens_per_decode: float, seconds: float) -> None:
         low, high = SCORE_BOUNDS
         score = min(max(score, low), high)
         for other in self.arms.values():
             other.fade()
-        self.arms[arm].add(score, tokens_per_decode)
+        self.arms[arm].add(score, tokens_per_decode, seconds)
         self.since_default = 0 if arm == "default" else self.since_default + 1
         self.chosen = self.leader()
 
@@ -182,7 +195,11 @@ class PolicyGate:
     def choose(self, decodes: int, beside_chunk: bool = False, allowed: tuple[str, ...] = ARMS) -> str:
         """The arm the next step of `decodes` decoding requests (`beside_chunk`: and a prefill chunk) runs, among
         `allowed` (the default always is)."""
-        return self._bucket(decodes, beside_chunk).choose(allowed)
+        return self._bucket(decodes, beside_chunk).choose(self.surplus(), allowed)
+
+    def surplus(self) -> float:
+        """The seconds all buckets' recent steps leave over the floor: what exploring may still spend."""
+        return sum(b.surplus() for buckets in (self.buckets, self.chunk_buckets) for b in buckets.values())
 
     def observe(self, decodes: int, arm: str, tokens: int, seconds: float, plain_seconds: float,
                 beside_chunk: bool = False) -> None:
@@ -191,11 +208,12 @@ class PolicyGate:
         for the step without drafts."""
         if decodes <= 0 or seconds <= 0 or plain_seconds <= 0:
             return
-        self._bucket(decodes, beside_chunk).add(arm, tokens * plain_seconds / (decodes * seconds), tokens / decodes)
+        self._bucket(decodes, beside_chunk).add(arm, tokens * plain_seconds / (decodes * seconds), tokens / decodes,
+                                                seconds)
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per bucket (its decoding requests, as "16-31", and "16-31 beside a chunk"): each arm's mean score and
-        steps, the leading arm and the surplus."""
+        steps and the leading arm."""
         out: dict[str, dict[str, Any]] = {}
         for buckets, suffix in ((self.buckets, ""), (self.chunk_buckets, " beside a chunk")):
             for b, bucket in sorted(buckets.items()):
@@ -204,13 +222,12 @@ class PolicyGate:
                     row[arm] = round(score.mean, 4)
                     row[f"{arm}_steps"] = score.count
                 row["leader"] = bucket.chosen
-                row["surplus"] = round(bucket.surplus(), 4)
                 out[f"{(1 << b) >> 1}-{(1 << b) - 1}{suffix}"] = row
         return out
 
     def to_dict(self) -> dict[str, list[float]]:
         """Bucket b under "b", and beside a chunk under "cb": per arm (ARMS order) total, squares, weight, count,
-        tokens."""
+        tokens, seconds, timed."""
         return {f"{prefix}{b}": [v for arm in ARMS for v in _values(bucket.arms[arm])]
                 for buckets, prefix in ((self.buckets, ""), (self.chunk_buckets, "c")) for b, bucket in buckets.items()}
 
@@ -224,6 +241,7 @@ class PolicyGate:
                     factor = weight / score.weight
                     score.total, score.squares, score.tokens = (score.total * factor, score.squares * factor,
                                                                 score.tokens * factor)
+                    score.seconds, score.timed = score.seconds * factor, score.timed * factor
                     score.weight = weight
 
     def load(self, data: dict[str, list[float]]) -> None:
@@ -231,12 +249,15 @@ class PolicyGate:
         chunk_buckets: dict[int, Bucket] = {}
         low, high = SCORE_BOUNDS
         for key, values in data.items():
-            if len(values) not in (5 * len(ARMS), 5 * len(ARMS) + 1):  # a state saved before had a bank at the end
+            # states saved before had no step times (5 values per arm), some a surplus at the end
+            width = 7 if len(values) == 7 * len(ARMS) else 5
+            if len(values) not in (7 * len(ARMS), 5 * len(ARMS), 5 * len(ARMS) + 1):
                 raise ValueError(f"policy gate bucket {key} has {len(values)} values")
-            arms = {arm: ArmScore(float(values[5 * i]), float(values[5 * i + 1]), float(values[5 * i + 2]),
-                                  int(values[5 * i + 3]), float(values[5 * i + 4])) for i, arm in enumerate(ARMS)}
+            arms = {arm: ArmScore(*(float(v) for v in values[width * i:width * i + 3]), int(values[width * i + 3]),
+                                  *(float(v) for v in values[width * i + 4:width * i + width]))
+                    for i, arm in enumerate(ARMS)}
             if any(s.weight < 0 or s.count < 0 or s.tokens < 0 or (s.weight and not low <= s.mean <= high)
-                   for s in arms.values()):
+                   or not (0 <= s.seconds < math.inf and 0 <= s.timed < math.inf) for s in arms.values()):
                 raise ValueError(f"policy gate bucket {key} out of range")
             bucket = Bucket(arms)
             bucket.chosen = bucket.leader()
@@ -247,5 +268,5 @@ class PolicyGate:
         self.buckets, self.chunk_buckets = buckets, chunk_buckets
 
 
-def _values(score: ArmScore) -> tuple[float, float, float, int, float]:
-    return score.total, score.squares, score.weight, score.count, score.tokens
+def _values(score: ArmScore) -> tuple[float, float, float, int, float, float, float]:
+    return score.total, score.squares, score.weight, score.count, score.tokens, score.seconds, score.timed

@@ -551,11 +551,13 @@ def test_state_round_trips(tmp_path: Path) -> None:
     assert second.retention.to_dict() == first.retention.to_dict()
     assert second.batch_sizes == first.batch_sizes
     assert second.verified_lengths == first.verified_lengths
-    # the gate's scores come back as a prior: the same means and steps, at most LOADED_WEIGHT steps' weight (so the
-    # surplus they give is smaller: compared apart)
+    # the gate's scores come back as a prior: the same means, steps and step times, at most LOADED_WEIGHT steps'
+    # weight (so the surplus they give counts as many steps at most)
     loaded, saved = second.gate.summary(), first.gate.summary()
-    for bucket in (*loaded.values(), *saved.values()):
-        bucket.pop("surplus")
+    for b, bucket in first.gate.buckets.items():
+        for arm, score in bucket.arms.items():
+            again = second.gate.buckets[b].arms[arm]
+            assert again.timed <= LOADED_WEIGHT and again.step_seconds == pytest.approx(score.step_seconds)
     assert loaded == saved and loaded["16-31"]["adaptive_steps"] == 10
     assert loaded["8-15 beside a chunk"]["plain_steps"] == 10
     assert all(score.weight <= LOADED_WEIGHT for bucket in second.gate.buckets.values()

@@ -324,8 +324,8 @@ def test_a_learned_policy_made_wrong_on_purpose_falls_back_to_the_fixed_default(
     cost.predict_with_drafts = lambda step, drafts, verifying, pairs: (
         real(step, drafts, verifying, pairs) * np.where(verifying > 0, 1000.0, 1.0))
 
-    def believed(mean: float) -> ArmScore:
-        return ArmScore(mean * 40, (mean * mean + 0.01) * 40, 40.0, 40)
+    def believed(mean: float) -> ArmScore:  # 40 steps of 2 ms each
+        return ArmScore(mean * 40, (mean * mean + 0.01) * 40, 40.0, 40, 40.0, 40 * 0.002, 40.0)
     controller.gate.buckets[1] = Bucket({"default": believed(1.2), "adaptive": believed(4.0), "plain": believed(1.0)})
     chosen: list[str] = []
     choose = controller.gate.choose

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 ARMS = ("default", "adaptive", "plain")
 SCORE_DECAY = 0.995  # per scored step of a bucket, the weight left to each older score of every arm (~200 steps)
@@ -136,11 +136,12 @@ class Bucket:
         step times."""
         return sum(score.seconds * self.margin(arm) for arm, score in self.arms.items() if score.seconds > 0)
 
-    def choose(self, surplus: float, allowed: tuple[str, ...] = ARMS) -> str:
+    def choose(self, surplus: Callable[[], float], allowed: tuple[str, ...] = ARMS) -> str:
         """The arm the next step runs: the one with the highest upper bound (of arms equally unknown, the one with
-        the higher lower bound; then the earlier arm, the default first) if the `surplus` (seconds, all buckets')
-        covers its step, else the default, which then saves up for it (a cheaper arm run instead would spend what the
-        leading one needs). The default also runs until it has MIN_DEFAULT scores, and every DEFAULT_EVERY steps."""
+        the higher lower bound; then the earlier arm, the default first) if the surplus (seconds, all buckets', asked
+        only then) covers its step, else the default, which then saves up for it (a cheaper arm run instead would
+        spend what the leading one needs). The default also runs until it has MIN_DEFAULT scores, and every
+        DEFAULT_EVERY steps."""
         default = self.arms["default"]
         if default.count < MIN_DEFAULT or self.since_default >= DEFAULT_EVERY:
             return "default"
@@ -149,7 +150,7 @@ class Bucket:
         if arm == "default":
             return arm
         seconds = self.arms[arm].step_seconds or default.step_seconds  # a step's time: the arm's, else the default's
-        return arm if seconds is not None and surplus + seconds * self.margin(arm) >= 0 else "default"
+        return arm if seconds is not None and surplus() + seconds * self.margin(arm) >= 0 else "default"
 
     def add(self, arm: str, score: float, tokens_per_decode: float, seconds: float) -> None:
         low, high = SCORE_BOUNDS
@@ -195,7 +196,7 @@ class PolicyGate:
     def choose(self, decodes: int, beside_chunk: bool = False, allowed: tuple[str, ...] = ARMS) -> str:
         """The arm the next step of `decodes` decoding requests (`beside_chunk`: and a prefill chunk) runs, among
         `allowed` (the default always is)."""
-        return self._bucket(decodes, beside_chunk).choose(self.surplus(), allowed)
+        return self._bucket(decodes, beside_chunk).choose(self.surplus, allowed)
 
     def surplus(self) -> float:
         """The seconds all buckets' recent steps leave over the floor: what exploring may still spend."""

@@ -257,10 +257,15 @@ class EngineTuner:
             return
         self._refreshed = now
         managers = [s.blocks for s in schedulers]
+        hits = sum(bm.prefix_hits for bm in managers)
+        tiers = [bm.tiers.counters for bm in managers if bm.tiers is not None]
+        host, disk = sum(c.host_hit_tokens for c in tiers), sum(c.disk_hit_tokens for c in tiers)
         self.controller.refresh_snapshot({
             "protected_blocks": sum(len(bm.protected) for bm in managers),
             "retention_hit_tokens": sum(bm.retention_hits for bm in managers),
-            "prefix_hit_rate": (sum(bm.prefix_hits for bm in managers) / max(1, sum(bm.prefix_queries for bm in managers))),
+            "prefix_hit_rate": hits / max(1, sum(bm.prefix_queries for bm in managers)),
+            # prompt tokens found cached, by where they were found (host and disk: the KV tiers, engine/kv_tiers.py)
+            "prefix_hit_tokens": {"device": max(hits - host - disk, 0), "host": host, "disk": disk},
         })
         self.controller.maybe_save()
 

@@ -62,6 +62,16 @@ def test_host_tier_serves_an_evicted_prefix(llama_dir: Path) -> None:
     assert "reasoning_engine:kv_offload_host_bytes" in text and "kv_offload_damaged_entries_total" in text
 
 
+def test_the_adaptive_endpoint_counts_prefix_hits_by_tier(llama_dir: Path) -> None:
+    a, b = _prompts(0)
+    tiered = LLM(llama_dir, kv_offload_size="1MiB", **{**TINY, "adaptive": True})
+    _run(tiered, [a, b, a, b])
+    stats = tiered.engine.stats()
+    assert stats.kv_offload_host_hits > 0
+    assert tiered.engine.adaptive_snapshot()["retention"]["prefix_hit_tokens"] == {
+        "device": stats.prefix_cache_hits - stats.kv_offload_host_hits, "host": stats.kv_offload_host_hits, "disk": 0}
+
+
 def _disk_tiers(llama_dir: Path, folder: Path) -> dict:
     """A host tier of two blocks over `folder`: evicted prompts pass through it to disk."""
     probe = LLM(llama_dir, kv_offload_size="1MiB", **TINY)

@@ -29,9 +29,9 @@ were tried twice). The default also runs once every DEFAULT_EVERY steps of a buc
 current measurement.
 
 An arm never tried has the lowest score as its lower bound, except "plain": a step without drafts does a subset of the
-work of the same step with drafts, so before it is measured it is bounded below by the default's score over the
-default's tokens per decoding request (1 if it drafted nothing), and where drafting does not pay at a batch size, no
-drafts are tried after a few default steps.
+work of the same step with drafts, so it is bounded below by the default's score over the default's tokens per
+decoding request (1 if it drafted nothing), before it is measured and after (its first few measured steps give a wider
+bound than that), and where drafting does not pay at a batch size, no drafts are tried after a few default steps.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ on another healthy replica, at most `max_attempts` replicas in all, and the repl
 a health check (GET /health every `health_interval` s) finds it answering again. A stream that breaks once events
 reached the client ends with an in-band error event in the API's shape (and `[DONE]` where the API has one).
 A generation request is safe to retry: a replica that failed before answering left nothing behind the client sees
-(except a /v1/responses `store` it may have kept; stored responses live on the replica that made them).
+(except a /v1/responses `store` it may have kept). A request that needs a stored response (router/stored.py) goes to
+the replica that made it and nowhere else: if that one fails, the error names it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from urllib.parse import quote
+
 import httpx
 from fastapi import FastAPI
 from starlette.background import BackgroundTask
@@ -31,10 +34,12 @@ from reasoning_engine.router.errors import error_response, stream_error
 from reasoning_engine.router.metrics import RouterMetrics
 from reasoning_engine.router.policy import ReplicaState, RoundRobin, RoutingConfig, choose
 from reasoning_engine.router.prefix import DEFAULT_BLOCK_CHARS, DEFAULT_MAX_BLOCKS, block_hashes, prompt_text
+from reasoning_engine.router.stored import ResponseOwners, referenced_response, response_id
 
 logger = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({502, 503, 504})  # the replica could not serve it: another one may
+ID_EVENTS = 4  # a new response's stream names it in its first event (response.created); looked for in so many
 # hop-by-hop headers (RFC 9110 section 7.6.1) and those httpx / the ASGI server set again
 _DROP_REQUEST_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
                                    "upgrade", "proxy-connection"})
@@ -75,6 +80,27 @@ class Router:
         self.turn = RoundRobin()
         self.metrics = RouterMetrics(self.replicas)
         self.client: httpx.AsyncClient | None = None
+        self.owners = ResponseOwners()  # stored responses' replicas
+
+    async def owner_of(self, response: str) -> ReplicaState | None:
+        """The replica holding stored response `response`: as noted, else the first that answers GET
+        /v1/responses/{id} with 200 (noted then); None if none does (the policy picks, and that replica's 404 names
+        the parameter)."""
+        url = self.owners.get(response)
+        known = next((r for r in self.replicas if r.url == url), None)
+        if known is not None:
+            return known
+        assert self.client is not None
+        for replica in sorted(self.replicas, key=lambda r: not r.healthy):
+            try:
+                answer = await self.client.get(f"{replica.url}/v1/responses/{quote(response, safe='')}",
+                                               timeout=self.proxy.health_timeout)
+            except httpx.HTTPError:
+                continue
+            if answer.status_code == 200:
+                self.owners.note(response, replica.url)
+                return replica
+        return None
 
     def open(self) -> None:
         timeout = httpx.Timeout(self.proxy.read_timeout, connect=self.proxy.connect_timeout)
@@ -178,10 +204,16 @@ async def _forward(router: Router, request: Request) -> Response:
     hashes = _prompt_hashes(body, router.proxy.block_chars) if request.method == "POST" else []
     headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST_HEADERS]
     assert router.client is not None
+    stored = referenced_response(request.method, path, body)
+    owner = await router.owner_of(stored) if stored is not None else None
+    creates = request.method == "POST" and path == "/v1/responses"  # its answer names a response to note
     tried: set[str] = set()
     failures: list[str] = []
     while len(tried) < router.proxy.max_attempts:
-        replica = choose(router.replicas, hashes, router.routing, router.turn, frozenset(tried))
+        if owner is not None:  # only the replica holding the stored response can serve it
+            replica = owner if owner.url not in tried else None
+        else:
+            replica = choose(router.replicas, hashes, router.routing, router.turn, frozenset(tried))
         if replica is None:
             break
         tried.add(replica.url)
@@ -202,11 +234,14 @@ async def _forward(router: Router, request: Request) -> Response:
             if "text/event-stream" not in upstream.headers.get("content-type", ""):
                 content = b"".join([chunk async for chunk in chunks])
                 await upstream.aclose()
+                if upstream.status_code == 200:
+                    _note_stored(router, replica, request.method, stored, creates, content)
                 return Response(content, status_code=upstream.status_code, headers=_response_headers(upstream))
             events = _events(chunks)
             first = await anext(events, b"")  # a stream that breaks before its first event is retried elsewhere
             lease.upstream = upstream
-            return StreamingResponse(_relay(router, lease, path, first, events), status_code=upstream.status_code,
+            relay = _relay(router, lease, path, first, events, creates and upstream.status_code == 200)
+            return StreamingResponse(relay, status_code=upstream.status_code,
                                      headers=_response_headers(upstream), background=BackgroundTask(lease.release))
         except (httpx.HTTPError, _ReplicaFailed) as exc:
             replica.failures += 1
@@ -219,7 +254,21 @@ async def _forward(router: Router, request: Request) -> Response:
             if lease.upstream is None:
                 await lease.release()
     detail = "; ".join(failures) if failures else "every replica is down"
+    if owner is not None:
+        return error_response(path, 502, f"the replica holding response {stored} could not serve the request "
+                                         f"({detail})")
     return error_response(path, 503 if not failures else 502, f"no replica could serve the request ({detail})")
+
+
+def _note_stored(router: Router, replica: ReplicaState, method: str, stored: str | None, creates: bool,
+                 content: bytes) -> None:
+    """After a 200: a new response's id noted on its replica, a deleted one forgotten."""
+    if creates:
+        made = response_id(content)
+        if made is not None:
+            router.owners.note(made, replica.url)
+    elif method == "DELETE" and stored is not None:
+        router.owners.forget(stored)
 
 
 class _ReplicaFailed(Exception):
@@ -265,14 +314,18 @@ class _Lease:
             await self.upstream.aclose()  # closing the connection aborts the replica's request
 
 
-async def _relay(router: Router, lease: _Lease, path: str, first: bytes,
-                 events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The replica's stream; if it breaks, an in-band error ends it."""
+async def _relay(router: Router, lease: _Lease, path: str, first: bytes, events: AsyncIterator[bytes],
+                 creates: bool = False) -> AsyncIterator[bytes]:
+    """The replica's stream; if it breaks, an in-band error ends it. `creates`: a new response's stream, whose id
+    (in its first events) is noted on the replica."""
     replica = lease.replica
+    looking = ID_EVENTS if creates else 0  # events left to find the new response's id in
     try:
         if first:
+            looking = _note_created(router, replica, first, looking)
             yield first
         async for event in events:
+            looking = _note_created(router, replica, event, looking)
             yield event
     except httpx.HTTPError as exc:
         replica.failures += 1
@@ -282,3 +335,15 @@ async def _relay(router: Router, lease: _Lease, path: str, first: bytes,
                                  "the request may be sent again")
     finally:
         await lease.release()
+
+
+def _note_created(router: Router, replica: ReplicaState, event: bytes, looking: int) -> int:
+    """While `looking` (events left to look in), note the response id `event` carries on `replica`; what is left to
+    look in after it (0 once found)."""
+    if looking <= 0:
+        return 0
+    made = response_id(event)
+    if made is None:
+        return looking - 1
+    router.owners.note(made, replica.url)
+    return 0

@@ -46,6 +46,37 @@ def fake_replica(name: str, mode: str = "ok", events: int = 3) -> FastAPI:
         return StreamingResponse(stream_events(name, mode, events), media_type="text/event-stream",
                                  headers={"x-replica": name})
 
+    app.state.responses = {}
+
+    @app.post("/v1/responses")
+    async def respond(request: Request) -> Response:
+        """A stored response per call, named after the replica; 404 for a previous_response_id it does not hold."""
+        body = json.loads(await request.body())
+        previous = body.get("previous_response_id")
+        if previous is not None and previous not in app.state.responses:
+            return JSONResponse({"error": {"message": "no stored response", "param": "previous_response_id"}},
+                                status_code=404)
+        made = {"id": f"resp_{name}_{len(app.state.responses)}", "object": "response", "replica": name}
+        app.state.responses[made["id"]] = made
+        if not body.get("stream"):
+            return JSONResponse(made, headers={"x-replica": name})
+
+        async def created() -> AsyncIterator[bytes]:
+            yield f"event: response.created\ndata: {json.dumps({'type': 'response.created', 'response': made})}\n\n".encode()
+            yield b'event: response.completed\ndata: {"type": "response.completed"}\n\n'
+        return StreamingResponse(created(), media_type="text/event-stream", headers={"x-replica": name})
+
+    @app.get("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}")
+    async def stored(response_id: str, request: Request) -> Response:
+        held = app.state.responses.get(response_id)
+        if held is None:
+            return JSONResponse({"error": {"message": "no stored response"}}, status_code=404)
+        if request.method == "DELETE":
+            del app.state.responses[response_id]
+            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        return JSONResponse(held, headers={"x-replica": name})
+
     return app
 
 

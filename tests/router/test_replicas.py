@@ -56,6 +56,14 @@ def test_a_replica_killed_mid_load_leaves_no_request_hanging_and_the_service_ser
         proxy = ProxyConfig(connect_timeout=2.0, read_timeout=60.0, health_interval=0.5, health_timeout=2.0)
         app = build_router_app([r.url for r in replicas], RoutingConfig("round-robin"), proxy)
         with LiveServer(app) as router:
+            # a stored response's follow-ups reach the replica holding it, though round-robin alternates
+            turn = {"model": "tiny-reasoner", "input": "Count to 3.", "max_output_tokens": 8, "temperature": 0}
+            previous = httpx.post(f"{router.url}/v1/responses", json=turn, timeout=60).json()["id"]
+            for stream in (False, True, False):
+                again = httpx.post(f"{router.url}/v1/responses", timeout=60,
+                                   json={**turn, "previous_response_id": previous, "stream": stream})
+                assert again.status_code == 200, again.text
+            assert httpx.get(f"{router.url}/v1/responses/{previous}", timeout=10).status_code == 200
             outcomes: dict[int, str] = {}
             threads = [threading.Thread(target=ask, args=(router.url, i, i % 2 == 0, outcomes)) for i in range(8)]
             for thread in threads:

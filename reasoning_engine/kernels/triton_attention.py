@@ -231,11 +231,13 @@ def _load_rows(rows, cols, ok, cols_ok, WIDTH: tl.constexpr, FP8: tl.constexpr, 
     """A [N, C] tile of cache rows (`rows`: [N] pointers to each row's start; `ok` [N], `cols_ok` [C] its masks).
     FP8: the rows' first WIDTH bytes are e4m3 values and their bfloat16 scale follows; dequantised to DTYPE."""
     mask = ok[:, None] & cols_ok[None, :]
-    if FP8:
+    if FP8:  # if / else, not an early return: compiled, a constexpr branch that returns does not end the function
         raw = tl.load(rows[:, None] + cols[None, :], mask=mask, other=0)
         scale = tl.load((rows + WIDTH).to(tl.pointer_type(tl.bfloat16)), mask=ok, other=0.0).to(tl.float32)
-        return (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]).to(DTYPE)
-    return tl.load(rows[:, None] + cols[None, :], mask=mask, other=0.0)
+        tile = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]).to(DTYPE)
+    else:
+        tile = tl.load(rows[:, None] + cols[None, :], mask=mask, other=0.0)
+    return tile
 
 
 @triton.jit
@@ -244,8 +246,10 @@ def _load_tail(rows, cols, ok, cols_ok, WIDTH: tl.constexpr, FP8: tl.constexpr, 
     mask = ok[:, None] & cols_ok[None, :]
     if FP8:
         tail = (rows + WIDTH + 2).to(tl.pointer_type(tl.bfloat16))
-        return tl.load(tail[:, None] + cols[None, :], mask=mask, other=0.0).to(DTYPE)
-    return tl.load(rows[:, None] + WIDTH + cols[None, :], mask=mask, other=0.0)
+        tile = tl.load(tail[:, None] + cols[None, :], mask=mask, other=0.0).to(DTYPE)
+    else:
+        tile = tl.load(rows[:, None] + WIDTH + cols[None, :], mask=mask, other=0.0)
+    return tile
 
 
 @triton.jit

@@ -273,6 +273,34 @@ def test_int4_expert_gemms_are_bound_by_bandwidth_on_hopper_and_blackwell() -> N
 
 
 @pytest.mark.slow
+def test_mla_kernels_compile_for_an_fp8_cache() -> None:
+    """MLA decode over an FP8 cache (e4m3 latent rows with their scale, the rotary key in bf16 after them), through
+    the decode kernel (8 heads) and the latent kernel (64), compiled for sm_90: the tile loads choose FP8 or plain
+    rows by a constexpr branch, which Triton's compiler (unlike its interpreter) does not end at a `return`."""
+    code = f"""
+import torch
+from reasoning_engine.kernels import triton_attention as ta
+kr._worker_init()
+for heads, kernel in ((8, "_decode_partial_kernel"), (64, "_latent_partial_kernel")):
+    fb, blocks = kr._decode_batch(1, 1024, False, "meta")
+    kv = torch.empty(blocks, kr.BLOCK_SIZE, 512 + 2 + 64 * 2, dtype=torch.uint8, device="meta")
+    q = torch.empty(1, heads, 576, dtype=torch.bfloat16, device="meta")
+    launches = []
+    with kr.recording_launches(launches):
+        ta.paged_latent_attention(q, kv, 512, fb, ta.prepare_attention(fb, kr.BLOCK_SIZE), 0.1)
+    (launch,) = [l for l in launches if l.kernel == kernel]
+    assert launch.kwargs["FP8"] is True
+    result = kr.run_compile(kr.compile_job(launch, kr.TARGETS["sm_90"]))
+    print(json.dumps({{"kernel": kernel, "registers": result["registers"]}}))
+"""
+    proc = _run_with_report(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in proc.stdout.strip().splitlines() if line.startswith("{")]
+    assert [r["kernel"] for r in records] == ["_decode_partial_kernel", "_latent_partial_kernel"]
+    assert all(0 < r["registers"] <= 255 for r in records), records
+
+
+@pytest.mark.slow
 def test_expert_sort_of_a_kimi_batch_of_8_does_not_spill() -> None:
     """Kimi TP 8 at batch 8: 64 pairs over 384 experts sorted in one program, whose [experts, pairs] comparison
     is spread over enough warps to stay in registers on sm_90 and sm_100."""

@@ -1077,6 +1077,8 @@ def streamed_tile_bytes(kernel: str, kwargs: dict[str, Any]) -> float | None:
     if kernel in ("_decode_partial_kernel", "_prefill_kernel") and {"BLOCK_N", "D1"} <= set(kwargs):
         width = get("D1") + get("D2", 0) + (0 if get("V_FROM_K", True) else get("DV", 0))
         return get("BLOCK_N") * width * BF16
+    if kernel == "_latent_partial_kernel" and {"BLOCK_N", "D1"} <= set(kwargs):
+        return get("BLOCK_N") * (get("D1") + get("D2", 0)) * BF16  # the latent rows, keys and values in one tile
     if kernel == "_compressed_attention_kernel" and {"BLOCK_N", "D"} <= set(kwargs):
         return get("BLOCK_N") * get("D") * BF16  # the gathered K = V rows (values are the keys' tile)
     return None

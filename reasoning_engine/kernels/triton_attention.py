@@ -22,9 +22,9 @@ MLA runs in absorbed form: one KV head whose key is [latent | rope] (split into 
 padded to a power of two) and whose value is the latent part of the same cache row, multiplied by the probabilities
 from the key tile already held instead of loaded again. Its sequences of at most SHORT_QUERY query tokens (decodes,
 draft trees being verified, small chunks) go through `_latent_partial_kernel`, in the manner of FlashMLA (DeepSeek,
-2025): one program per (sequence, slice of the context, block of 64 query-token x head rows, half of the value
-channels), so every head of a token shares each latent tile and the rows form a tile the tensor cores take whole
-(wgmma on sm_90, tcgen05 on sm_100), with an accumulator that fits the registers; the slices
+2025): one program per (sequence, slice of the context, block of 64 query-token x head rows), so every head of a
+token shares each latent tile, loaded once for the QK product and every value channel, and the rows form a tile the
+tensor cores take whole (wgmma on sm_90, tcgen05 on sm_100); the slices
 (`latent_split_plan`: as many as the GPU has SMs, none shorter than its partial output weighs, from the sequence's
 own length) merge in `_latent_reduce_kernel` (a cast, a copy, where every sequence has one slice).
 Longer chunks in the same step go through the prefill kernel, which skips the short sequences. A step of decodes
@@ -61,9 +61,8 @@ SHORT_QUERY = 16  # query tokens of a sequence the latent split kernel takes (de
 _LATENT_BLOCK_M = 64  # (query token, head) rows of a latent program: one warpgroup-wide tile (wgmma / tcgen05)
 _LATENT_BLOCK_N = 32  # keys per latent tile
 _LATENT_SLICE_KEYS = 64  # latent slices are whole multiples of this many keys (two tiles)
-_LATENT_WARPS = 8  # two warpgroups, each with half of a program's [64, 256] float32 accumulator
+_LATENT_WARPS = 8  # two warpgroups, each with half of the value channels of a program's [64, 512] float32 accumulator
 _LATENT_STAGES = 2  # latent tiles in flight: [32, 576] bf16 (36 KB) each, beside the queries' 72 KB
-_LATENT_VALUE_SPLIT = 2  # programs that share a latent tile, each with its own half of the value channels
 MAX_TREE_QUERY = 31  # query tokens of a short sequence at most: its draft-tree rows are bit masks in an int32
 _DEFAULT_SMS = 132  # an H100's / H200's SM count: the latent slice cap where no GPU is visible (ahead-of-time reports)
 _DECODE_KERNEL_HEADS = 16  # MLA heads per rank up to which a step of decodes alone takes the decode kernel
@@ -101,10 +100,10 @@ def decodes_take_decode_kernel(num_heads: int, max_heads: int = _DECODE_KERNEL_H
     """Whether an MLA step of decodes alone (one query token per sequence) with `num_heads` heads per rank goes
     through the decode kernel rather than the latent split kernel: up to `_DECODE_KERNEL_HEADS` heads (Kimi K2.5
     under TP 8, Moonlight; `max_heads`: tests lower it). There one decode program holds every head over a cache tile
-    (`_decode_tiles`), reads the tile once, and its loop issues enough to draw more than HBM's bandwidth, while the
-    latent kernel's 64-row tile is mostly padding and each tile is read by two programs (the value halves), which
-    leaves its loop issue-bound below HBM's bandwidth (benchmarks/kernel_report.py). With more heads (64: Kimi without TP) the decode kernel splits
-    the heads over several programs per tile and the latent kernel does better. Steps with drafts or chunks use the
+    (`_decode_tiles`), reads the tile once, and its loop issues enough to draw more than HBM's bandwidth with two CTAs
+    an SM, while the latent kernel's 64-row tile is mostly padding and its [64, 512] accumulator leaves one CTA an SM
+    (benchmarks/kernel_report.py). With more heads (64: Kimi without TP) the decode kernel splits the heads over
+    several programs per tile and the latent kernel does better. Steps with drafts or chunks use the
     latent kernel whatever the head count, so at these head counts a decode's bits depend on whether its step also
     verifies drafts (never on the other sequences' lengths)."""
     return num_heads <= max_heads
@@ -231,11 +230,13 @@ def _load_rows(rows, cols, ok, cols_ok, WIDTH: tl.constexpr, FP8: tl.constexpr, 
     """A [N, C] tile of cache rows (`rows`: [N] pointers to each row's start; `ok` [N], `cols_ok` [C] its masks).
     FP8: the rows' first WIDTH bytes are e4m3 values and their bfloat16 scale follows; dequantised to DTYPE."""
     mask = ok[:, None] & cols_ok[None, :]
-    if FP8:
+    if FP8:  # if / else, not an early return: compiled, a constexpr branch that returns does not end the function
         raw = tl.load(rows[:, None] + cols[None, :], mask=mask, other=0)
         scale = tl.load((rows + WIDTH).to(tl.pointer_type(tl.bfloat16)), mask=ok, other=0.0).to(tl.float32)
-        return (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]).to(DTYPE)
-    return tl.load(rows[:, None] + cols[None, :], mask=mask, other=0.0)
+        tile = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]).to(DTYPE)
+    else:
+        tile = tl.load(rows[:, None] + cols[None, :], mask=mask, other=0.0)
+    return tile
 
 
 @triton.jit
@@ -244,8 +245,10 @@ def _load_tail(rows, cols, ok, cols_ok, WIDTH: tl.constexpr, FP8: tl.constexpr, 
     mask = ok[:, None] & cols_ok[None, :]
     if FP8:
         tail = (rows + WIDTH + 2).to(tl.pointer_type(tl.bfloat16))
-        return tl.load(tail[:, None] + cols[None, :], mask=mask, other=0.0).to(DTYPE)
-    return tl.load(rows[:, None] + WIDTH + cols[None, :], mask=mask, other=0.0)
+        tile = tl.load(tail[:, None] + cols[None, :], mask=mask, other=0.0).to(DTYPE)
+    else:
+        tile = tl.load(rows[:, None] + WIDTH + cols[None, :], mask=mask, other=0.0)
+    return tile
 
 
 @triton.jit
@@ -378,7 +381,7 @@ def _latent_partial_kernel(
     num_heads, num_splits, min_split, max_splits, short_query,
     D1: tl.constexpr, D2: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, STRIDE_KS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_TREE: tl.constexpr,
-    PRECISION: tl.constexpr, V_SPLIT: tl.constexpr, FP8: tl.constexpr,
+    PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     """MLA over one slice of one sequence's context for BLOCK_M of its (query token, head) rows, token-major (row r
     is token r // HEADS, head r % HEADS): every head of a token, or of several tokens, shares each latent tile, which
@@ -387,18 +390,15 @@ def _latent_partial_kernel(
     by the draft tree (HAS_TREE: `tree_ptr` holds each row's tree as int32 bits, `tree_bits`, so the loop shifts a
     register instead of loading a byte per row and key); rows that see no key of the slice write a log-sum-exp of
     -inf and weigh nothing.
-    V_SPLIT programs share each (row block, slice), the value channels split between them as FlashMLA splits them
-    between two warpgroups: each computes the whole QK product (the same instructions, so the same probabilities and
-    log-sum-exp; half 0 writes it) and multiplies P by its half of the latent tile. A [64, 512] float32 accumulator
-    with the tile's addresses, probabilities and the two mma operands outgrows 255 registers a thread on sm_90 and
-    sm_100 at any warp count and pipeline depth; a [64, 256] half at 8 warps and 32-key tiles does not. The two
-    programs are neighbours in the grid and run together, so the second read of a tile comes from L2, not HBM.
+    One program holds every value channel ([64, 512] float32 at Kimi's latent: two warpgroups, each with half of
+    them, as FlashMLA splits them), so a tile is loaded once for the QK product and the values of every head. That
+    fits in 255 registers a thread on sm_90 and sm_100 at 8 warps, 32-key tiles and two stages only because the main
+    loop computes its tile addresses where it uses them (`disable_licm`): hoisted out of the loop, they spill.
     Slices start at multiples of BLOCK_N (`min_split` is one), and the cache's block size and row stride are
     constants: where BLOCK_SIZE divides BLOCK_N, a thread's rows of a tile are a few cache blocks' bases plus
     offsets known when compiling, not a division and a 64-bit product per row."""
     seq = tl.program_id(0)
-    m_block = tl.program_id(1) // V_SPLIT
-    half = tl.program_id(1) % V_SPLIT
+    m_block = tl.program_id(1)
     split = tl.program_id(2)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
@@ -416,12 +416,9 @@ def _latent_partial_kernel(
     row_ok = (t < q_len) & (h < num_heads)
     tok = (q_start + t).to(tl.int64)
 
-    HALF: tl.constexpr = BLOCK_D1 // V_SPLIT
-    d1 = tl.arange(0, HALF)
+    d1 = tl.arange(0, BLOCK_D1)
     q_rows = q_ptr + tok[:, None] * stride_qt + h[:, None] * stride_qh
     q1 = tl.load(q_rows + d1[None, :], mask=row_ok[:, None] & (d1 < D1)[None, :], other=0.0)
-    if V_SPLIT == 2:
-        q1b = tl.load(q_rows + HALF + d1[None, :], mask=row_ok[:, None] & (HALF + d1 < D1)[None, :], other=0.0)
     if D2 > 0:
         d2 = tl.arange(0, BLOCK_D2)
         q2 = tl.load(q_rows + D1 + d2[None, :], mask=row_ok[:, None] & (d2 < D2)[None, :], other=0.0)
@@ -432,10 +429,12 @@ def _latent_partial_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HALF], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D1], tl.float32)
     table = bt_ptr + seq.to(tl.int64) * stride_bt
     offs = tl.arange(0, BLOCK_N)
-    for n0 in range(start, end, BLOCK_N):
+    # disable_licm: the tile's addresses are computed in the loop where they are used, not hoisted out of it and held
+    # in registers, which beside the [64, 512] accumulator would spill
+    for n0 in tl.range(start, end, BLOCK_N, disable_licm=True):
         n0 = tl.multiple_of(n0, BLOCK_N)
         pos = n0 + offs
         ok = pos < end
@@ -448,9 +447,6 @@ def _latent_partial_kernel(
         k_rows = kv_ptr + blk * stride_kb + slot * STRIDE_KS
         k1 = _load_rows(k_rows, d1, ok, d1 < D1, D1, FP8, q_ptr.dtype.element_ty)
         s = mma(q1, tl.trans(k1), PRECISION)
-        if V_SPLIT == 2:
-            k1b = _load_rows(k_rows, HALF + d1, ok, HALF + d1 < D1, D1, FP8, q_ptr.dtype.element_ty)
-            s += mma(q1b, tl.trans(k1b), PRECISION)
         if D2 > 0:
             k2 = _load_tail(k_rows, d2, ok, d2 < D2, D1, FP8, q_ptr.dtype.element_ty)
             s += mma(q2, tl.trans(k2), PRECISION)
@@ -463,23 +459,14 @@ def _latent_partial_kernel(
         else:
             allowed = ok[None, :]
         p, alpha, m_new, l_i = _online_softmax(tl.where(allowed, s * qk_scale, float("-inf")), m_i, l_i)
-        acc = acc * alpha[:, None]
-        if V_SPLIT == 2:
-            if half == 0:
-                acc += mma(p.to(k1.dtype), k1, PRECISION)
-            else:
-                acc += mma(p.to(k1b.dtype), k1b, PRECISION)
-        else:
-            acc += mma(p.to(k1.dtype), k1, PRECISION)
+        acc = acc * alpha[:, None] + mma(p.to(k1.dtype), k1, PRECISION)
         m_i = m_new
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     part_row = ((tl.load(rows_start_ptr + seq) + t).to(tl.int64) * num_heads + h) * num_splits + split
-    if half == 0:  # both halves hold the same log-sum-exp
-        tl.store(part_lse_ptr + part_row, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=row_ok)
-    dv = half * HALF + d1
-    tl.store(part_out_ptr + part_row[:, None] * D1 + dv[None, :], out, mask=row_ok[:, None] & (dv < D1)[None, :])
+    tl.store(part_lse_ptr + part_row, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=row_ok)
+    tl.store(part_out_ptr + part_row[:, None] * D1 + d1[None, :], out, mask=row_ok[:, None] & (d1 < D1)[None, :])
 
 
 @triton.jit
@@ -655,11 +642,10 @@ def latent_traffic(seq_lens: list[int], query_lens: list[int], num_heads: int, l
                    elem_bytes: int, max_splits: int = _DEFAULT_SMS, short_query: int = SHORT_QUERY) -> dict[str, tuple[float, int]]:
     """(bytes requested as written, programs that do work) of the latent split kernel and its merge over the step's
     sequences of at most `short_query` query tokens, for benchmarks/kernel_report.py: each program reads its slice's
-    latent rows once for all the (token, head) rows of its tile (HBM bytes: the program sharing the tile for the other
-    half of the value channels reads it from L2), and its queries, and writes its half of a partial output per row;
+    latent rows once for all the (token, head) rows of its tile and every value channel, and its queries, and writes a
+    partial output per row;
     the merge reads them back (the log-sum-exps once per block of channels) and writes the outputs."""
     row = (latent + rope) * elem_bytes
-    split = _LATENT_VALUE_SPLIT if pow2(latent, 16) >= 256 else 1  # programs per tile; their second read hits L2
     min_split = latent_min_split(num_heads, latent, row)
     channel_blocks = triton.cdiv(latent, min(pow2(latent, 16), _MERGE_CHANNELS))
     partial = merge = 0.0
@@ -669,9 +655,9 @@ def latent_traffic(seq_lens: list[int], query_lens: list[int], num_heads: int, l
             continue
         splits = latent_split_plan(seq_len, min_split, max_splits)[1]
         tiles = triton.cdiv(q_len * pow2(num_heads), _LATENT_BLOCK_M)
-        partial += tiles * seq_len * row + splits * q_len * num_heads * (split * row + latent * 4 + 4)
+        partial += tiles * seq_len * row + splits * q_len * num_heads * (row + latent * 4 + 4)
         merge += q_len * num_heads * (splits * (latent * 4 + 4 * channel_blocks) + latent * elem_bytes)
-        programs += tiles * splits * split
+        programs += tiles * splits
         rows += q_len * num_heads
     return {"_latent_partial_kernel": (partial, programs), "_latent_reduce_kernel": (merge, rows * channel_blocks)}
 
@@ -789,15 +775,14 @@ def _latent_short(q: torch.Tensor, kv_cache: torch.Tensor, latent_dim: int, batc
     causal = meta.short_max_query_len > 1
     tree = meta.tree_bits if causal else None
     dims = _dims(latent_dim, rope, latent_dim, q.dtype, fp8=is_fp8_cache(kv_cache))
-    v_split = _LATENT_VALUE_SPLIT if dims["BLOCK_D1"] >= 256 else 1
-    _latent_partial_kernel[(batch.num_seqs, triton.cdiv(meta.short_max_query_len * heads, _LATENT_BLOCK_M) * v_split, splits)](
+    _latent_partial_kernel[(batch.num_seqs, triton.cdiv(meta.short_max_query_len * heads, _LATENT_BLOCK_M), splits)](
         q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.short_rows_start,
         tree if tree is not None else meta.seq_lens, part_out, part_lse, qk_scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), meta.block_tables.stride(0),
         num_heads, splits, min_split, meta.max_splits, meta.short_query,
         D1=dims["D1"], D2=dims["D2"], BLOCK_D1=dims["BLOCK_D1"], BLOCK_D2=dims["BLOCK_D2"], STRIDE_KS=kv_cache.stride(1),
         BLOCK_SIZE=meta.block_size, HEADS=heads, BLOCK_M=_LATENT_BLOCK_M, BLOCK_N=block_n, CAUSAL=causal, HAS_TREE=tree is not None,
-        PRECISION=dims["PRECISION"], V_SPLIT=v_split, FP8=dims["FP8"], num_warps=_LATENT_WARPS, num_stages=_LATENT_STAGES,
+        PRECISION=dims["PRECISION"], FP8=dims["FP8"], num_warps=_LATENT_WARPS, num_stages=_LATENT_STAGES,
     )
     if splits == 1 and not meta.has_long:  # the short rows are all of the step's tokens, in order
         out.copy_(part_out.view(out.shape))

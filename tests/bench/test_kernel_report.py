@@ -273,6 +273,53 @@ def test_int4_expert_gemms_are_bound_by_bandwidth_on_hopper_and_blackwell() -> N
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("label, programs", [("kimi-ep8 mla decode b1 ctx32k eager", 132),
+                                             ("kimi-ep8 mla verify b8 x 4 tokens ctx32k tree", 8 * 4 * 132),
+                                             ("kimi-tp8 mla verify b8 x 4 tokens ctx128k tree", 8 * 1 * 132)])
+def test_latent_attention_is_bound_by_bandwidth_on_hopper_and_blackwell(label: str, programs: int) -> None:
+    """MLA at Kimi K2.5's shapes through the latent split kernel (64 heads a rank: decodes and draft trees; 8 under
+    TP 8: draft trees), compiled for sm_90 and sm_100: one program per (row block of 64 token x head rows, slice),
+    so each latent tile is read once for every head and value channel (the grid: sequences x row blocks x the 132
+    slices an H200 gets), and its main loop issues few enough instructions per byte of cache that issue alone would
+    allow at least 80% of HBM bandwidth, without spilling."""
+    records = _compiled_records(label, "_latent_partial_kernel")
+    assert len(records) == 2 and {r["target"] for r in records} == {"sm_90", "sm_100"}
+    for record in records:
+        assert record["mma"] == {"sm_90": "wgmma", "sm_100": "tcgen05"}[record["target"]], record
+        assert record["programs"] == programs, record
+        assert record["spill_bytes"] == 0 and record["loop_bytes_source"] == "tile shape", record
+        assert record["issue_bound_fraction"] >= 0.8, record
+
+
+@pytest.mark.slow
+def test_mla_kernels_compile_for_an_fp8_cache() -> None:
+    """MLA decode over an FP8 cache (e4m3 latent rows with their scale, the rotary key in bf16 after them), through
+    the decode kernel (8 heads) and the latent kernel (64), compiled for sm_90: the tile loads choose FP8 or plain
+    rows by a constexpr branch, which Triton's compiler (unlike its interpreter) does not end at a `return`."""
+    code = f"""
+import torch
+from reasoning_engine.kernels import triton_attention as ta
+kr._worker_init()
+for heads, kernel in ((8, "_decode_partial_kernel"), (64, "_latent_partial_kernel")):
+    fb, blocks = kr._decode_batch(1, 1024, False, "meta")
+    kv = torch.empty(blocks, kr.BLOCK_SIZE, 512 + 2 + 64 * 2, dtype=torch.uint8, device="meta")
+    q = torch.empty(1, heads, 576, dtype=torch.bfloat16, device="meta")
+    launches = []
+    with kr.recording_launches(launches):
+        ta.paged_latent_attention(q, kv, 512, fb, ta.prepare_attention(fb, kr.BLOCK_SIZE), 0.1)
+    (launch,) = [l for l in launches if l.kernel == kernel]
+    assert launch.kwargs["FP8"] is True
+    result = kr.run_compile(kr.compile_job(launch, kr.TARGETS["sm_90"]))
+    print(json.dumps({{"kernel": kernel, "registers": result["registers"]}}))
+"""
+    proc = _run_with_report(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in proc.stdout.strip().splitlines() if line.startswith("{")]
+    assert [r["kernel"] for r in records] == ["_decode_partial_kernel", "_latent_partial_kernel"]
+    assert all(0 < r["registers"] <= 255 for r in records), records
+
+
+@pytest.mark.slow
 def test_expert_sort_of_a_kimi_batch_of_8_does_not_spill() -> None:
     """Kimi TP 8 at batch 8: 64 pairs over 384 experts sorted in one program, whose [experts, pairs] comparison
     is spread over enough warps to stay in registers on sm_90 and sm_100."""

@@ -532,16 +532,17 @@ def test_a_verification_step_alone_goes_through_the_latent_kernel(device, latent
     assert latent_launches["_prefill_kernel"] == [] and len(latent_launches["_latent_partial_kernel"]) == 1
 
 
-def test_wide_latent_splits_its_value_channels_between_two_programs(device, latent_launches):
-    """A 256-channel latent (Kimi's is 512): two programs share each (row block, slice), each with half of the value
-    channels and the whole QK product; decodes and draft trees together still match the dense computation."""
+def test_wide_latent_reads_each_tile_in_one_program_for_every_value_channel(device, latent_launches):
+    """A 256-channel latent (Kimi's is 512): one program per (row block, slice) holds every value channel, so each
+    latent tile is loaded once for the QK product and the values of every head; decodes and draft trees together
+    still match the dense computation."""
     batch, q, kv_cache = mla_case([40, 7, 0], [1, 4, 3], 4, 4, 256, 16, torch.float32, device, tree=True)
     meta = triton_attention.prepare_attention(batch, 4, split_tokens=8)
     out = triton_attention.paged_latent_attention(q, kv_cache, 256, batch, meta, 0.1)
     assert_close(out.cpu(), dense_reference(q, _latent_rows(kv_cache, 256, device), batch, 4, 0.1, 256).float())
     ref = attention.paged_latent_attention(q, kv_cache, 256, batch, attention.prepare_attention(batch, 4), 0.1)
     assert_close(out, ref)
-    assert latent_launches["_latent_partial_kernel"] == [(3, 2, 3)]  # 4 tokens x 4 heads: one row block, two halves
+    assert latent_launches["_latent_partial_kernel"] == [(3, 1, 3)]  # 4 tokens x 4 heads: one row block
 
 
 def test_tree_bits_pack_each_rows_draft_tree():

@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
-
 from urllib.parse import quote
 
 import httpx

@@ -125,8 +125,8 @@ def noaux_tc_route_and_sort(
     block_g, block_j, block_k = pow2(n_group), pow2(experts // n_group), pow2(top_k)
     block_e = pow2(num_experts + 1)
     if (not tokens or experts != num_experts
-            or pow2(tokens, 2) * max(block_g * block_j, block_k * block_e) > _ONE_PROGRAM_CELLS
-            or pow2(tokens, 2) * block_k > _ONE_PROGRAM_PAIRS):
+            or pow2(tokens, 2) * block_g * block_j > _ONE_PROGRAM_CELLS
+            or not _one_program_sort_fits(pow2(tokens, 2) * block_k, block_e)):
         return (*noaux_tc_router(router_logits, e_score_correction_bias, top_k, n_group, topk_group, norm_topk_prob,
                                  routed_scaling_factor), None)
     if router_logits.stride(-1) != 1:
@@ -315,6 +315,13 @@ def _route_and_sort_kernel(
 
 _ONE_PROGRAM_CELLS = 1 << 16  # the one-program sort holds a [experts, pairs] comparison: up to this many cells
 _ONE_PROGRAM_PAIRS = 256  # and a [pairs, pairs] one
+_ONE_PROGRAM_HELD = 3 << 15  # and both together (gpt-oss at 64 tokens, 256 x 256 twice, spills on sm_90 / sm_100)
+
+
+def _one_program_sort_fits(block_p: int, block_e: int) -> bool:
+    """Whether `_sort_pairs`' register tiles for `block_p` pairs over `block_e` experts compile without spills."""
+    return (block_p * block_e <= _ONE_PROGRAM_CELLS and block_p <= _ONE_PROGRAM_PAIRS
+            and block_p * (block_p + block_e) <= _ONE_PROGRAM_HELD)
 
 
 def _sort_blocks(block_p: int, block_e: int) -> dict[str, int]:
@@ -339,7 +346,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     num_tiles = capacity // block_m
     device = flat.device
     block_p, block_e = pow2(pairs), pow2(num_experts + 1)
-    if pairs and block_p * block_e <= _ONE_PROGRAM_CELLS and block_p <= _ONE_PROGRAM_PAIRS:
+    if pairs and _one_program_sort_fits(block_p, block_e):
         sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
         expert_ids = torch.empty(num_tiles, dtype=torch.int32, device=device)
         num_post_pad = torch.empty(1, dtype=torch.int32, device=device)

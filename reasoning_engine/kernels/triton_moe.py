@@ -550,6 +550,28 @@ def _weight_step(
 
 
 @triton.jit
+def _gemm_step(span_acc, a_ptr, a_cols, pair_ok, w_base, s_base, row_ok, k0, k_in, stride_wk, stride_sk,
+               QUANT: tl.constexpr, SCALE_K: tl.constexpr, STEP: tl.constexpr, EVEN_K: tl.constexpr,
+               MODE: tl.constexpr):
+    """`span_acc` plus one STEP of input channels from k0: weights [R, STEP] (`_weight_step`) times the pairs'
+    activations [STEP, M]; EVEN_K: the step is whole (no masks on K)."""
+    kk = k0 + tl.arange(0, STEP)
+    a_ok = pair_ok[None, :] if EVEN_K else pair_ok[None, :] & (kk < k_in)[:, None]
+    a = tl.load(a_ptr + a_cols + kk[:, None], mask=a_ok, other=0.0)
+    scales = 0
+    if QUANT == 1 or QUANT == 3:
+        a = _int4_order(a)
+        scales = _step_scales(s_base, k0, k_in, row_ok, stride_sk, SCALE_K, STEP, EVEN_K)
+    w = _weight_step(w_base, scales, k0, k_in, row_ok, stride_wk, QUANT, STEP, EVEN_K, a.dtype, MODE)
+    if QUANT != 2:  # plain, or INT4 and MXFP4 already scaled
+        span_acc += mma(w, a, MODE)
+    else:
+        scale = tl.load(s_base + (k0 // SCALE_K) * stride_sk, mask=row_ok, other=0.0).to(tl.float32)
+        span_acc += mma(w, a, MODE) * scale[:, None]
+    return span_acc
+
+
+@triton.jit
 def _moe_epilogue(gate, up, bias_ptr, topk_w_ptr, pair, pair_ok, cols, col_ok, n_out,
                   GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
                   SILU_LIMIT: tl.constexpr = 0.0):
@@ -622,20 +644,19 @@ def _moe_gemm_kernel(
     acc = tl.zeros([ROWS, BLOCK_M], tl.float32)
     for span in range(first_span, last_span):
         span_acc = tl.zeros([ROWS, BLOCK_M], tl.float32)
-        for k0 in range(span * SPAN, tl.minimum(span * SPAN + SPAN, k_in), STEP):
-            kk = k0 + tl.arange(0, STEP)
-            a_ok = pair_ok[None, :] if EVEN_K else pair_ok[None, :] & (kk < k_in)[:, None]
-            a = tl.load(a_ptr + a_cols + kk[:, None], mask=a_ok, other=0.0)
-            scales = 0
-            if QUANT == 1 or QUANT == 3:
-                a = _int4_order(a)
-                scales = _step_scales(s_base, k0, k_in, row_ok, stride_sk, SCALE_K, STEP, EVEN_K)
-            w = _weight_step(w_base, scales, k0, k_in, row_ok, stride_wk, QUANT, STEP, EVEN_K, a.dtype, MODE)
-            if QUANT != 2:  # plain, or INT4 and MXFP4 already scaled
-                span_acc += mma(w, a, MODE)
-            else:
-                scale = tl.load(s_base + (k0 // SCALE_K) * stride_sk, mask=row_ok, other=0.0).to(tl.float32)
-                span_acc += mma(w, a, MODE) * scale[:, None]
+        span_end = tl.minimum(span * SPAN + SPAN, k_in)
+        if EVEN_K or QUANT != 3:
+            for k0 in range(span * SPAN, span_end, STEP):
+                span_acc = _gemm_step(span_acc, a_ptr, a_cols, pair_ok, w_base, s_base, row_ok, k0, k_in, stride_wk,
+                                      stride_sk, QUANT, SCALE_K, STEP, EVEN_K, MODE)
+        else:  # MXFP4 (K a multiple of 32): whole steps without masks on K, then the partial last one
+            whole_end = span * SPAN + (span_end - span * SPAN) // STEP * STEP
+            for k0 in range(span * SPAN, whole_end, STEP):
+                span_acc = _gemm_step(span_acc, a_ptr, a_cols, pair_ok, w_base, s_base, row_ok, k0, k_in, stride_wk,
+                                      stride_sk, QUANT, SCALE_K, STEP, True, MODE)
+            if whole_end < span_end:
+                span_acc = _gemm_step(span_acc, a_ptr, a_cols, pair_ok, w_base, s_base, row_ok, whole_end, k_in,
+                                      stride_wk, stride_sk, QUANT, SCALE_K, STEP, False, MODE)
         acc += span_acc
     if SPLIT:
         part = part_ptr + tl.program_id(2).to(tl.int64) * stride_ps + pair.to(tl.int64)[None, :] * (ROWS // BLOCK_N * n_out)
@@ -684,20 +705,18 @@ def _moe_split_reduce_kernel(
     tl.store(out_ptr + pair.to(tl.int64)[None, :] * stride_om + cols[:, None], out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _step(quant_kind: int, scale_k: int, k_in: int) -> int:
-    """Input channels per GEMM step: 64 for plain weights; for INT4 and MXFP4 128 (the scales are applied to the
-    weights, so a step may hold several groups, and the loop's fixed cost is spread over 128 channels), or 64 for
-    an MXFP4 K that 128 does not divide (gpt-oss's 2880: every step whole, no masks); for FP8 one scale group (at
-    most 128, at least 16 for the MMA), whose scale multiplies the step's product. A group that is not a power of two
-    is not supported, nor an INT4 or MXFP4 group under 32 (their input order permutes channels within 32)."""
+def _step(quant_kind: int, scale_k: int) -> int:
+    """Input channels per GEMM step: 64 for plain weights; 128 for INT4 and MXFP4 (the scales are applied to the
+    weights, so a step may hold several groups, and the loop's fixed cost is spread over 128 channels); for FP8 one
+    scale group (at most 128, at least 16 for the MMA), whose scale multiplies the step's product. A group that is
+    not a power of two is not supported, nor an INT4 or MXFP4 group under 32 (their input order permutes channels
+    within 32)."""
     if quant_kind == 0:
         return 64
     smallest = 16 if quant_kind == 2 else 32
     if scale_k < smallest or scale_k & (scale_k - 1):
         raise ValueError(f"scale groups of {scale_k} input channels are not supported: the group must be a power of two "
                          f"of at least {smallest}")
-    if quant_kind == 3 and k_in % 128:
-        return 64 if k_in % 64 == 0 else 128
     return min(scale_k, 128) if quant_kind == 2 else 128
 
 
@@ -725,7 +744,7 @@ def _launch_gemm(hidden: torch.Tensor, w: torch.Tensor, s: torch.Tensor, b: torc
     num_tiles = expert_ids.numel()
     block_n = min(128 if block_m == 16 and not gated else 64, pow2(n_out, 16))  # 128 weight rows; 64 with prefill's wide row tiles (registers)
     col_tiles = triton.cdiv(n_out, block_n)
-    step = _step(kind, scale_k, k_in)
+    step = _step(kind, scale_k)
     span = max(_SPLIT_SPAN, step)
     spans = triton.cdiv(k_in, span)
     split = spans > 1 and row_tiles * col_tiles < _BUSY_PROGRAMS

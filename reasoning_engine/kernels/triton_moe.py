@@ -9,11 +9,12 @@ dequantized in registers as in Frantar et al., 2024, "MARLIN": only the packed b
 become floats through the exponent (two per 32-bit operation) and take their group's scale there, two weights per
 paired 16-bit multiply (rounded once, as the reference's dequantisation is), so a K step of 128 channels holds
 several groups and is one MMA whose fixed cost (barriers; on Blackwell the tensor-memory round trip) is spread over
-8 KB of packed weights per 128 rows. FP8 and MXFP4 steps are one scale group each, whose scale multiplies the step's
-product. The weights are the MMA's M side, so decode's few pairs per expert do not repeat one product in every warp,
-and a launch too small to fill the GPU is split over K in fixed spans whose partial sums a second kernel adds in span
-order (the bits do not depend on the split). Every pair writes its own output row and the k rows of a token are
-summed afterwards, so results do not depend on scheduling (no atomics).
+8 KB of packed weights per 128 rows. MXFP4 e2m1 codes take the same path: their bits placed into a bfloat16's sign,
+exponent and mantissa fields, then scaled by paired multiplies. FP8 steps are one scale group each, whose scale
+multiplies the step's product. The weights are the MMA's M side, so decode's few pairs per expert do not repeat one
+product in every warp, and a launch too small to fill the GPU is split over K in fixed spans whose partial sums a
+second kernel adds in span order (the bits do not depend on the split). Every pair writes its own output row and the k
+rows of a token are summed afterwards, so results do not depend on scheduling (no atomics).
 """
 
 from __future__ import annotations
@@ -124,8 +125,8 @@ def noaux_tc_route_and_sort(
     block_g, block_j, block_k = pow2(n_group), pow2(experts // n_group), pow2(top_k)
     block_e = pow2(num_experts + 1)
     if (not tokens or experts != num_experts
-            or pow2(tokens, 2) * max(block_g * block_j, block_k * block_e) > _ONE_PROGRAM_CELLS
-            or pow2(tokens, 2) * block_k > _ONE_PROGRAM_PAIRS):
+            or pow2(tokens, 2) * block_g * block_j > _ONE_PROGRAM_CELLS
+            or not _one_program_sort_fits(pow2(tokens, 2) * block_k, block_e)):
         return (*noaux_tc_router(router_logits, e_score_correction_bias, top_k, n_group, topk_group, norm_topk_prob,
                                  routed_scaling_factor), None)
     if router_logits.stride(-1) != 1:
@@ -314,6 +315,13 @@ def _route_and_sort_kernel(
 
 _ONE_PROGRAM_CELLS = 1 << 16  # the one-program sort holds a [experts, pairs] comparison: up to this many cells
 _ONE_PROGRAM_PAIRS = 256  # and a [pairs, pairs] one
+_ONE_PROGRAM_HELD = 3 << 15  # and both together (gpt-oss at 64 tokens, 256 x 256 twice, spills on sm_90 / sm_100)
+
+
+def _one_program_sort_fits(block_p: int, block_e: int) -> bool:
+    """Whether `_sort_pairs`' register tiles for `block_p` pairs over `block_e` experts compile without spills."""
+    return (block_p * block_e <= _ONE_PROGRAM_CELLS and block_p <= _ONE_PROGRAM_PAIRS
+            and block_p * (block_p + block_e) <= _ONE_PROGRAM_HELD)
 
 
 def _sort_blocks(block_p: int, block_e: int) -> dict[str, int]:
@@ -338,7 +346,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     num_tiles = capacity // block_m
     device = flat.device
     block_p, block_e = pow2(pairs), pow2(num_experts + 1)
-    if pairs and block_p * block_e <= _ONE_PROGRAM_CELLS and block_p <= _ONE_PROGRAM_PAIRS:
+    if pairs and _one_program_sort_fits(block_p, block_e):
         sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
         expert_ids = torch.empty(num_tiles, dtype=torch.int32, device=device)
         num_post_pad = torch.empty(1, dtype=torch.int32, device=device)
@@ -382,19 +390,30 @@ def _round_to_bfloat16(x):
 
 
 @triton.jit
+def _paired_halves(low, high):
+    """[R, W, 4] values of nibbles j (`low`) and j + 4 (`high`) of W words -> [R, 8 W] in the paired order
+    `_int4_order` gives the activations: position 8 w + 2 j + h holds the value of nibble j + 4 h of word w."""
+    rows: tl.constexpr = low.shape[0]
+    words: tl.constexpr = low.shape[1]
+    values = tl.reshape(tl.join(low, high), (rows, words // 4, 4, 2, 2, 2))
+    return tl.reshape(tl.permute(values, (0, 1, 3, 4, 2, 5)), (rows, words * 8))
+
+
+@triton.jit
 def _int4_to_float(words, scales, DTYPE: tl.constexpr, MODE: tl.constexpr):
     """[R, W] int32 words of eight INT4 codes (lowest nibble first, stored as q + 8) and [R, W] scales (each word's
     group's) -> [R, 8 W] DTYPE weights q * scale, each rounded once to DTYPE as the torch reference's dequantisation
     is. No integer-to-float conversion: each code is ORed into the mantissa of a float whose exponent makes one
     mantissa step 1 (bf16 128, fp16 1024, fp32 2^23), then the exponent's value and the +8 are subtracted, exactly.
     16-bit types take two codes per 32-bit operation (nibbles j and j + 4 land in the two halves of one word, and
-    both halves are scaled by one paired multiply), so their inputs come out in the order 8 w + j + 4 h for position
-    8 w + 2 j + h: `_int4_order` permutes the activations to match. float32 keeps the natural order. MODE "widen"
+    both halves are scaled by one paired multiply), so their inputs come out in `_paired_halves`' order, which
+    `_int4_order` gives the activations. float32 keeps the natural order. MODE "widen"
     (bfloat16 in Triton's CPU interpreter, which computes on bfloat16's raw bits) computes in float32 and rounds the
     product to bfloat16: the same bits."""
     if DTYPE == tl.float32:
         codes = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
         values = ((codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0) * scales.to(tl.float32)[:, :, None]
+        values = tl.reshape(values, (words.shape[0], words.shape[1] * 8))
     else:
         magic: tl.constexpr = 0x43004300 if DTYPE == tl.bfloat16 else 0x64006400
         bias: tl.constexpr = 136.0 if DTYPE == tl.bfloat16 else 1032.0
@@ -408,9 +427,75 @@ def _int4_to_float(words, scales, DTYPE: tl.constexpr, MODE: tl.constexpr):
         else:
             scale = scales.to(DTYPE)[:, :, None]
             low, high = (low - bias) * scale, (high - bias) * scale
-        values = tl.reshape(tl.join(low, high), (words.shape[0], words.shape[1] // 4, 4, 2, 2, 2))
-        values = tl.permute(values, (0, 1, 3, 4, 2, 5))
-    return tl.reshape(values, (words.shape[0], words.shape[1] * 8))
+        values = _paired_halves(low, high)
+    return values
+
+
+@triton.jit
+def _exp2_int(e):
+    """2^e as float32 for integer tensors e, exactly (subnormals included, 0 below 2^-149, inf above 2^127): built
+    from the bits, so no approximate exp2 and no flushing."""
+    normal = (tl.minimum(tl.maximum(e, -126), 128) + 127) << 23
+    tiny = 1 << tl.minimum(tl.maximum(e + 149, 0), 22)
+    bits = tl.where(e >= -126, normal, tl.where(e >= -149, tiny, 0))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_value(codes):
+    """int32 e2m1 codes (sign, 2 exponent bits, 1 mantissa bit; exponent 0 is subnormal: 0 or 0.5) -> float32."""
+    exponent = (codes >> 1) & 3
+    mantissa = (codes & 1).to(tl.float32)
+    magnitude = tl.where(exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * _exp2_int(exponent - 1))
+    return tl.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _e2m1_bits(words):
+    """[R, W] int32 words of eight e2m1 codes (lowest nibble first) -> [R, W, 4] int32 pairs of bfloat16 bit
+    patterns: half h of pair j holds code j + 4 h with its sign in the sign bit and its exponent and mantissa bits in
+    the lowest two exponent bits and the top mantissa bit, which reads as the code's value times 2^-126 (exponent 0
+    is subnormal in both formats)."""
+    # code j in bits 0-3, code j + 4 in 16-19 (a logical shift: each shift pair below folds into one)
+    halves = words.to(tl.uint32, bitcast=True)[:, :, None] >> (tl.arange(0, 4) * 4).to(tl.uint32)[None, None, :]
+    bits = ((halves << 6) & 0x01C001C0) | ((halves << 12) & 0x80008000)
+    return bits.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_to_float(words, scales, DTYPE: tl.constexpr, MODE: tl.constexpr):
+    """[R, W] int32 words of eight e2m1 codes (lowest nibble first) and [R, G] uint8 e8m0 scales of the W / G words'
+    groups -> [R, 8 W] DTYPE weights code * 2^(scale - 127), in `_int4_to_float`'s order, each exactly the torch
+    reference's dequantised weight. bfloat16: no conversion, two codes per 32-bit operation (`_e2m1_bits`), then two
+    paired multiplies, by 2^126 (the codes' values) and by the group's 2^(scale - 127) (each exact: at most two
+    significant bits); the interpreter ("widen") multiplies the same bits in float32. float16 and float32 compute
+    the values in float32 and round once."""
+    rows: tl.constexpr = words.shape[0]
+    groups: tl.constexpr = scales.shape[1]
+    per_group: tl.constexpr = words.shape[1] // groups
+    factor = _exp2_int(scales.to(tl.int32) - 127)
+    factor = tl.reshape(tl.broadcast_to(factor[:, :, None], (rows, groups, per_group)), (rows, words.shape[1]))
+    factor = factor[:, :, None]
+    if DTYPE == tl.bfloat16:
+        bits = _e2m1_bits(words)
+        if MODE == "widen":
+            low = _round_to_bfloat16((bits << 16).to(tl.float32, bitcast=True) * 8.507059173023462e37 * factor)
+            high = _round_to_bfloat16((bits & -65536).to(tl.float32, bitcast=True) * 8.507059173023462e37 * factor)
+        else:
+            # 2^126 first, a constant: the compiler then keeps each word as a pair of bfloat16 (paired multiplies)
+            scale = factor.to(tl.bfloat16)
+            low = (bits & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True) * 8.507059173023462e37 * scale
+            high = (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True) * 8.507059173023462e37 * scale
+        values = _paired_halves(low, high)
+    elif DTYPE == tl.float32:
+        codes = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+        values = tl.reshape(_e2m1_value(codes) * factor, (rows, words.shape[1] * 8))
+    else:
+        halves = words[:, :, None] >> (tl.arange(0, 4) * 4)[None, None, :]
+        low = (_e2m1_value(halves & 0xF) * factor).to(DTYPE)
+        high = (_e2m1_value((halves >> 16) & 0xF) * factor).to(DTYPE)
+        values = _paired_halves(low, high)
+    return values
 
 
 @triton.jit
@@ -427,39 +512,63 @@ def _int4_order(a):
 
 
 @triton.jit
+def _step_scales(s_base, k0, k_in, row_ok, stride_sk, SCALE_K: tl.constexpr, STEP: tl.constexpr,
+                 EVEN_K: tl.constexpr):
+    """[R, G] scales of the G groups of input channels k0 .. k0 + STEP (one when a group spans several steps) of the
+    rows whose scales start at `s_base` ([R] pointers)."""
+    GROUPS: tl.constexpr = STEP // SCALE_K if SCALE_K < STEP else 1
+    groups = k0 // SCALE_K + tl.arange(0, GROUPS)
+    s_ok = row_ok[:, None] if EVEN_K else row_ok[:, None] & (groups < tl.cdiv(k_in, SCALE_K))[None, :]
+    return tl.load(s_base[:, None] + groups[None, :] * stride_sk, mask=s_ok, other=0)
+
+
+@triton.jit
 def _weight_step(
-    w_base, s_base, k0, k_in, row_ok, stride_wk, stride_sk,
-    QUANT: tl.constexpr, SCALE_K: tl.constexpr, STEP: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr,
-    MODE: tl.constexpr,
+    w_base, scales, k0, k_in, row_ok, stride_wk,
+    QUANT: tl.constexpr, STEP: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr, MODE: tl.constexpr,
 ):
     """[R, STEP] weights of the rows at `w_base` ([R, 1] pointers), input channels k0 .. k0 + STEP, in DTYPE: QUANT 0
-    plain, 1 INT4 codes times their group's scale (in `_int4_order`; `s_base` [R] the rows' scale pointers), 2 FP8
-    values, 3 MXFP4 e2m1 values (two codes per byte, low nibble first). Only the packed bytes are loaded; FP8 and
-    MXFP4 scales are applied to the product, not here."""
-    if QUANT == 1:
+    plain, 1 INT4 codes times their group's scale (`scales` [R, G], `_step_scales`), 2 FP8 values, 3 MXFP4 e2m1
+    codes times their group's e8m0 scale (`scales` [R, G] uint8); INT4 and MXFP4 in `_int4_order` (both pack eight
+    codes per int32 word, lowest nibble first). Only the packed bytes are loaded; FP8 scales multiply the product."""
+    if QUANT == 1 or QUANT == 3:
         words = k0 // 8 + tl.arange(0, STEP // 8)
         ok = row_ok[:, None] if EVEN_K else row_ok[:, None] & (words < k_in // 8)[None, :]
-        GROUPS: tl.constexpr = STEP // SCALE_K if SCALE_K < STEP else 1  # a group may also span several steps
-        groups = k0 // SCALE_K + tl.arange(0, GROUPS)
-        s_ok = row_ok[:, None] if EVEN_K else row_ok[:, None] & (groups < tl.cdiv(k_in, SCALE_K))[None, :]
-        scales = tl.load(s_base[:, None] + groups[None, :] * stride_sk, mask=s_ok, other=0.0)
-        per_word = tl.reshape(tl.broadcast_to(scales[:, :, None], (scales.shape[0], GROUPS, STEP // 8 // GROUPS)),
-                              (scales.shape[0], STEP // 8))
-        w = _int4_to_float(tl.load(w_base + words[None, :] * stride_wk, mask=ok, other=0), per_word, DTYPE, MODE)
-    elif QUANT == 3:  # e2m1: sign, 2 exponent bits, 1 mantissa bit; exponent 0 is subnormal (0 or 0.5)
-        pairs = k0 // 2 + tl.arange(0, STEP // 2)
-        ok = row_ok[:, None] if EVEN_K else row_ok[:, None] & (pairs < k_in // 2)[None, :]
-        packed = tl.load(w_base + pairs[None, :] * stride_wk, mask=ok, other=0).to(tl.int32)
-        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (packed.shape[0], STEP))
-        exponent = (codes >> 1) & 3
-        mantissa = (codes & 1).to(tl.float32)
-        magnitude = tl.where(exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * tl.exp2((exponent - 1).to(tl.float32)))
-        w = tl.where(codes >= 8, -magnitude, magnitude).to(DTYPE)
+        packed = tl.load(w_base + words[None, :] * stride_wk, mask=ok, other=0)
+        if QUANT == 1:
+            GROUPS: tl.constexpr = scales.shape[1]
+            per_word = tl.reshape(tl.broadcast_to(scales[:, :, None], (scales.shape[0], GROUPS, STEP // 8 // GROUPS)),
+                                  (scales.shape[0], STEP // 8))
+            w = _int4_to_float(packed, per_word, DTYPE, MODE)
+        else:
+            w = _mxfp4_to_float(packed, scales, DTYPE, MODE)
     else:
         kk = k0 + tl.arange(0, STEP)
         ok = row_ok[:, None] if EVEN_K else row_ok[:, None] & (kk < k_in)[None, :]
         w = tl.load(w_base + kk[None, :] * stride_wk, mask=ok, other=0.0).to(DTYPE)
     return w
+
+
+@triton.jit
+def _gemm_step(span_acc, a_ptr, a_cols, pair_ok, w_base, s_base, row_ok, k0, k_in, stride_wk, stride_sk,
+               QUANT: tl.constexpr, SCALE_K: tl.constexpr, STEP: tl.constexpr, EVEN_K: tl.constexpr,
+               MODE: tl.constexpr):
+    """`span_acc` plus one STEP of input channels from k0: weights [R, STEP] (`_weight_step`) times the pairs'
+    activations [STEP, M]; EVEN_K: the step is whole (no masks on K)."""
+    kk = k0 + tl.arange(0, STEP)
+    a_ok = pair_ok[None, :] if EVEN_K else pair_ok[None, :] & (kk < k_in)[:, None]
+    a = tl.load(a_ptr + a_cols + kk[:, None], mask=a_ok, other=0.0)
+    scales = 0
+    if QUANT == 1 or QUANT == 3:
+        a = _int4_order(a)
+        scales = _step_scales(s_base, k0, k_in, row_ok, stride_sk, SCALE_K, STEP, EVEN_K)
+    w = _weight_step(w_base, scales, k0, k_in, row_ok, stride_wk, QUANT, STEP, EVEN_K, a.dtype, MODE)
+    if QUANT != 2:  # plain, or INT4 and MXFP4 already scaled
+        span_acc += mma(w, a, MODE)
+    else:
+        scale = tl.load(s_base + (k0 // SCALE_K) * stride_sk, mask=row_ok, other=0.0).to(tl.float32)
+        span_acc += mma(w, a, MODE) * scale[:, None]
+    return span_acc
 
 
 @triton.jit
@@ -535,21 +644,19 @@ def _moe_gemm_kernel(
     acc = tl.zeros([ROWS, BLOCK_M], tl.float32)
     for span in range(first_span, last_span):
         span_acc = tl.zeros([ROWS, BLOCK_M], tl.float32)
-        for k0 in range(span * SPAN, tl.minimum(span * SPAN + SPAN, k_in), STEP):
-            kk = k0 + tl.arange(0, STEP)
-            a_ok = pair_ok[None, :] if EVEN_K else pair_ok[None, :] & (kk < k_in)[:, None]
-            a = tl.load(a_ptr + a_cols + kk[:, None], mask=a_ok, other=0.0)
-            if QUANT == 1:
-                a = _int4_order(a)
-            w = _weight_step(w_base, s_base, k0, k_in, row_ok, stride_wk, stride_sk, QUANT, SCALE_K, STEP, EVEN_K,
-                             a.dtype, MODE)
-            if QUANT <= 1:  # plain, or INT4 already scaled
-                span_acc += mma(w, a, MODE)
-            else:
-                scale = tl.load(s_base + (k0 // SCALE_K) * stride_sk, mask=row_ok, other=0.0).to(tl.float32)
-                if QUANT == 3:
-                    scale = tl.exp2(scale - 127.0)
-                span_acc += mma(w, a, MODE) * scale[:, None]
+        span_end = tl.minimum(span * SPAN + SPAN, k_in)
+        if EVEN_K or QUANT != 3:
+            for k0 in range(span * SPAN, span_end, STEP):
+                span_acc = _gemm_step(span_acc, a_ptr, a_cols, pair_ok, w_base, s_base, row_ok, k0, k_in, stride_wk,
+                                      stride_sk, QUANT, SCALE_K, STEP, EVEN_K, MODE)
+        else:  # MXFP4 (K a multiple of 32): whole steps without masks on K, then the partial last one
+            whole_end = span * SPAN + (span_end - span * SPAN) // STEP * STEP
+            for k0 in range(span * SPAN, whole_end, STEP):
+                span_acc = _gemm_step(span_acc, a_ptr, a_cols, pair_ok, w_base, s_base, row_ok, k0, k_in, stride_wk,
+                                      stride_sk, QUANT, SCALE_K, STEP, True, MODE)
+            if whole_end < span_end:
+                span_acc = _gemm_step(span_acc, a_ptr, a_cols, pair_ok, w_base, s_base, row_ok, whole_end, k_in,
+                                      stride_wk, stride_sk, QUANT, SCALE_K, STEP, False, MODE)
         acc += span_acc
     if SPLIT:
         part = part_ptr + tl.program_id(2).to(tl.int64) * stride_ps + pair.to(tl.int64)[None, :] * (ROWS // BLOCK_N * n_out)
@@ -599,23 +706,25 @@ def _moe_split_reduce_kernel(
 
 
 def _step(quant_kind: int, scale_k: int) -> int:
-    """Input channels per GEMM step: 64 for plain weights; 128 for INT4 (the scales are applied to the weights, so a
-    step may hold several groups, and the loop's fixed cost is spread over 128 channels); for FP8 and MXFP4 one scale
-    group (at most 128, at least 16 for the MMA), whose scale multiplies the step's product. A group that is not a
-    power of two is not supported, nor an INT4 group under 32 (the INT4 input order permutes channels within 32)."""
+    """Input channels per GEMM step: 64 for plain weights; 128 for INT4 and MXFP4 (the scales are applied to the
+    weights, so a step may hold several groups, and the loop's fixed cost is spread over 128 channels); for FP8 one
+    scale group (at most 128, at least 16 for the MMA), whose scale multiplies the step's product. A group that is
+    not a power of two is not supported, nor an INT4 or MXFP4 group under 32 (their input order permutes channels
+    within 32)."""
     if quant_kind == 0:
         return 64
-    smallest = 32 if quant_kind == 1 else 16
+    smallest = 16 if quant_kind == 2 else 32
     if scale_k < smallest or scale_k & (scale_k - 1):
         raise ValueError(f"scale groups of {scale_k} input channels are not supported: the group must be a power of two "
                          f"of at least {smallest}")
-    return 128 if quant_kind == 1 else min(scale_k, 128)
+    return min(scale_k, 128) if quant_kind == 2 else 128
 
 
 def _scale_alignment(s: torch.Tensor, kind: int, step: int, scale_k: int) -> int:
-    """Bytes every weight row's scales are aligned to, as far as one INT4 step's scales (several groups) span: their
-    row's start and its offset (when the rows' strides and the base allow), so the kernel loads them as one vector."""
-    groups = step // scale_k if kind == 1 else 1
+    """Bytes every weight row's scales are aligned to, as far as one INT4 or MXFP4 step's scales (several groups)
+    span: their row's start and its offset (when the rows' strides and the base allow), so the kernel loads them as
+    one vector."""
+    groups = max(step // scale_k, 1) if kind in (1, 3) else 1
     span = groups * s.element_size()
     rows_aligned = all(stride % groups == 0 for stride in s.stride()[:-1]) and s.data_ptr() % span == 0
     if groups > 1 and s.stride(-1) == 1 and rows_aligned:
@@ -656,6 +765,16 @@ def _launch_gemm(hidden: torch.Tensor, w: torch.Tensor, s: torch.Tensor, b: torc
             part, b, out, sorted_ids, expert_ids, num_post_pad, weights,
             out.shape[0], n_out, spans, out.shape[0] * width, b.stride(0), out.stride(0), **common,
         )
+
+
+def _as_words(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K / 2] uint8 MXFP4 codes -> the same bytes as [..., K / 8] int32 words (copied only when the rows are not
+    contiguous and 4-byte aligned)."""
+    if packed.shape[-1] % 4:
+        raise ValueError(f"MXFP4 weights of {2 * packed.shape[-1]} input channels: a multiple of 8 is needed")
+    if packed.stride(-1) != 1 or packed.storage_offset() % 4 or any(st % 4 for st in packed.stride()[:-1]):
+        packed = packed.contiguous()
+    return packed.view(torch.int32)
 
 
 def _block_m(pairs: int, num_experts: int) -> int:
@@ -705,6 +824,8 @@ def fused_moe(
     elif quant.method in ("w4a16", "mxfp4"):
         kind = 1 if quant.method == "w4a16" else 3
         scale_n, scale_k, s13, s2, up_row0 = 1, quant.group_size, quant.w13_scale, quant.w2_scale, inter
+        if kind == 3:  # the kernel reads eight codes per int32 word, as it reads INT4
+            w13, w2 = _as_words(w13), _as_words(w2)
     else:
         scale_n, scale_k = quant.block_shape
         kind, s13, s2, up_row0 = 2, quant.w13_scale, quant.w2_scale, triton.cdiv(inter, scale_n)

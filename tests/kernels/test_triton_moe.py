@@ -324,6 +324,31 @@ def test_int4_weights_are_the_references_dequantised_weights(device, dtype):
     assert (out.cpu().double() - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("hidden", [320, 352])
+def test_mxfp4_weights_are_the_references_dequantised_weights(device, dtype, hidden):
+    """Each MXFP4 weight enters the MMA as code * 2^(scale - 127) in the activations' type, as the reference
+    dequantises: every e2m1 code (both zeros and the subnormal 0.5 included) under scales from 2^-20 to 2^8, over
+    64-channel steps of two groups (320) or 128-channel steps with a partial last one (352), equals the float64
+    product with the reference's weights, up to float32 accumulation."""
+    rows = 64
+    gen = torch.Generator().manual_seed(3)
+    p = torch.randint(0, 256, (1, rows, hidden // 2), generator=gen, dtype=torch.uint8)
+    codes = torch.arange(16, dtype=torch.uint8).view(8, 2)
+    p[0, 0, :8] = codes[:, 0] | (codes[:, 1] << 4)  # row 0 starts with all 16 codes
+    s = torch.randint(107, 136, (1, rows, hidden // 32), generator=gen, dtype=torch.uint8)
+    x = torch.randn(1, hidden).to(dtype)
+    align = triton_moe.moe_align_block_size(torch.zeros(1, 1, dtype=torch.int32, device=device), 1, 16)
+    out = torch.empty(1, rows, dtype=torch.float32, device=device)
+    words = triton_moe._as_words(p.to(device))
+    triton_moe._launch_gemm(x.to(device), words, s.to(device), s.to(device), out, align, torch.ones(1, device=device),
+                            row_tiles=1, a_row_div=1, n_out=rows, k_in=hidden, up_row0=0, gated=False, apply_weight=False,
+                            has_bias=False, swiglu_limit=0.0, kind=3, scale_n=1, scale_k=32, block_m=16)
+    weights = fused_moe.dequantize_mxfp4(p, s)[0].to(dtype)
+    expected = x.double() @ weights.double().T
+    assert (out.cpu().double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
 @pytest.mark.parametrize("tokens,top_k,experts", [(1, 6, 64), (4, 2, 8), (16, 8, 384)])
 def test_align_one_launch_for_few_pairs(device, tokens, top_k, experts, monkeypatch):
     """A decode or verification step's few pairs are sorted in one launch that writes every slot itself (no filled

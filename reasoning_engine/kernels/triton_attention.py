@@ -617,16 +617,18 @@ def _decode_tiles(group: int, block_dv: int, v_from_k: bool) -> tuple[int, int, 
 
 
 def decode_traffic(seq_lens: list[int], num_heads: int, num_kv_heads: int, k_dims: tuple[int, int], v_dim: int,
-                   elem_bytes: int, v_from_k: bool, split_tokens: int = _SPLIT_TOKENS) -> dict[str, tuple[float, int]]:
+                   elem_bytes: int, v_from_k: bool, split_tokens: int = _SPLIT_TOKENS,
+                   row_bytes: int | None = None) -> dict[str, tuple[float, int]]:
     """(bytes requested as written, programs that do work) of each of a decode step's two kernels, for
     benchmarks/kernel_report.py's roofline table: a program reads its slice's cache rows (and value rows unless
     V_FROM_K) and its queries, and writes a partial output per head; the merge reads them back (the log-sum-exps once
-    per pass and block of channels) and writes the output. Programs past a sequence's last slice are not counted."""
+    per pass and block of channels) and writes the output. Programs past a sequence's last slice are not counted.
+    `row_bytes`: a token's cache bytes per KV head where they are not the channels in `elem_bytes` (an FP8 cache)."""
     group = num_heads // num_kv_heads
     block_g = _decode_tiles(group, pow2(v_dim, 16), v_from_k)[0]
     head_blocks = num_kv_heads * triton.cdiv(group, block_g)
     channel_blocks = triton.cdiv(v_dim, min(pow2(v_dim, 16), _MERGE_CHANNELS))
-    row = (sum(k_dims) + (0 if v_from_k else v_dim)) * elem_bytes
+    row = row_bytes or (sum(k_dims) + (0 if v_from_k else v_dim)) * elem_bytes
     partial = merge = 0.0
     programs = 0
     for seq_len in seq_lens:
@@ -639,13 +641,16 @@ def decode_traffic(seq_lens: list[int], num_heads: int, num_kv_heads: int, k_dim
 
 
 def latent_traffic(seq_lens: list[int], query_lens: list[int], num_heads: int, latent: int, rope: int,
-                   elem_bytes: int, max_splits: int = _DEFAULT_SMS, short_query: int = SHORT_QUERY) -> dict[str, tuple[float, int]]:
+                   elem_bytes: int, max_splits: int = _DEFAULT_SMS, short_query: int = SHORT_QUERY,
+                   row_bytes: int | None = None) -> dict[str, tuple[float, int]]:
     """(bytes requested as written, programs that do work) of the latent split kernel and its merge over the step's
     sequences of at most `short_query` query tokens, for benchmarks/kernel_report.py: each program reads its slice's
     latent rows once for all the (token, head) rows of its tile and every value channel, and its queries, and writes a
     partial output per row;
-    the merge reads them back (the log-sum-exps once per block of channels) and writes the outputs."""
-    row = (latent + rope) * elem_bytes
+    the merge reads them back (the log-sum-exps once per block of channels) and writes the outputs. `row_bytes`: a
+    token's cache bytes where they are not the channels in `elem_bytes` (an FP8 cache; queries stay `elem_bytes`)."""
+    query = (latent + rope) * elem_bytes
+    row = row_bytes or query
     min_split = latent_min_split(num_heads, latent, row)
     channel_blocks = triton.cdiv(latent, min(pow2(latent, 16), _MERGE_CHANNELS))
     partial = merge = 0.0
@@ -655,7 +660,7 @@ def latent_traffic(seq_lens: list[int], query_lens: list[int], num_heads: int, l
             continue
         splits = latent_split_plan(seq_len, min_split, max_splits)[1]
         tiles = triton.cdiv(q_len * pow2(num_heads), _LATENT_BLOCK_M)
-        partial += tiles * seq_len * row + splits * q_len * num_heads * (row + latent * 4 + 4)
+        partial += tiles * seq_len * row + splits * q_len * num_heads * (query + latent * 4 + 4)
         merge += q_len * num_heads * (splits * (latent * 4 + 4 * channel_blocks) + latent * elem_bytes)
         programs += tiles * splits
         rows += q_len * num_heads

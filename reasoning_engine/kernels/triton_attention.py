@@ -34,6 +34,8 @@ one program (`decodes_take_decode_kernel`).
 An FP8 cache (uint8 rows of e4m3 values, each row's bfloat16 scale after them, MLA's rotary key in bfloat16 after that:
 kernels/fp8_cache.py) is dequantised as each tile is loaded (`_load_rows`, `_load_tail`; FP8 constexpr), into the
 query's dtype, so the products run as with a bfloat16 cache; rows are written quantised by torch ops, then scattered.
+The latent split kernel instead converts the e4m3 values alone (exact in bfloat16) and, the scale being one per key,
+multiplies the scores' column and the probabilities' column by it ([rows, keys] products, not one per loaded value).
 """
 
 from __future__ import annotations
@@ -445,10 +447,20 @@ def _latent_partial_kernel(
             blk = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
             slot = pos % BLOCK_SIZE
         k_rows = kv_ptr + blk * stride_kb + slot * STRIDE_KS
-        k1 = _load_rows(k_rows, d1, ok, d1 < D1, D1, FP8, q_ptr.dtype.element_ty)
-        s = mma(q1, tl.trans(k1), PRECISION)
+        if FP8:
+            # the e4m3 latent converted as it is (exact in bfloat16), its row's scale applied to the scores and to
+            # the probabilities (a [rows, keys] product) instead of to every loaded value. Its rows unmasked: a key
+            # past the slice reads a row of cache block 0 (its table entry loads as 0), zeros or a written row's
+            # finite values (e4m3's NaN is never written), and its scale loads as 0
+            raw = tl.load(k_rows[:, None] + d1[None, :], mask=(d1 < D1)[None, :], other=0)
+            k1 = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(q1.dtype)
+            k_scale = tl.load((k_rows + D1).to(tl.pointer_type(tl.bfloat16)), mask=ok, other=0.0).to(tl.float32)
+            s = mma(q1, tl.trans(k1), PRECISION) * k_scale[None, :]
+        else:
+            k1 = _load_rows(k_rows, d1, ok, d1 < D1, D1, FP8, q_ptr.dtype.element_ty)
+            s = mma(q1, tl.trans(k1), PRECISION)
         if D2 > 0:
-            k2 = _load_tail(k_rows, d2, ok, d2 < D2, D1, FP8, q_ptr.dtype.element_ty)
+            k2 = _load_tail(k_rows, d2, ok | FP8, d2 < D2, D1, FP8, q_ptr.dtype.element_ty)  # FP8: rows unmasked too
             s += mma(q2, tl.trans(k2), PRECISION)
         if HAS_TREE:
             j = pos - (seq_len - q_len)  # index among the step's own tokens; negative for the cached context
@@ -459,7 +471,11 @@ def _latent_partial_kernel(
         else:
             allowed = ok[None, :]
         p, alpha, m_new, l_i = _online_softmax(tl.where(allowed, s * qk_scale, float("-inf")), m_i, l_i)
-        acc = acc * alpha[:, None] + mma(p.to(k1.dtype), k1, PRECISION)
+        if FP8:
+            p_v = p * k_scale[None, :]  # each key's weight on the values: its probability times its row's scale
+        else:
+            p_v = p
+        acc = acc * alpha[:, None] + mma(p_v.to(k1.dtype), k1, PRECISION)
         m_i = m_new
 
     seen = l_i > 0

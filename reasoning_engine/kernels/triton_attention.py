@@ -65,6 +65,10 @@ _LATENT_BLOCK_N = 32  # keys per latent tile
 _LATENT_SLICE_KEYS = 64  # latent slices are whole multiples of this many keys (two tiles)
 _LATENT_WARPS = 8  # two warpgroups, each with half of the value channels of a program's [64, 512] float32 accumulator
 _LATENT_STAGES = 2  # latent tiles in flight: [32, 576] bf16 (36 KB) each, beside the queries' 72 KB
+_LATENT_BLOCK_N_FP8 = 64  # keys per latent tile of an FP8 cache: its 642-byte rows are only 2-byte aligned, so a tile
+# is loaded through registers a few bytes at a time, and the loop's work per tile (the accumulator's rescaling, the
+# tensor-core handshakes) is paid over twice the keys (128 keys: spills)
+_LATENT_STAGES_FP8 = 1  # ... loaded in the iteration that uses them (no async copy to overlap at that alignment)
 MAX_TREE_QUERY = 31  # query tokens of a short sequence at most: its draft-tree rows are bit masks in an int32
 _DEFAULT_SMS = 132  # an H100's / H200's SM count: the latent slice cap where no GPU is visible (ahead-of-time reports)
 _DECODE_KERNEL_HEADS = 16  # MLA heads per rank up to which a step of decodes alone takes the decode kernel
@@ -448,12 +452,12 @@ def _latent_partial_kernel(
             slot = pos % BLOCK_SIZE
         k_rows = kv_ptr + blk * stride_kb + slot * STRIDE_KS
         if FP8:
-            # the e4m3 latent converted as it is (exact in bfloat16), its row's scale applied to the scores and to
-            # the probabilities (a [rows, keys] product) instead of to every loaded value. Its rows unmasked: a key
+            # the e4m3 latent converted as it is (exact in bfloat16, no float32 step), its row's scale applied to the
+            # scores and to the probabilities (a [rows, keys] product) instead of to every loaded value. Rows unmasked: a key
             # past the slice reads a row of cache block 0 (its table entry loads as 0), zeros or a written row's
             # finite values (e4m3's NaN is never written), and its scale loads as 0
             raw = tl.load(k_rows[:, None] + d1[None, :], mask=(d1 < D1)[None, :], other=0)
-            k1 = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(q1.dtype)
+            k1 = raw.to(tl.float8e4nv, bitcast=True).to(q1.dtype)
             k_scale = tl.load((k_rows + D1).to(tl.pointer_type(tl.bfloat16)), mask=ok, other=0.0).to(tl.float32)
             s = mma(q1, tl.trans(k1), PRECISION) * k_scale[None, :]
         else:
@@ -787,7 +791,8 @@ def _latent_short(q: torch.Tensor, kv_cache: torch.Tensor, latent_dim: int, batc
     num_heads = q.shape[1]
     rope = _rope_width(kv_cache, latent_dim)
     min_split = meta.split_tokens or latent_min_split(num_heads, latent_dim, kv_cache.shape[-1] * kv_cache.element_size())
-    block_n = min(_LATENT_BLOCK_N, pow2(min_split, 16))
+    fp8 = is_fp8_cache(kv_cache)
+    block_n = min(_LATENT_BLOCK_N_FP8 if fp8 else _LATENT_BLOCK_N, pow2(min_split, 16))
     min_split = triton.cdiv(min_split, block_n) * block_n  # slices of whole tiles
     splits = latent_launch_splits(meta.short_max_seq_len, min_split, meta.max_splits)
     heads = pow2(num_heads)
@@ -803,7 +808,7 @@ def _latent_short(q: torch.Tensor, kv_cache: torch.Tensor, latent_dim: int, batc
         num_heads, splits, min_split, meta.max_splits, meta.short_query,
         D1=dims["D1"], D2=dims["D2"], BLOCK_D1=dims["BLOCK_D1"], BLOCK_D2=dims["BLOCK_D2"], STRIDE_KS=kv_cache.stride(1),
         BLOCK_SIZE=meta.block_size, HEADS=heads, BLOCK_M=_LATENT_BLOCK_M, BLOCK_N=block_n, CAUSAL=causal, HAS_TREE=tree is not None,
-        PRECISION=dims["PRECISION"], FP8=dims["FP8"], num_warps=_LATENT_WARPS, num_stages=_LATENT_STAGES,
+        PRECISION=dims["PRECISION"], FP8=dims["FP8"], num_warps=_LATENT_WARPS, num_stages=_LATENT_STAGES_FP8 if fp8 else _LATENT_STAGES,
     )
     if splits == 1 and not meta.has_long:  # the short rows are all of the step's tokens, in order
         out.copy_(part_out.view(out.shape))

@@ -34,8 +34,9 @@ one program (`decodes_take_decode_kernel`).
 An FP8 cache (uint8 rows of e4m3 values, each row's bfloat16 scale after them, MLA's rotary key in bfloat16 after that:
 kernels/fp8_cache.py) is dequantised as each tile is loaded (`_load_rows`, `_load_tail`; FP8 constexpr), into the
 query's dtype, so the products run as with a bfloat16 cache; rows are written quantised by torch ops, then scattered.
-The latent split kernel instead converts the e4m3 values alone (exact in bfloat16) and, the scale being one per key,
-multiplies the scores' column and the probabilities' column by it ([rows, keys] products, not one per loaded value).
+The latent split kernel (and the decode kernel over MLA's latent) instead converts the e4m3 values alone (exact in
+bfloat16) and, the scale being one per key, multiplies the scores' column and the probabilities' column by it
+([rows, keys] products, not one per loaded value).
 """
 
 from __future__ import annotations
@@ -315,17 +316,26 @@ def _decode_partial_kernel(
         blk = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + pos // block_size, mask=ok, other=0).to(tl.int64)
         slot_in_block = (pos % block_size).to(tl.int64)
         k_rows = k_ptr + blk * stride_kb + slot_in_block * stride_ks + kv_head * stride_kh
-        k1 = _load_rows(k_rows, d1, ok, d1 < D1, D1, FP8, q_ptr.dtype.element_ty)
-        s = mma(q1, tl.trans(k1), PRECISION)
+        if FP8 and V_FROM_K:  # MLA's latent: its scale after the products, as in `_latent_partial_kernel`
+            raw = tl.load(k_rows[:, None] + d1[None, :], mask=(d1 < D1)[None, :], other=0)
+            k1 = raw.to(tl.float8e4nv, bitcast=True).to(q1.dtype)
+            k_scale = tl.load((k_rows + D1).to(tl.pointer_type(tl.bfloat16)), mask=ok, other=0.0).to(tl.float32)
+            s = mma(q1, tl.trans(k1), PRECISION) * k_scale[None, :]
+        else:
+            k1 = _load_rows(k_rows, d1, ok, d1 < D1, D1, FP8, q_ptr.dtype.element_ty)
+            s = mma(q1, tl.trans(k1), PRECISION)
         if D2 > 0:
-            k2 = _load_tail(k_rows, d2, ok, d2 < D2, D1, FP8, q_ptr.dtype.element_ty)
+            k2 = _load_tail(k_rows, d2, ok | (FP8 and V_FROM_K), d2 < D2, D1, FP8, q_ptr.dtype.element_ty)
             s += mma(q2, tl.trans(k2), PRECISION)
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if V_FROM_K:
+        if FP8 and V_FROM_K:
+            v = k1
+            p = p * k_scale[None, :]
+        elif V_FROM_K:
             v = k1
         else:
             v_rows = v_ptr + blk * stride_vb + slot_in_block * stride_vs + kv_head * stride_vh

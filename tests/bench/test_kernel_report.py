@@ -204,20 +204,26 @@ def test_fp8_cache_cases_and_their_byte_model(kernel_report: ModuleType) -> None
 
 
 @pytest.mark.slow
-def test_compiles_the_fp8_latent_kernel_with_its_byte_model() -> None:
-    """Kimi K2.5's batch-1 decode over an FP8 cache (64 heads a rank: the latent split kernel), compiled for sm_90
-    and sm_100: FP8 rows, the main loop found, and its bytes per iteration those of 64 FP8 rows (642 bytes each); the
-    e4m3 values converted alone, each row's scale applied to the scores and probabilities, in 64-key tiles, keep the
-    loop's issue-bound share at least 0.55 (sm_90) / 0.5 (sm_100) (32-key tiles with a scale per loaded value: 0.29 /
-    0.23); ptxas spills at most 16 bytes a thread (sm_90: 8, stored before the main loop and loaded after it)."""
-    records = _compiled_records("kimi-ep8 mla decode fp8 b1 ctx32k eager", "_latent_partial_kernel")
+@pytest.mark.parametrize("model, kernel, keys, mma, fraction", [
+    ("kimi-ep8", "_latent_partial_kernel", 64, {"sm_90": "wgmma", "sm_100": "tcgen05"}, {"sm_90": 0.55, "sm_100": 0.5}),
+    ("kimi-tp8", "_decode_partial_kernel", 32, {"sm_90": "mma.sync", "sm_100": "mma.sync"}, {"sm_90": 0.17, "sm_100": 0.13}),
+])
+def test_compiles_the_fp8_latent_kernel_with_its_byte_model(model: str, kernel: str, keys: int, mma: dict,
+                                                            fraction: dict) -> None:
+    """Kimi K2.5's batch-1 decode over an FP8 cache (64 heads a rank: the latent split kernel; 8 under TP 8: the
+    decode kernel), compiled for sm_90 and sm_100: FP8 rows, the main loop found, and its bytes per iteration those of
+    its tile's FP8 rows (642 bytes each). The e4m3 values converted alone, each row's scale applied to the scores and
+    probabilities (and, in the latent kernel, 64-key tiles) keep the loop's issue-bound share at least 0.55 (sm_90) /
+    0.5 (sm_100) in the latent kernel and 0.17 / 0.13 in the decode kernel (a scale per loaded value: 0.29 / 0.23 and
+    0.15 / 0.11); ptxas spills at most 16 bytes a thread (latent, sm_90: 8, stored before the main loop, loaded after)."""
+    records = _compiled_records(f"{model} mla decode fp8 b1 ctx32k eager", kernel)
     assert {r["target"] for r in records} == {"sm_90", "sm_100"} and len(records) == 2
     for record in records:
         assert "FP8=True" in record["config"] and record["main_loop"], record
-        assert record["loop_bytes_source"] == "tile shape" and record["loop_bytes"] == 64 * 642, record
-        assert record["mma"] == {"sm_90": "wgmma", "sm_100": "tcgen05"}[record["target"]], record
+        assert record["loop_bytes_source"] == "tile shape" and record["loop_bytes"] == keys * 642, record
+        assert record["mma"] == mma[record["target"]], record
         assert record["spill_bytes"] <= 16, record
-        assert record["issue_bound_fraction"] >= {"sm_90": 0.55, "sm_100": 0.5}[record["target"]], record
+        assert record["issue_bound_fraction"] >= fraction[record["target"]], record
 
 
 # A hand-written SASS loop: 6 instructions (the NOP is padding, not counted) from 0x0100 back to it, two 16-byte

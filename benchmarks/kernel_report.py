@@ -18,6 +18,8 @@ Shapes: decode batches 1, 8, 64 at contexts 1k, 32k and 128k, eager (launch size
 CUDA graph replays it (sized by max_model_len = 128k); prefill chunks of 2048 and 8192 tokens; speculative
 verification (8 sequences x 4 tokens, and a mixed step: 8 decodes, 2 draft trees and a 2k chunk; contexts 32k and 128k); Kimi under TP=8 (8 heads, experts' intermediate 256) and EP=8 with
 data-parallel attention (64 heads, 48 whole experts), and Moonlight-16B-A3B (16 heads, 64 experts, bf16 and INT4).
+Kimi's MLA decode and verification steps also over an FP8 latent cache (`--kv-cache-dtype fp8`; ops `mla decode fp8`,
+`mla verify fp8`), whose rows weigh 642 bytes: 512 e4m3 values, their bf16 scale, the 64-channel rotary key in bf16.
 K2.6's text model has K2.5's shapes. DeepSeek-V4-Flash (its published config, transformers' DeepseekV4Config
 defaults): each attention layer kind (sliding window 128, CSA 4:1 with top-512, HCA 128:1) through the compressed
 attention kernel on 64 heads (one GPU) and 8 (TP 8), and the DSA indexer kernel at its index shapes (64 x 128). `decode_path` marks kernels launched on every decode step (speculative
@@ -248,71 +250,98 @@ def _ragged_batch(context: int, queries: list[int], tree: bool, device: str) -> 
     return fb, num_blocks
 
 
-def _mla_decode_traffic(model: Model, batch: int, ctx: int) -> Traffic:
+def mla_row_bytes(model: Model, fp8: bool) -> int:
+    """Bytes of one token's latent cache row: bf16 [latent | rope], or FP8's e4m3 latent, its scale and the rotary
+    key in bf16 (kernels/fp8_cache.py)."""
+    from reasoning_engine.kernels.fp8_cache import row_bytes
+
+    return row_bytes(model.latent, model.rope) if fp8 else (model.latent + model.rope) * BF16
+
+
+def _mla_cache(model: Model, num_blocks: int, fp8: bool, device: str) -> Any:
+    """A latent cache of `num_blocks` blocks: bf16 rows, or FP8 rows as bytes (random bytes: only shapes matter here)."""
+    import torch
+
+    if fp8:
+        return torch.randint(0, 0x70, (num_blocks, BLOCK_SIZE, mla_row_bytes(model, True)), dtype=torch.uint8, device=device)
+    return torch.randn(num_blocks, BLOCK_SIZE, model.latent + model.rope, dtype=torch.bfloat16, device=device)
+
+
+def _mla_decode_traffic(model: Model, batch: int, ctx: int, fp8: bool = False) -> Traffic:
     """Minimum: every sequence's latent cache rows once, the absorbed queries in, the latent outputs out. Modelled:
     the kernels' own `decode_traffic` (few heads: the decode kernel, `decodes_take_decode_kernel`) or
-    `latent_traffic` (cache tiles per program, partial results written and merged)."""
+    `latent_traffic` (cache tiles per program, partial results written and merged). `fp8`: cache rows of
+    `mla_row_bytes` (queries and outputs stay bf16)."""
     from reasoning_engine.kernels import triton_attention as ta
 
-    row = (model.latent + model.rope) * BF16
-    minimum = batch * ctx * row + batch * model.heads * (row + model.latent * BF16)
+    row = mla_row_bytes(model, fp8)
+    query = (model.latent + model.rope) * BF16
+    minimum = batch * ctx * row + batch * model.heads * (query + model.latent * BF16)
     if ta.decodes_take_decode_kernel(model.heads):
         return Traffic(minimum, ta.decode_traffic([ctx] * batch, model.heads, 1, (model.latent, model.rope), model.latent,
-                                                  BF16, v_from_k=True))
-    return Traffic(minimum, ta.latent_traffic([ctx] * batch, [1] * batch, model.heads, model.latent, model.rope, BF16))
+                                                  BF16, v_from_k=True, row_bytes=row))
+    return Traffic(minimum, ta.latent_traffic([ctx] * batch, [1] * batch, model.heads, model.latent, model.rope, BF16,
+                                              row_bytes=row))
 
 
-def attention_decode_case(model: Model, batch: int, ctx: int, graph: bool) -> Case:
+def _fp8_op(op: str, fp8: bool) -> str:
+    return f"{op} fp8" if fp8 else op
+
+
+def attention_decode_case(model: Model, batch: int, ctx: int, graph: bool, fp8: bool = False) -> Case:
+    """MLA decode over a bf16 cache, or (`fp8`, op `mla decode fp8`) over an FP8 one (`--kv-cache-dtype fp8`)."""
     def build(device: str) -> tuple[Callable[[], Any], Callable[[list[Launch]], Traffic]]:
         import torch
 
         from reasoning_engine.kernels import triton_attention as ta
 
         fb, num_blocks = _decode_batch(batch, ctx, graph, device)
-        width = model.latent + model.rope
-        kv = torch.randn(num_blocks, BLOCK_SIZE, width, dtype=torch.bfloat16, device=device)
-        q = torch.randn(batch, model.heads, width, dtype=torch.bfloat16, device=device)
+        kv = _mla_cache(model, num_blocks, fp8, device)
+        q = torch.randn(batch, model.heads, model.latent + model.rope, dtype=torch.bfloat16, device=device)
         meta = ta.prepare_attention(fb, BLOCK_SIZE)
         scale = 192**-0.5
-        return (lambda: ta.paged_latent_attention(q, kv, model.latent, fb, meta, scale)), lambda _: _mla_decode_traffic(model, batch, ctx)
+        return ((lambda: ta.paged_latent_attention(q, kv, model.latent, fb, meta, scale)),
+                lambda _: _mla_decode_traffic(model, batch, ctx, fp8))
 
-    return Case(model.name, "mla decode", f"b{batch} ctx{_k(ctx)} {'graph' if graph else 'eager'}", True, build)
+    return Case(model.name, _fp8_op("mla decode", fp8), f"b{batch} ctx{_k(ctx)} {'graph' if graph else 'eager'}", True, build)
 
 
-def _mla_ragged_traffic(model: Model, context: int, queries: list[int], launches: list[Launch]) -> Traffic:
+def _mla_ragged_traffic(model: Model, context: int, queries: list[int], launches: list[Launch], fp8: bool = False) -> Traffic:
     """Minimum as for decode; modelled: sequences of at most SHORT_QUERY query tokens as the latent split kernel
     reads them (`latent_traffic`), and every program of the varlen kernel (one block of BLOCK_M queries of one long
     sequence and one head) reading its sequence's whole cache up to its last query."""
     from reasoning_engine.kernels import triton_attention as ta
 
-    row = (model.latent + model.rope) * BF16
+    row = mla_row_bytes(model, fp8)
+    query = (model.latent + model.rope) * BF16
     tokens = sum(queries)
-    minimum = sum(context + q for q in queries) * row + tokens * model.heads * (row + model.latent * BF16)
-    kernels = ta.latent_traffic([context + q for q in queries], queries, model.heads, model.latent, model.rope, BF16)
+    minimum = sum(context + q for q in queries) * row + tokens * model.heads * (query + model.latent * BF16)
+    kernels = ta.latent_traffic([context + q for q in queries], queries, model.heads, model.latent, model.rope, BF16,
+                                row_bytes=row)
     long = [q for q in queries if q > ta.SHORT_QUERY]
     prefill = [launch for launch in launches if launch.kernel == "_prefill_kernel"]
     if prefill:
         block_m = prefill[-1].kwargs["BLOCK_M"]
-        reads = sum(-(-q // block_m) * model.heads * ((context + q) * row + q * (row + model.latent * BF16)) for q in long)
+        reads = sum(-(-q // block_m) * model.heads * ((context + q) * row + q * (query + model.latent * BF16)) for q in long)
         kernels["_prefill_kernel"] = (reads, sum(-(-q // block_m) for q in long) * model.heads)
     return Traffic(minimum, {k: v for k, v in kernels.items() if v[1]})
 
 
-def attention_ragged_case(model: Model, context: int, queries: list[int], tree: bool, decode_path: bool, name: str) -> Case:
+def attention_ragged_case(model: Model, context: int, queries: list[int], tree: bool, decode_path: bool, name: str,
+                          fp8: bool = False) -> Case:
     def build(device: str) -> tuple[Callable[[], Any], Callable[[list[Launch]], Traffic] | None]:
         import torch
 
         from reasoning_engine.kernels import triton_attention as ta
 
         fb, num_blocks = _ragged_batch(context, queries, tree, device)
-        width = model.latent + model.rope
-        kv = torch.randn(num_blocks, BLOCK_SIZE, width, dtype=torch.bfloat16, device=device)
-        q = torch.randn(fb.num_tokens, model.heads, width, dtype=torch.bfloat16, device=device)
+        kv = _mla_cache(model, num_blocks, fp8, device)
+        q = torch.randn(fb.num_tokens, model.heads, model.latent + model.rope, dtype=torch.bfloat16, device=device)
         meta = ta.prepare_attention(fb, BLOCK_SIZE)
         run = lambda: ta.paged_latent_attention(q, kv, model.latent, fb, meta, 192**-0.5)  # noqa: E731
-        return run, (lambda launches: _mla_ragged_traffic(model, context, queries, launches)) if decode_path else None
+        return run, (lambda launches: _mla_ragged_traffic(model, context, queries, launches, fp8)) if decode_path else None
 
-    return Case(model.name, "mla prefill" if not decode_path else "mla verify", name, decode_path, build)
+    return Case(model.name, _fp8_op("mla prefill" if not decode_path else "mla verify", fp8), name, decode_path, build)
 
 
 def cache_write_case(model: Model, tokens: int, decode_path: bool) -> Case:
@@ -786,6 +815,13 @@ def all_cases() -> list[Case]:
                                                f"mixed 8 decodes + 2 x 4-token trees + chunk2k ctx{_k(ctx)}"))
         cases += [cache_write_case(model, b, True) for b in DECODE_BATCHES]
         cases.append(cache_write_case(model, 8192, False))
+    for model in (KIMI_TP8, KIMI_EP8):  # `--kv-cache-dtype fp8`: the same decode and verify steps over FP8 latent rows
+        for graph in (False, True):
+            cases += [attention_decode_case(model, b, ctx, graph, fp8=True) for b in DECODE_BATCHES for ctx in CONTEXTS]
+        for ctx in (32768, 131072):
+            cases.append(attention_ragged_case(model, ctx, [4] * 8, True, True, f"b8 x 4 tokens ctx{_k(ctx)} tree", fp8=True))
+            cases.append(attention_ragged_case(model, ctx, [1] * 8 + [4] * 2 + [2048], True, True,
+                                               f"mixed 8 decodes + 2 x 4-token trees + chunk2k ctx{_k(ctx)}", fp8=True))
     for model in MOE_MODELS:
         cases += [moe_case(model, b, True) for b in DECODE_BATCHES]
         cases += [moe_case(model, n, False) for n in PREFILL_CHUNKS]
@@ -1074,11 +1110,14 @@ def streamed_tile_bytes(kernel: str, kwargs: dict[str, Any]) -> float | None:
         weight, scale = {0: (2.0, 0), 1: (0.5, 2), 2: (1.0, 4), 3: (0.5, 1)}.get(get("QUANT"), (2.0, 0))
         scales = rows / get("SCALE_N", 1) * step / get("SCALE_K", 1) * scale if scale else 0.0
         return rows * step * weight + scales
-    if kernel in ("_decode_partial_kernel", "_prefill_kernel") and {"BLOCK_N", "D1"} <= set(kwargs):
-        width = get("D1") + get("D2", 0) + (0 if get("V_FROM_K", True) else get("DV", 0))
-        return get("BLOCK_N") * width * BF16
-    if kernel == "_latent_partial_kernel" and {"BLOCK_N", "D1"} <= set(kwargs):
-        return get("BLOCK_N") * (get("D1") + get("D2", 0)) * BF16  # the latent rows, keys and values in one tile
+    if kernel in ("_decode_partial_kernel", "_prefill_kernel", "_latent_partial_kernel") and {"BLOCK_N", "D1"} <= set(kwargs):
+        from reasoning_engine.kernels.fp8_cache import SCALE_BYTES
+
+        v_from_k = get("V_FROM_K", True)  # the latent kernel's values are its key rows' latent part
+        if get("FP8"):  # e4m3 channels with a bf16 scale per row, the tail (MLA's rotary key) in bf16
+            key = get("D1") + SCALE_BYTES + get("D2", 0) * BF16
+            return get("BLOCK_N") * (key + (0 if v_from_k else get("DV", 0) + SCALE_BYTES))
+        return get("BLOCK_N") * (get("D1") + get("D2", 0) + (0 if v_from_k else get("DV", 0))) * BF16
     if kernel == "_compressed_attention_kernel" and {"BLOCK_N", "D"} <= set(kwargs):
         return get("BLOCK_N") * get("D") * BF16  # the gathered K = V rows (values are the keys' tile)
     return None

@@ -34,6 +34,9 @@ one program (`decodes_take_decode_kernel`).
 An FP8 cache (uint8 rows of e4m3 values, each row's bfloat16 scale after them, MLA's rotary key in bfloat16 after that:
 kernels/fp8_cache.py) is dequantised as each tile is loaded (`_load_rows`, `_load_tail`; FP8 constexpr), into the
 query's dtype, so the products run as with a bfloat16 cache; rows are written quantised by torch ops, then scattered.
+The latent split kernel (and the decode kernel over MLA's latent) instead converts the e4m3 values alone (exact in
+bfloat16) and, the scale being one per key, multiplies the scores' column and the probabilities' column by it
+([rows, keys] products, not one per loaded value).
 """
 
 from __future__ import annotations
@@ -63,6 +66,10 @@ _LATENT_BLOCK_N = 32  # keys per latent tile
 _LATENT_SLICE_KEYS = 64  # latent slices are whole multiples of this many keys (two tiles)
 _LATENT_WARPS = 8  # two warpgroups, each with half of the value channels of a program's [64, 512] float32 accumulator
 _LATENT_STAGES = 2  # latent tiles in flight: [32, 576] bf16 (36 KB) each, beside the queries' 72 KB
+_LATENT_BLOCK_N_FP8 = 64  # keys per latent tile of an FP8 cache: its 642-byte rows are only 2-byte aligned, so a tile
+# is loaded through registers a few bytes at a time, and the loop's work per tile (the accumulator's rescaling, the
+# tensor-core handshakes) is paid over twice the keys (128 keys: spills)
+_LATENT_STAGES_FP8 = 1  # ... loaded in the iteration that uses them (no async copy to overlap at that alignment)
 MAX_TREE_QUERY = 31  # query tokens of a short sequence at most: its draft-tree rows are bit masks in an int32
 _DEFAULT_SMS = 132  # an H100's / H200's SM count: the latent slice cap where no GPU is visible (ahead-of-time reports)
 _DECODE_KERNEL_HEADS = 16  # MLA heads per rank up to which a step of decodes alone takes the decode kernel
@@ -309,17 +316,26 @@ def _decode_partial_kernel(
         blk = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + pos // block_size, mask=ok, other=0).to(tl.int64)
         slot_in_block = (pos % block_size).to(tl.int64)
         k_rows = k_ptr + blk * stride_kb + slot_in_block * stride_ks + kv_head * stride_kh
-        k1 = _load_rows(k_rows, d1, ok, d1 < D1, D1, FP8, q_ptr.dtype.element_ty)
-        s = mma(q1, tl.trans(k1), PRECISION)
+        if FP8 and V_FROM_K:  # MLA's latent: its scale after the products, as in `_latent_partial_kernel`
+            raw = tl.load(k_rows[:, None] + d1[None, :], mask=(d1 < D1)[None, :], other=0)
+            k1 = raw.to(tl.float8e4nv, bitcast=True).to(q1.dtype)
+            k_scale = tl.load((k_rows + D1).to(tl.pointer_type(tl.bfloat16)), mask=ok, other=0.0).to(tl.float32)
+            s = mma(q1, tl.trans(k1), PRECISION) * k_scale[None, :]
+        else:
+            k1 = _load_rows(k_rows, d1, ok, d1 < D1, D1, FP8, q_ptr.dtype.element_ty)
+            s = mma(q1, tl.trans(k1), PRECISION)
         if D2 > 0:
-            k2 = _load_tail(k_rows, d2, ok, d2 < D2, D1, FP8, q_ptr.dtype.element_ty)
+            k2 = _load_tail(k_rows, d2, ok | (FP8 and V_FROM_K), d2 < D2, D1, FP8, q_ptr.dtype.element_ty)
             s += mma(q2, tl.trans(k2), PRECISION)
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if V_FROM_K:
+        if FP8 and V_FROM_K:
+            v = k1
+            p = p * k_scale[None, :]
+        elif V_FROM_K:
             v = k1
         else:
             v_rows = v_ptr + blk * stride_vb + slot_in_block * stride_vs + kv_head * stride_vh
@@ -445,10 +461,20 @@ def _latent_partial_kernel(
             blk = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
             slot = pos % BLOCK_SIZE
         k_rows = kv_ptr + blk * stride_kb + slot * STRIDE_KS
-        k1 = _load_rows(k_rows, d1, ok, d1 < D1, D1, FP8, q_ptr.dtype.element_ty)
-        s = mma(q1, tl.trans(k1), PRECISION)
+        if FP8:
+            # the e4m3 latent converted as it is (exact in bfloat16, no float32 step), its row's scale applied to the
+            # scores and to the probabilities (a [rows, keys] product) instead of to every loaded value. Rows unmasked: a key
+            # past the slice reads a row of cache block 0 (its table entry loads as 0), zeros or a written row's
+            # finite values (e4m3's NaN is never written), and its scale loads as 0
+            raw = tl.load(k_rows[:, None] + d1[None, :], mask=(d1 < D1)[None, :], other=0)
+            k1 = raw.to(tl.float8e4nv, bitcast=True).to(q1.dtype)
+            k_scale = tl.load((k_rows + D1).to(tl.pointer_type(tl.bfloat16)), mask=ok, other=0.0).to(tl.float32)
+            s = mma(q1, tl.trans(k1), PRECISION) * k_scale[None, :]
+        else:
+            k1 = _load_rows(k_rows, d1, ok, d1 < D1, D1, FP8, q_ptr.dtype.element_ty)
+            s = mma(q1, tl.trans(k1), PRECISION)
         if D2 > 0:
-            k2 = _load_tail(k_rows, d2, ok, d2 < D2, D1, FP8, q_ptr.dtype.element_ty)
+            k2 = _load_tail(k_rows, d2, ok | FP8, d2 < D2, D1, FP8, q_ptr.dtype.element_ty)  # FP8: rows unmasked too
             s += mma(q2, tl.trans(k2), PRECISION)
         if HAS_TREE:
             j = pos - (seq_len - q_len)  # index among the step's own tokens; negative for the cached context
@@ -459,7 +485,11 @@ def _latent_partial_kernel(
         else:
             allowed = ok[None, :]
         p, alpha, m_new, l_i = _online_softmax(tl.where(allowed, s * qk_scale, float("-inf")), m_i, l_i)
-        acc = acc * alpha[:, None] + mma(p.to(k1.dtype), k1, PRECISION)
+        if FP8:
+            p_v = p * k_scale[None, :]  # each key's weight on the values: its probability times its row's scale
+        else:
+            p_v = p
+        acc = acc * alpha[:, None] + mma(p_v.to(k1.dtype), k1, PRECISION)
         m_i = m_new
 
     seen = l_i > 0
@@ -617,16 +647,18 @@ def _decode_tiles(group: int, block_dv: int, v_from_k: bool) -> tuple[int, int, 
 
 
 def decode_traffic(seq_lens: list[int], num_heads: int, num_kv_heads: int, k_dims: tuple[int, int], v_dim: int,
-                   elem_bytes: int, v_from_k: bool, split_tokens: int = _SPLIT_TOKENS) -> dict[str, tuple[float, int]]:
+                   elem_bytes: int, v_from_k: bool, split_tokens: int = _SPLIT_TOKENS,
+                   row_bytes: int | None = None) -> dict[str, tuple[float, int]]:
     """(bytes requested as written, programs that do work) of each of a decode step's two kernels, for
     benchmarks/kernel_report.py's roofline table: a program reads its slice's cache rows (and value rows unless
     V_FROM_K) and its queries, and writes a partial output per head; the merge reads them back (the log-sum-exps once
-    per pass and block of channels) and writes the output. Programs past a sequence's last slice are not counted."""
+    per pass and block of channels) and writes the output. Programs past a sequence's last slice are not counted.
+    `row_bytes`: a token's cache bytes per KV head where they are not the channels in `elem_bytes` (an FP8 cache)."""
     group = num_heads // num_kv_heads
     block_g = _decode_tiles(group, pow2(v_dim, 16), v_from_k)[0]
     head_blocks = num_kv_heads * triton.cdiv(group, block_g)
     channel_blocks = triton.cdiv(v_dim, min(pow2(v_dim, 16), _MERGE_CHANNELS))
-    row = (sum(k_dims) + (0 if v_from_k else v_dim)) * elem_bytes
+    row = row_bytes or (sum(k_dims) + (0 if v_from_k else v_dim)) * elem_bytes
     partial = merge = 0.0
     programs = 0
     for seq_len in seq_lens:
@@ -639,13 +671,16 @@ def decode_traffic(seq_lens: list[int], num_heads: int, num_kv_heads: int, k_dim
 
 
 def latent_traffic(seq_lens: list[int], query_lens: list[int], num_heads: int, latent: int, rope: int,
-                   elem_bytes: int, max_splits: int = _DEFAULT_SMS, short_query: int = SHORT_QUERY) -> dict[str, tuple[float, int]]:
+                   elem_bytes: int, max_splits: int = _DEFAULT_SMS, short_query: int = SHORT_QUERY,
+                   row_bytes: int | None = None) -> dict[str, tuple[float, int]]:
     """(bytes requested as written, programs that do work) of the latent split kernel and its merge over the step's
     sequences of at most `short_query` query tokens, for benchmarks/kernel_report.py: each program reads its slice's
     latent rows once for all the (token, head) rows of its tile and every value channel, and its queries, and writes a
     partial output per row;
-    the merge reads them back (the log-sum-exps once per block of channels) and writes the outputs."""
-    row = (latent + rope) * elem_bytes
+    the merge reads them back (the log-sum-exps once per block of channels) and writes the outputs. `row_bytes`: a
+    token's cache bytes where they are not the channels in `elem_bytes` (an FP8 cache; queries stay `elem_bytes`)."""
+    query = (latent + rope) * elem_bytes
+    row = row_bytes or query
     min_split = latent_min_split(num_heads, latent, row)
     channel_blocks = triton.cdiv(latent, min(pow2(latent, 16), _MERGE_CHANNELS))
     partial = merge = 0.0
@@ -655,7 +690,7 @@ def latent_traffic(seq_lens: list[int], query_lens: list[int], num_heads: int, l
             continue
         splits = latent_split_plan(seq_len, min_split, max_splits)[1]
         tiles = triton.cdiv(q_len * pow2(num_heads), _LATENT_BLOCK_M)
-        partial += tiles * seq_len * row + splits * q_len * num_heads * (row + latent * 4 + 4)
+        partial += tiles * seq_len * row + splits * q_len * num_heads * (query + latent * 4 + 4)
         merge += q_len * num_heads * (splits * (latent * 4 + 4 * channel_blocks) + latent * elem_bytes)
         programs += tiles * splits
         rows += q_len * num_heads
@@ -766,7 +801,8 @@ def _latent_short(q: torch.Tensor, kv_cache: torch.Tensor, latent_dim: int, batc
     num_heads = q.shape[1]
     rope = _rope_width(kv_cache, latent_dim)
     min_split = meta.split_tokens or latent_min_split(num_heads, latent_dim, kv_cache.shape[-1] * kv_cache.element_size())
-    block_n = min(_LATENT_BLOCK_N, pow2(min_split, 16))
+    fp8 = is_fp8_cache(kv_cache)
+    block_n = min(_LATENT_BLOCK_N_FP8 if fp8 else _LATENT_BLOCK_N, pow2(min_split, 16))
     min_split = triton.cdiv(min_split, block_n) * block_n  # slices of whole tiles
     splits = latent_launch_splits(meta.short_max_seq_len, min_split, meta.max_splits)
     heads = pow2(num_heads)
@@ -782,7 +818,7 @@ def _latent_short(q: torch.Tensor, kv_cache: torch.Tensor, latent_dim: int, batc
         num_heads, splits, min_split, meta.max_splits, meta.short_query,
         D1=dims["D1"], D2=dims["D2"], BLOCK_D1=dims["BLOCK_D1"], BLOCK_D2=dims["BLOCK_D2"], STRIDE_KS=kv_cache.stride(1),
         BLOCK_SIZE=meta.block_size, HEADS=heads, BLOCK_M=_LATENT_BLOCK_M, BLOCK_N=block_n, CAUSAL=causal, HAS_TREE=tree is not None,
-        PRECISION=dims["PRECISION"], FP8=dims["FP8"], num_warps=_LATENT_WARPS, num_stages=_LATENT_STAGES,
+        PRECISION=dims["PRECISION"], FP8=dims["FP8"], num_warps=_LATENT_WARPS, num_stages=_LATENT_STAGES_FP8 if fp8 else _LATENT_STAGES,
     )
     if splits == 1 and not meta.has_long:  # the short rows are all of the step's tokens, in order
         out.copy_(part_out.view(out.shape))

@@ -174,6 +174,58 @@ def test_every_case_names_a_model_op_and_shape(kernel_report: ModuleType) -> Non
     assert {c.model for c in cases} >= {"kimi-tp8", "kimi-ep8", "moonlight", "moonlight-int4"}
 
 
+def test_fp8_cache_cases_and_their_byte_model(kernel_report: ModuleType) -> None:
+    """`--kv-cache-dtype fp8`: Kimi K2.5's MLA decode and verify steps over FP8 latent rows are cases of their own
+    (`mla decode fp8`, `mla verify fp8`, so `--only` selects them), whose cache rows weigh the e4m3 latent, its bf16
+    scale and the bf16 rotary key; on a small shape (64 heads, latent 32 + rope 8, one sequence of 64 tokens: one
+    slice, one row block) the latent kernel's bytes and its merge's are counted by hand."""
+    kr = kernel_report
+    cases = kr.all_cases()
+    fp8 = [c for c in cases if c.op in ("mla decode fp8", "mla verify fp8")]
+    assert {c.model for c in fp8} == {"kimi-tp8", "kimi-ep8"} and all(c.decode_path for c in fp8)
+    assert len([c for c in fp8 if c.op == "mla decode fp8"]) == 2 * 3 * 3 * 2  # models x batches x contexts x graph
+    assert "kimi-ep8 mla verify fp8 b8 x 4 tokens ctx32k tree" in {c.label for c in fp8}
+    assert kr.mla_row_bytes(kr.KIMI_EP8, True) == 512 + 2 + 64 * 2 and kr.mla_row_bytes(kr.KIMI_EP8, False) == 576 * 2
+
+    small = kr.Model("small", heads=64, hidden=64, experts=1, global_experts=1, top_k=1, inter=16, quant=None,
+                     q_lora=None, latent=32, rope=8)
+    row, query = 32 + 2 + 8 * 2, (32 + 8) * 2
+    traffic = kr._mla_decode_traffic(small, 1, 64, fp8=True)
+    assert traffic.minimum == 64 * row + 64 * (query + 32 * 2)
+    # 64 keys of the one slice once for all 64 rows; each row's query in, its float32 partial and log-sum-exp out
+    assert traffic.kernels["_latent_partial_kernel"] == (64 * row + 64 * (query + 32 * 4 + 4), 1)
+    # the merge reads each row's slice and log-sum-exp (one block of 32 channels) and writes its bf16 output
+    assert traffic.kernels["_latent_reduce_kernel"] == (64 * (32 * 4 + 4 + 32 * 2), 64)
+    # a main-loop iteration streams BLOCK_N FP8 rows
+    tile = {"BLOCK_N": 32, "D1": 512, "D2": 64, "FP8": True}
+    assert kr.streamed_tile_bytes("_latent_partial_kernel", tile) == 32 * (512 + 2 + 128)
+    assert kr.streamed_tile_bytes("_decode_partial_kernel", dict(tile, V_FROM_K=True)) == 32 * (512 + 2 + 128)
+    assert kr.streamed_tile_bytes("_latent_partial_kernel", dict(tile, FP8=False)) == 32 * 576 * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, kernel, keys, mma, fraction", [
+    ("kimi-ep8", "_latent_partial_kernel", 64, {"sm_90": "wgmma", "sm_100": "tcgen05"}, {"sm_90": 0.55, "sm_100": 0.5}),
+    ("kimi-tp8", "_decode_partial_kernel", 32, {"sm_90": "mma.sync", "sm_100": "mma.sync"}, {"sm_90": 0.17, "sm_100": 0.13}),
+])
+def test_compiles_the_fp8_latent_kernel_with_its_byte_model(model: str, kernel: str, keys: int, mma: dict,
+                                                            fraction: dict) -> None:
+    """Kimi K2.5's batch-1 decode over an FP8 cache (64 heads a rank: the latent split kernel; 8 under TP 8: the
+    decode kernel), compiled for sm_90 and sm_100: FP8 rows, the main loop found, and its bytes per iteration those of
+    its tile's FP8 rows (642 bytes each). The e4m3 values converted alone, each row's scale applied to the scores and
+    probabilities (and, in the latent kernel, 64-key tiles) keep the loop's issue-bound share at least 0.55 (sm_90) /
+    0.5 (sm_100) in the latent kernel and 0.17 / 0.13 in the decode kernel (a scale per loaded value: 0.29 / 0.23 and
+    0.15 / 0.11); ptxas spills at most 16 bytes a thread (latent, sm_90: 8, stored before the main loop, loaded after)."""
+    records = _compiled_records(f"{model} mla decode fp8 b1 ctx32k eager", kernel)
+    assert {r["target"] for r in records} == {"sm_90", "sm_100"} and len(records) == 2
+    for record in records:
+        assert "FP8=True" in record["config"] and record["main_loop"], record
+        assert record["loop_bytes_source"] == "tile shape" and record["loop_bytes"] == keys * 642, record
+        assert record["mma"] == mma[record["target"]], record
+        assert record["spill_bytes"] <= 16, record
+        assert record["issue_bound_fraction"] >= fraction[record["target"]], record
+
+
 # A hand-written SASS loop: 6 instructions (the NOP is padding, not counted) from 0x0100 back to it, two 16-byte
 # loads a thread per iteration (2 x 16 x 32 = 1024 B a warp) and one mma.sync; an outer loop around it; the trailing
 # self-branch every kernel ends with is no loop.

@@ -259,6 +259,19 @@ def _load_tail(rows, cols, ok, cols_ok, WIDTH: tl.constexpr, FP8: tl.constexpr, 
 
 
 @triton.jit
+def _fp8_latent_scores(rows, cols, ok, q, WIDTH: tl.constexpr, PRECISION: tl.constexpr):
+    """MLA's FP8 latent rows as the products' operand and the scores of `q` against them: the e4m3 values converted
+    as they are (exact in the queries' 16-bit type, no float32 step), each row's scale applied to its score column
+    (and by the caller to its probabilities) instead of to every loaded value. Rows are loaded unmasked: a key past
+    the slice reads a row of cache block 0 (its table entry loads as 0), zeros or a written row's finite values
+    (e4m3's NaN is never written), and its scale loads as 0. Returns (tile, scales, scores)."""
+    raw = tl.load(rows[:, None] + cols[None, :], mask=(cols < WIDTH)[None, :], other=0)
+    tile = raw.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+    scale = tl.load((rows + WIDTH).to(tl.pointer_type(tl.bfloat16)), mask=ok, other=0.0).to(tl.float32)
+    return tile, scale, mma(q, tl.trans(tile), PRECISION) * scale[None, :]
+
+
+@triton.jit
 def _split_plan(seq_len, split_tokens, MAX_SPLITS: tl.constexpr):
     """(tokens per slice, slices) of a sequence, as `split_plan`."""
     per_split = split_tokens * tl.cdiv(tl.cdiv(seq_len, split_tokens), MAX_SPLITS)
@@ -316,11 +329,8 @@ def _decode_partial_kernel(
         blk = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + pos // block_size, mask=ok, other=0).to(tl.int64)
         slot_in_block = (pos % block_size).to(tl.int64)
         k_rows = k_ptr + blk * stride_kb + slot_in_block * stride_ks + kv_head * stride_kh
-        if FP8 and V_FROM_K:  # MLA's latent: its scale after the products, as in `_latent_partial_kernel`
-            raw = tl.load(k_rows[:, None] + d1[None, :], mask=(d1 < D1)[None, :], other=0)
-            k1 = raw.to(tl.float8e4nv, bitcast=True).to(q1.dtype)
-            k_scale = tl.load((k_rows + D1).to(tl.pointer_type(tl.bfloat16)), mask=ok, other=0.0).to(tl.float32)
-            s = mma(q1, tl.trans(k1), PRECISION) * k_scale[None, :]
+        if FP8 and V_FROM_K:  # MLA's latent: its scale after the products
+            k1, k_scale, s = _fp8_latent_scores(k_rows, d1, ok, q1, D1, PRECISION)
         else:
             k1 = _load_rows(k_rows, d1, ok, d1 < D1, D1, FP8, q_ptr.dtype.element_ty)
             s = mma(q1, tl.trans(k1), PRECISION)
@@ -462,14 +472,7 @@ def _latent_partial_kernel(
             slot = pos % BLOCK_SIZE
         k_rows = kv_ptr + blk * stride_kb + slot * STRIDE_KS
         if FP8:
-            # the e4m3 latent converted as it is (exact in bfloat16, no float32 step), its row's scale applied to the
-            # scores and to the probabilities (a [rows, keys] product) instead of to every loaded value. Rows unmasked: a key
-            # past the slice reads a row of cache block 0 (its table entry loads as 0), zeros or a written row's
-            # finite values (e4m3's NaN is never written), and its scale loads as 0
-            raw = tl.load(k_rows[:, None] + d1[None, :], mask=(d1 < D1)[None, :], other=0)
-            k1 = raw.to(tl.float8e4nv, bitcast=True).to(q1.dtype)
-            k_scale = tl.load((k_rows + D1).to(tl.pointer_type(tl.bfloat16)), mask=ok, other=0.0).to(tl.float32)
-            s = mma(q1, tl.trans(k1), PRECISION) * k_scale[None, :]
+            k1, k_scale, s = _fp8_latent_scores(k_rows, d1, ok, q1, D1, PRECISION)
         else:
             k1 = _load_rows(k_rows, d1, ok, d1 < D1, D1, FP8, q_ptr.dtype.element_ty)
             s = mma(q1, tl.trans(k1), PRECISION)
